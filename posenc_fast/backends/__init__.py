@@ -1,0 +1,46 @@
+"""Backends: each module computes the same op (``reference`` defines it) and exposes
+
+    SUPPORTED_DTYPES: tuple of weight dtypes it handles
+    available(device) -> Optional[str]: None if usable on that device, else why not
+    forward(ids, weight, turns, positions, offsets, offset, seq_len, params) -> Tensor[N, width]
+    backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype)
+        -> Tensor[V, token_width]   (padding_idx: -1 for none)
+
+``params`` is a :class:`KernelParams`.  Backend choice lives in ``posenc_fast._dispatch``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+# Tests set this so that any element a kernel fails to write shows up as NaN.
+POISON_OUTPUTS = False
+
+
+def new_buffer(shape, dtype, device) -> torch.Tensor:
+    """Uninitialised buffer for a kernel to fill (NaN-poisoned under test)."""
+    out = torch.empty(shape, dtype=dtype, device=device)
+    if POISON_OUTPUTS:
+        out.fill_(float("nan"))
+    return out
+
+
+class KernelParams(NamedTuple):
+    """The plain numbers a kernel needs, derived from a PESpec."""
+
+    concat: bool
+    token_width: int
+    pe_width: int
+    split: bool
+    embed_scale: float
+    pe_scale: float
+
+    @property
+    def width(self) -> int:
+        return self.token_width + self.pe_width if self.concat else self.token_width
+
+    @property
+    def num_pairs(self) -> int:
+        return self.pe_width // 2

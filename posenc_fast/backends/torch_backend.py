@@ -1,0 +1,44 @@
+"""Torch backend: the reference definition run as an op (float64 inside, rounded once).
+
+The CPU path of the library and the fallback when no GPU kernel applies.  It
+materialises a float64 PE for the batch, so it is exact but not fast.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import reference
+from .._validate import Batch
+from . import KernelParams
+
+SUPPORTED_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+
+def available(device: torch.device) -> Optional[str]:
+    return None
+
+
+def forward(ids, weight, turns, positions, offsets, offset, seq_len, params: KernelParams):
+    batch = Batch(ids=ids, out_shape=(), seq_len=seq_len, offset=offset, offsets=offsets, positions=positions)
+    with torch.no_grad():
+        return reference.embed_flat(
+            ids, weight, batch.token_positions(), turns,
+            concat=params.concat, pe_width=params.pe_width, layout="split" if params.split else "interleaved",
+            embed_scale=params.embed_scale, pe_scale=params.pe_scale,
+        )
+
+
+def backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype):
+    ids64 = ids.to(torch.int64)
+    in_range = (ids64 >= 0) & (ids64 < num_embeddings)
+    grad_tokens = grad_out[:, :token_width].to(torch.float64) * embed_scale
+    grad_tokens = grad_tokens * in_range.unsqueeze(-1)
+    # PyTorch's own embedding backward: sort-based and deterministic; zeroes the padding row.
+    grad_weight = torch.ops.aten.embedding_dense_backward(
+        grad_tokens, torch.where(in_range, ids64, 0), num_embeddings,
+        padding_idx, False,
+    )
+    return grad_weight.to(weight_dtype)

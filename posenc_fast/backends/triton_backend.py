@@ -1,0 +1,122 @@
+"""Triton backend: launches the kernels in ``triton_kernels`` (CUDA GPUs, or CPU through
+Triton's interpreter when TRITON_INTERPRET=1 is set before the first launch).
+
+Triton decides between compiling and interpreting when a kernel is *defined*, so the
+kernel module is imported lazily, at the first launch, and the mode it was defined
+in is remembered: ``import posenc_fast`` never imports Triton.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Optional
+
+import torch
+
+from . import KernelParams, new_buffer
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# Sorted tokens per stage-1 program of the weight gradient; small values are useful in tests
+# to make runs cross many chunk boundaries.
+GRAD_CHUNK = 32
+
+triton = None  # the triton package, once loaded
+_kernels = None  # the triton_kernels module, once loaded
+_kernels_interpreted: Optional[bool] = None  # whether they were defined under TRITON_INTERPRET=1
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _load_kernels():
+    global triton, _kernels, _kernels_interpreted
+    if _kernels is None:
+        import triton as triton_package
+
+        from . import triton_kernels
+
+        triton, _kernels, _kernels_interpreted = triton_package, triton_kernels, interpreting()
+    return _kernels
+
+
+def available(device: torch.device) -> Optional[str]:
+    """None if this backend can run on ``device``, else the reason it cannot."""
+    if _kernels is None and importlib.util.find_spec("triton") is None:
+        return "backend='triton' needs Triton: pip install triton (it ships with PyTorch's CUDA wheels on Linux)"
+    if device.type == "cuda":
+        return None
+    if device.type != "cpu":
+        return f"backend='triton' does not support device type {device.type!r}"
+    if not interpreting():
+        return (
+            "backend='triton' on CPU tensors needs Triton's interpreter: set TRITON_INTERPRET=1 in the "
+            "environment (or use backend='torch', or move the tensors to a CUDA device)"
+        )
+    if _kernels_interpreted is False:
+        return (
+            "backend='triton' on CPU tensors: the Triton kernels were already compiled for the GPU in this "
+            "process; TRITON_INTERPRET=1 must be set before their first launch"
+        )
+    return None
+
+
+def _forward_blocks(params: KernelParams, num_tokens: int):
+    pair_slots = params.pe_width - params.num_pairs  # ceil(D / 2): includes the zero column of an odd D
+    block_p = min(64, triton.next_power_of_2(max(pair_slots, 1)))
+    block_t = max(1, min(4096 // (2 * block_p), triton.next_power_of_2(max(num_tokens, 1))))
+    return block_t, block_p, pair_slots
+
+
+def forward(ids, weight, turns, positions, offsets, offset, seq_len, params: KernelParams):
+    num_tokens = ids.numel()
+    out = new_buffer((num_tokens, params.width), weight.dtype, weight.device)
+    if num_tokens == 0:
+        return out
+    kernels = _load_kernels()
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
+    block_t, block_p, pair_slots = _forward_blocks(params, num_tokens)
+    num_copy_blocks = triton.cdiv(params.token_width, 2 * block_p) if params.concat else 0
+    position_source = 2 if positions is not None else (1 if offsets is not None else 0)
+    grid = (triton.cdiv(num_tokens, block_t), num_copy_blocks + triton.cdiv(pair_slots, block_p))
+    kernels.forward_kernel[grid](
+        ids, weight, out, turns, positions, offsets,
+        offset, max(seq_len, 1), num_tokens, weight.shape[0], weight.stride(0), out.stride(0),
+        params.token_width, params.pe_width, params.num_pairs, num_copy_blocks,
+        params.embed_scale, params.pe_scale,
+        CONCAT=params.concat, SPLIT=params.split, POSITION_SOURCE=position_source,
+        BLOCK_T=block_t, BLOCK_P=block_p, SOFTWARE_BF16=_kernels_interpreted,
+    )
+    return out
+
+
+def backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype):
+    grad_weight = torch.zeros((num_embeddings, token_width), dtype=weight_dtype, device=grad_out.device)
+    num_tokens = ids.numel()
+    if num_tokens == 0 or num_embeddings == 0:
+        return grad_weight
+    kernels = _load_kernels()
+    if grad_out.stride(1) != 1:
+        grad_out = grad_out.contiguous()
+    keys = ids.to(torch.int64)
+    # Out-of-range ids (range check off) sort to the end under the sentinel id V and are dropped.
+    keys = torch.where((keys >= 0) & (keys < num_embeddings), keys, num_embeddings)
+    sorted_ids, order = torch.sort(keys, stable=True)
+    num_chunks = triton.cdiv(num_tokens, GRAD_CHUNK)
+    partials = new_buffer((num_chunks, 2, token_width), torch.float32, grad_out.device)
+    block_d = min(128, triton.next_power_of_2(token_width))
+    grid = (num_chunks, triton.cdiv(token_width, block_d))
+    kernels.grad_chunk_kernel[grid](
+        sorted_ids, order, grad_out, grad_weight, partials,
+        num_tokens, num_embeddings, token_width, grad_out.stride(0), padding_idx, embed_scale,
+        CHUNK=GRAD_CHUNK, BLOCK_D=block_d, SOFTWARE_BF16=_kernels_interpreted,
+    )
+    kernels.grad_carry_kernel[grid](
+        sorted_ids, grad_weight, partials,
+        num_tokens, num_embeddings, token_width, padding_idx, embed_scale,
+        CHUNK=GRAD_CHUNK, BLOCK_D=block_d, SOFTWARE_BF16=_kernels_interpreted,
+    )
+    return grad_weight

@@ -1,0 +1,38 @@
+"""Runtime switches.
+
+``check_ids``: before a forward launch, the ids are range-checked on the host
+(one reduction and one device-to-host copy on GPU) so that an out-of-range id
+raises ``IndexError`` naming it.  The check is skipped automatically while a
+CUDA graph is being captured.  Turn it off for the fastest hot path with
+``posenc_fast.set_id_check(False)``, the ``posenc_fast.id_check(False)``
+context manager, or ``POSENC_FAST_CHECK_IDS=0`` in the environment.  With the
+check off, every kernel still guards its accesses: an out-of-range id reads
+nothing, contributes a zero token vector and receives no gradient.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+_state = {"check_ids": os.environ.get("POSENC_FAST_CHECK_IDS", "1") != "0"}
+
+
+def id_check_enabled() -> bool:
+    return _state["check_ids"]
+
+
+def set_id_check(enabled: bool) -> None:
+    """Turn the host-side id range check on or off (process-wide)."""
+    _state["check_ids"] = bool(enabled)
+
+
+@contextlib.contextmanager
+def id_check(enabled: bool):
+    """Context manager form of :func:`set_id_check`."""
+    previous = _state["check_ids"]
+    _state["check_ids"] = bool(enabled)
+    try:
+        yield
+    finally:
+        _state["check_ids"] = previous

@@ -1,0 +1,127 @@
+"""Geometry of the sinusoidal PE, measured numerically in float64.
+
+Owns the numbers behind the "why sin *and* cos" and "does adding distort the
+token vector" questions:
+
+* :func:`offset_rotation` builds R(k), the fixed linear map with
+  PE(t + k) = R(k) PE(t) for every t, and :func:`rotation_error` measures how
+  far that identity is from exact;
+* :func:`dot_by_offset` tabulates <PE(t), PE(t + k)> for several t, to show it
+  depends only on k;
+* :func:`norm_comparison` measures the PE norm next to the norms of token
+  vectors under common initialisations.
+
+Everything is plain torch (no matplotlib); ``plots`` draws these numbers and the
+tests check them.  PE tables come from :func:`posenc_fast.reference.sinusoidal_table`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Sequence
+
+import torch
+
+from .._spec import pe_column_map
+from ..reference import sinusoidal_table
+
+
+def pe_table(positions, dim: int, *, base: float = 10000.0, layout: str = "interleaved") -> torch.Tensor:
+    """float64 PE rows for ``positions`` (an int n means 0..n-1): ``[len(positions), dim]``."""
+    return sinusoidal_table(positions, dim, base=base, layout=layout, dtype=torch.float64)
+
+
+def offset_rotation(offset: int, dim: int, *, base: float = 10000.0, layout: str = "interleaved") -> torch.Tensor:
+    """The ``[dim, dim]`` float64 matrix R(k) with ``PE(t + k) = R(k) @ PE(t)`` for every t.
+
+    One 2x2 rotation per (sin, cos) pair, by the angle k * w_i, from
+    sin(a + b) = sin a cos b + cos a sin b and cos(a + b) = cos a cos b - sin a sin b.
+    cos(k w_i) and sin(k w_i) are read off the library's own PE row for position k
+    rather than recomputed as ``cos(k * w_i)`` in float64: the library's angles are
+    exact, while a float64 product k * w_i is off by ~1e-16 * k * w_i, an error of
+    the check, not of the identity being checked.  R(k) depends on k alone, never
+    on t: that is the "relative position is a linear map" property.
+    """
+    row = pe_table([offset], dim, base=base, layout=layout)[0]
+    sin_columns, cos_columns = (torch.tensor(list(c), dtype=torch.int64) for c in pe_column_map(dim, layout))
+    sin_k, cos_k = row[sin_columns], row[cos_columns]
+    rotation = torch.zeros(dim, dim, dtype=torch.float64)
+    rotation[sin_columns, sin_columns] = cos_k
+    rotation[sin_columns, cos_columns] = sin_k
+    rotation[cos_columns, sin_columns] = -sin_k
+    rotation[cos_columns, cos_columns] = cos_k
+    if dim % 2:  # an odd width ends in an all-zero PE column; keep it (it stays zero)
+        rotation[dim - 1, dim - 1] = 1.0
+    return rotation
+
+
+def rotation_error(
+    offsets: Sequence[int], starts: Sequence[int], dim: int, *, base: float = 10000.0, layout: str = "interleaved"
+) -> torch.Tensor:
+    """For each offset k: ``max_t max_j |(R(k) PE(t) - PE(t + k))_j|`` over the given starts t (float64)."""
+    starts_tensor = torch.as_tensor(list(starts), dtype=torch.int64)
+    pe_start = pe_table(starts_tensor, dim, base=base, layout=layout)
+    errors = []
+    for k in offsets:
+        shifted = pe_table(starts_tensor + int(k), dim, base=base, layout=layout)
+        rotated = pe_start @ offset_rotation(int(k), dim, base=base, layout=layout).T
+        errors.append((rotated - shifted).abs().max())
+    return torch.stack(errors)
+
+
+def dot_by_offset(
+    starts: Sequence[int], max_offset: int, dim: int, *, base: float = 10000.0, layout: str = "interleaved"
+) -> torch.Tensor:
+    """``[len(starts), max_offset + 1]`` table of <PE(t), PE(t + k)> for t in starts, k = 0..max_offset.
+
+    Each row is the same function of k (sum_i cos(k w_i)) whatever t is; the
+    spread between rows is the float64 rounding of the sums.
+    """
+    offsets = torch.arange(max_offset + 1, dtype=torch.int64)
+    rows = []
+    for t in starts:
+        pe_t = pe_table([int(t)], dim, base=base, layout=layout)[0]
+        rows.append(pe_table(offsets + int(t), dim, base=base, layout=layout) @ pe_t)
+    return torch.stack(rows)
+
+
+def dot_closed_form(max_offset: int, dim: int, *, base: float = 10000.0) -> torch.Tensor:
+    """sum_i cos(k w_i) for k = 0..max_offset, w_i = base^(-2i/dim): the t-free value of <PE(t), PE(t+k)>."""
+    frequencies = torch.tensor([base ** (-2.0 * i / dim) for i in range(dim // 2)], dtype=torch.float64)
+    offsets = torch.arange(max_offset + 1, dtype=torch.float64)
+    return torch.cos(offsets[:, None] * frequencies[None, :]).sum(-1)
+
+
+def norm_comparison(
+    dims: Sequence[int], *, num_tokens: int = 1000, num_positions: int = 512, seed: int = 0
+) -> List[Dict[str, float]]:
+    """Measured L2 norms, per width d: the PE (over positions 0..num_positions-1) and token vectors.
+
+    Token vectors are sampled, not assumed: ``N(0, 1)`` rows as ``nn.Embedding``
+    (and ``SinusoidalEmbedding``) initialise them, and the same rows times sqrt(d)
+    (the Vaswani et al. embedding scale applied to an N(0, 1) table, as many
+    PyTorch ports do).  Returns one dict per d with means and standard deviations.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    rows = []
+    for d in dims:
+        pe_norms = pe_table(num_positions, d).norm(dim=-1)
+        token_norms = torch.randn(num_tokens, d, generator=generator, dtype=torch.float64).norm(dim=-1)
+        scaled_norms = token_norms * math.sqrt(d)
+        rows.append({
+            "d": d,
+            "pe_mean": float(pe_norms.mean()), "pe_std": float(pe_norms.std()),
+            "token_mean": float(token_norms.mean()), "token_std": float(token_norms.std()),
+            "scaled_token_mean": float(scaled_norms.mean()), "scaled_token_std": float(scaled_norms.std()),
+        })
+    return rows
+
+
+def column_spread(num_positions: int, dim: int, *, base: float = 10000.0, layout: str = "interleaved") -> torch.Tensor:
+    """Per-column standard deviation of the PE over positions 0..num_positions-1 (``[dim]``).
+
+    Shows where adding the PE "moves" a token vector: fast columns swing over
+    [-1, 1], slow columns are almost a constant (sin ~ 0, cos ~ 1) over a short
+    context, i.e. nearly a fixed bias rather than noise.
+    """
+    return pe_table(num_positions, dim, base=base, layout=layout).std(dim=0)

@@ -1,0 +1,158 @@
+"""Are token vectors and position vectors in (nearly) orthogonal subspaces?
+
+Owns the subspace measurements:
+
+* :func:`orthonormal_basis` (QR) and :func:`dominant_subspace` (SVD, for sets
+  such as PE(0..L-1) that are numerically low-rank);
+* :func:`principal_angles` between two subspaces, from the SVD of Q_a^T Q_b;
+* :func:`subspace_overlap`, the summary numbers reported by the CLI, with the
+  values a uniformly random subspace would give;
+* :func:`random_tokens_vs_pe`, the sweep over d behind ``experiment subspace``;
+* :func:`nearest_token_recovery`, whether the token is still identifiable
+  after its PE is added ("does adding distort the embedding?").
+
+All linear algebra runs in float64 with ``torch.linalg``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Sequence
+
+import torch
+
+from .geometry import pe_table
+
+# Share of the squared Frobenius norm kept when a spanning set is ill-conditioned.
+# PE(0..L-1) has condition numbers of 1e9..1e19 (slow pairs collapse onto
+# 1, t, t^2, ...), so its "span" is only meaningful up to a tolerance.
+DEFAULT_ENERGY = 0.999
+
+
+def orthonormal_basis(vectors: torch.Tensor, *, rtol: float = 1e-10) -> torch.Tensor:
+    """``[d, n]`` orthonormal basis of the span of the rows of ``vectors`` (``[n, d]``, n <= d), by QR.
+
+    Raises ValueError when the rows are numerically dependent (then the span is
+    not well defined; use :func:`dominant_subspace`).
+    """
+    if vectors.dim() != 2 or vectors.shape[0] > vectors.shape[1]:
+        raise ValueError(f"expected [n, d] with n <= d linearly independent rows, got shape {list(vectors.shape)}")
+    q, r = torch.linalg.qr(vectors.to(torch.float64).T, mode="reduced")
+    diagonal = r.diagonal().abs()
+    if diagonal.min() <= rtol * diagonal.max():
+        raise ValueError("rows are numerically linearly dependent; use dominant_subspace() for such sets")
+    return q
+
+
+def dominant_subspace(vectors: torch.Tensor, *, energy: float = DEFAULT_ENERGY) -> torch.Tensor:
+    """``[d, r]`` orthonormal basis of the smallest leading right-singular subspace of ``vectors`` (``[n, d]``)
+    that holds ``energy`` of their squared norm."""
+    if not 0.0 < energy <= 1.0:
+        raise ValueError(f"energy must be in (0, 1], got {energy}")
+    _, singular_values, vh = torch.linalg.svd(vectors.to(torch.float64), full_matrices=False)
+    cumulative = (singular_values**2).cumsum(0) / (singular_values**2).sum()
+    rank = int((cumulative < energy - 1e-12).sum()) + 1
+    return vh[:rank].T
+
+
+def principal_angles(basis_a: torch.Tensor, basis_b: torch.Tensor) -> torch.Tensor:
+    """Principal angles (radians, ascending, ``min(a, b)`` of them) between two subspaces of R^d.
+
+    ``basis_a`` ``[d, a]`` and ``basis_b`` ``[d, b]`` must have orthonormal columns.
+    The cosines are the singular values of Q_a^T Q_b.  The angle itself is taken
+    as atan2(sin, cos), the sine being the length of the part of each principal
+    vector of b outside span(a): arccos alone loses half the digits near 0
+    (arccos(1 - 1e-16) ~ 1.5e-8).
+    """
+    if basis_a.shape[0] != basis_b.shape[0]:
+        raise ValueError(f"bases live in different spaces: {basis_a.shape[0]} vs {basis_b.shape[0]} rows")
+    basis_a, basis_b = basis_a.to(torch.float64), basis_b.to(torch.float64)
+    _, cosines, vh = torch.linalg.svd(basis_a.T @ basis_b, full_matrices=False)
+    principal_b = basis_b @ vh.T  # principal vectors of b, one per cosine
+    outside_a = principal_b - basis_a @ (basis_a.T @ principal_b)
+    sines = outside_a.norm(dim=0)
+    return torch.atan2(sines, cosines).sort().values
+
+
+def subspace_overlap(token_vectors: torch.Tensor, pe_basis: torch.Tensor) -> Dict[str, float]:
+    """How much the span of ``token_vectors`` (``[n, d]`` rows) overlaps the PE subspace ``pe_basis`` (``[d, b]``).
+
+    Keys: ``d``, ``token_dim``, ``pe_dim``; ``min_angle_deg`` (smallest principal
+    angle), ``median_angle_deg``; ``mean_cos2`` (mean squared cosine over the min(a, b) angles, 0 when
+    orthogonal, 1 when one contains the other); ``energy_in_pe`` (mean over tokens
+    of |P_pe x|^2 / |x|^2); and the expectations of the last two for a uniformly
+    random subspace of the same dimension, ``random_mean_cos2`` = max(a, b)/d and
+    ``random_energy_in_pe`` = b/d.
+    """
+    d = token_vectors.shape[1]
+    token_basis = orthonormal_basis(token_vectors)
+    angles = principal_angles(token_basis, pe_basis)
+    a, b = token_basis.shape[1], pe_basis.shape[1]
+    x = token_vectors.to(torch.float64)
+    in_pe = (x @ pe_basis).pow(2).sum(-1) / x.pow(2).sum(-1)
+    return {
+        "d": d,
+        "token_dim": a,
+        "pe_dim": b,
+        "min_angle_deg": math.degrees(float(angles[0])),
+        "median_angle_deg": math.degrees(float(angles.median())),
+        "mean_cos2": float(torch.cos(angles).pow(2).mean()),
+        "random_mean_cos2": max(a, b) / d,
+        "energy_in_pe": float(in_pe.mean()),
+        "random_energy_in_pe": b / d,
+    }
+
+
+def random_tokens_vs_pe(
+    dims: Sequence[int], *, num_tokens: int = 32, num_positions: int = 64, energy: float = DEFAULT_ENERGY,
+    seed: int = 0,
+) -> List[Dict[str, float]]:
+    """:func:`subspace_overlap` of ``num_tokens`` N(0, 1) token vectors vs PE(0..num_positions-1), per d.
+
+    The PE span is its :func:`dominant_subspace` at ``energy``; its dimension is
+    reported as ``pe_dim``.  A seeded generator makes the rows reproducible.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    rows = []
+    for d in dims:
+        if num_tokens > d:
+            raise ValueError(f"num_tokens={num_tokens} exceeds d={d}: the tokens would span all of R^d")
+        tokens = torch.randn(num_tokens, d, generator=generator, dtype=torch.float64)
+        rows.append(subspace_overlap(tokens, dominant_subspace(pe_table(num_positions, d), energy=energy)))
+    return rows
+
+
+def nearest_token_recovery(token_table: torch.Tensor, pe_rows: torch.Tensor) -> float:
+    """Fraction of (token u, position p) pairs whose nearest table row to ``E[u] + PE(p)`` is still ``E[u]``.
+
+    The Euclidean nearest row v minimises |E_u + PE_p - E_v|^2, i.e. (dropping
+    the common |PE_p|^2) the margin |E_u - E_v|^2 + 2 <E_u - E_v, PE_p>; we form
+    it from Gram matrices so that no [V, V, d] tensor is needed.  A pair counts
+    as recovered when every v != u has a positive margin (ties count as lost).
+    """
+    table = token_table.to(torch.float64)
+    pe = pe_rows.to(torch.float64)
+    gram = table @ table.T  # [V, V]
+    squared_norms = gram.diagonal()
+    distance2 = squared_norms[:, None] + squared_norms[None, :] - 2 * gram  # |E_u - E_v|^2
+    token_dot_pe = table @ pe.T  # [V, P]
+    margin = distance2[:, :, None] + 2 * (token_dot_pe[:, None, :] - token_dot_pe[None, :, :])  # [u, v, p]
+    vocab = table.shape[0]
+    margin[torch.arange(vocab), torch.arange(vocab)] = float("inf")  # v == u is not a competitor
+    return float((margin.amin(dim=1) > 0).double().mean())
+
+
+def recovery_by_dim(
+    dims: Sequence[int], token_stds: Sequence[float], *, vocab_size: int = 256, num_positions: int = 64, seed: int = 0
+) -> List[Dict[str, float]]:
+    """:func:`nearest_token_recovery` for N(0, std^2) tables of ``vocab_size`` rows, per d and std."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = []
+    for d in dims:
+        pe = pe_table(num_positions, d)
+        unit_table = torch.randn(vocab_size, d, generator=generator, dtype=torch.float64)
+        row: Dict[str, float] = {"d": d}
+        for std in token_stds:
+            row[f"recovery_std_{std:g}"] = nearest_token_recovery(unit_table * std, pe)
+        rows.append(row)
+    return rows

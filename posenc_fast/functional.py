@@ -1,0 +1,54 @@
+"""Public functional API: validate, choose a backend, call the op, restore the shape."""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from ._dispatch import resolve_backend
+from ._spec import PESpec
+from ._validate import check_weight, make_batch, make_spec
+from .ops import sinusoidal_embedding_op
+
+
+def sinusoidal_embedding(
+    ids: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    mode: str = "add",
+    d_pos: Optional[int] = None,
+    positions: Optional[torch.Tensor] = None,
+    offset: Union[int, torch.Tensor] = 0,
+    base: float = 10000.0,
+    layout: str = "interleaved",
+    embed_scale: float = 1.0,
+    pe_scale: float = 1.0,
+    padding_idx: Optional[int] = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Token embedding lookup + sinusoidal positional encoding, fused.
+
+    ``y[..., :] = embed_scale * weight[ids] (+) pe_scale * PE(position)`` where (+) is
+    addition (``mode="add"``) or concatenation of ``d_pos`` PE columns (``mode="concat"``).
+    Positions are ``offset + t`` along the last axis of ``ids`` (``offset``: an int or one int
+    per sequence, shape ``ids.shape[:-1]``), or the explicit integer ``positions`` tensor
+    (broadcastable to ``ids.shape``).  Returns ``ids.shape + (width,)`` in ``weight.dtype``.
+    Only ``weight`` receives a gradient (deterministic; zero for ``padding_idx``).
+    See ``posenc_fast.reference`` for the exact definition.
+    """
+    check_weight(weight)
+    spec = make_spec(weight.shape[0], weight.shape[1], mode, d_pos, base, layout, embed_scale, pe_scale, padding_idx)
+    return apply_spec(ids, weight, spec, spec.turns_tensor(weight.device), positions, offset, backend)
+
+
+def apply_spec(ids, weight, spec: PESpec, turns: torch.Tensor, positions, offset, backend: str) -> torch.Tensor:
+    """Run the layer described by ``spec`` (``turns``: its fixed-point frequencies on weight's device)."""
+    batch = make_batch(ids, weight, spec, positions, offset)
+    name = resolve_backend(backend, weight.device, weight.dtype)
+    out = sinusoidal_embedding_op(
+        batch.ids, weight, turns, batch.positions, batch.offsets, batch.offset, batch.seq_len,
+        spec.mode == "concat", spec.pe_width, spec.layout == "split", spec.embed_scale, spec.pe_scale,
+        -1 if spec.padding_idx is None else spec.padding_idx, name,
+    )
+    return out.reshape(batch.out_shape)

@@ -1,0 +1,91 @@
+"""``SinusoidalEmbedding``: the fused layer as an nn.Module (a drop-in for nn.Embedding + PE)."""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+from torch import nn
+
+from ._dispatch import check_backend_name
+from ._validate import make_spec
+from .functional import apply_spec
+
+
+class SinusoidalEmbedding(nn.Module):
+    """Token embedding + fixed sinusoidal positional encoding in one kernel.
+
+    ``weight`` is ``[num_embeddings, d_model]`` for ``mode="add"`` and
+    ``[num_embeddings, d_model - d_pos]`` for ``mode="concat"``; the output
+    width is always ``d_model``.  Initialised like ``nn.Embedding`` (N(0, 1),
+    padding row zero).  ``forward(ids, positions=None, offset=0)``.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        d_model: int,
+        *,
+        mode: str = "add",
+        d_pos: Optional[int] = None,
+        base: float = 10000.0,
+        layout: str = "interleaved",
+        embed_scale: float = 1.0,
+        pe_scale: float = 1.0,
+        padding_idx: Optional[int] = None,
+        backend: str = "auto",
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        for name, value in (("num_embeddings", num_embeddings), ("d_model", d_model)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if mode == "concat" and isinstance(d_pos, int) and not isinstance(d_pos, bool) and not 1 <= d_pos < d_model:
+            raise ValueError(f"d_pos={d_pos} must satisfy 1 <= d_pos < d_model={d_model}")
+        token_width = d_model - d_pos if mode == "concat" and isinstance(d_pos, int) else d_model
+        # Validates every fixed parameter once, here, and computes the frequencies.
+        self.spec = make_spec(num_embeddings, token_width, mode, d_pos, base, layout, embed_scale, pe_scale, padding_idx)
+        check_backend_name(backend)  # availability depends on where the tensors are: checked per call
+        self.num_embeddings = num_embeddings
+        self.d_model = d_model
+        self.backend = backend
+        self.weight = nn.Parameter(torch.empty((num_embeddings, token_width), device=device, dtype=dtype))
+        # Fixed-point frequencies (see _spec): a buffer so that .to()/.cuda() move them with the module
+        # and torch.compile sees a tensor, not host code.
+        self.register_buffer(
+            "turns_fixed_point",
+            torch.tensor(self.spec.turns_fixed_point, dtype=torch.int64, device=device).reshape(-1),
+            persistent=False,
+        )
+        self.reset_parameters()
+
+    @property
+    def padding_idx(self) -> Optional[int]:
+        return self.spec.padding_idx
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight)
+        if self.spec.padding_idx is not None:
+            with torch.no_grad():
+                self.weight[self.spec.padding_idx].fill_(0)
+
+    def forward(self, ids: torch.Tensor, positions: Optional[torch.Tensor] = None,
+                offset: Union[int, torch.Tensor] = 0) -> torch.Tensor:
+        return apply_spec(ids, self.weight, self.spec, self.turns_fixed_point, positions, offset, self.backend)
+
+    def extra_repr(self) -> str:
+        s = self.spec
+        parts = [f"{self.num_embeddings}, {self.d_model}", f"mode={s.mode!r}"]
+        if s.mode == "concat":
+            parts.append(f"d_pos={s.pe_width}")
+        parts.append(f"layout={s.layout!r}")
+        if s.embed_scale != 1.0:
+            parts.append(f"embed_scale={s.embed_scale:g}")
+        if s.pe_scale != 1.0:
+            parts.append(f"pe_scale={s.pe_scale:g}")
+        if s.padding_idx is not None:
+            parts.append(f"padding_idx={s.padding_idx}")
+        if self.backend != "auto":
+            parts.append(f"backend={self.backend!r}")
+        return ", ".join(parts)

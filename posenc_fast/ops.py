@@ -1,0 +1,102 @@
+"""The torch.library ops: forward, weight gradient, fake (meta) implementations and autograd.
+
+Registered as opaque custom ops so ``torch.compile(fullgraph=True)`` traces
+through them without graph breaks and autograd sees one node.  Arguments are
+plain numbers and tensors; the backend is chosen by name before the call
+(``_dispatch``), and the data-dependent id range check runs here, at run time,
+before any kernel (skipped while a CUDA graph is being captured).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import config
+from ._dispatch import get_backend
+from ._validate import check_id_range
+from .backends import KernelParams
+
+
+def _capturing(t: Tensor) -> bool:
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+@torch.library.custom_op("posenc_fast::sinusoidal_embedding", mutates_args=())
+def sinusoidal_embedding_op(
+    ids: Tensor,
+    weight: Tensor,
+    turns: Tensor,
+    positions: Optional[Tensor],
+    offsets: Optional[Tensor],
+    offset: int,
+    seq_len: int,
+    concat: bool,
+    pe_width: int,
+    split: bool,
+    embed_scale: float,
+    pe_scale: float,
+    padding_idx: int,
+    backend: str,
+) -> Tensor:
+    """Flat forward: ``[N, width]`` for ids ``[N]``.  ``padding_idx`` (-1: none) only affects the gradient."""
+    if config.id_check_enabled() and not _capturing(ids):
+        check_id_range(ids, weight.shape[0])
+    params = KernelParams(concat, weight.shape[1], pe_width, split, embed_scale, pe_scale)
+    return get_backend(backend).forward(ids, weight, turns, positions, offsets, offset, seq_len, params)
+
+
+@sinusoidal_embedding_op.register_fake
+def _(ids, weight, turns, positions, offsets, offset, seq_len, concat, pe_width, split, embed_scale, pe_scale,
+      padding_idx, backend):
+    width = weight.shape[1] + pe_width if concat else weight.shape[1]
+    return weight.new_empty((ids.shape[0], width))
+
+
+@torch.library.custom_op("posenc_fast::sinusoidal_embedding_backward", mutates_args=())
+def sinusoidal_embedding_backward_op(
+    grad_out: Tensor,
+    ids: Tensor,
+    num_embeddings: int,
+    token_width: int,
+    embed_scale: float,
+    padding_idx: int,
+    weight_dtype: torch.dtype,
+    backend: str,
+) -> Tensor:
+    """Weight gradient ``[num_embeddings, token_width]`` in ``weight_dtype``; deterministic."""
+    return get_backend(backend).backward(
+        grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype
+    )
+
+
+@sinusoidal_embedding_backward_op.register_fake
+def _(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype, backend):
+    return grad_out.new_empty((num_embeddings, token_width), dtype=weight_dtype)
+
+
+def _setup_context(ctx, inputs, output):
+    ids, weight = inputs[0], inputs[1]
+    embed_scale, padding_idx, backend = inputs[10], inputs[12], inputs[13]
+    ctx.save_for_backward(ids)  # only the ids: nothing of size tokens x width is kept
+    ctx.num_embeddings, ctx.token_width = weight.shape
+    ctx.weight_dtype = weight.dtype
+    ctx.embed_scale = embed_scale
+    ctx.padding_idx = padding_idx
+    ctx.backend = backend
+
+
+def _backward(ctx, grad_out):
+    (ids,) = ctx.saved_tensors
+    grad_weight = None
+    if ctx.needs_input_grad[1]:
+        grad_weight = sinusoidal_embedding_backward_op(
+            grad_out, ids, ctx.num_embeddings, ctx.token_width, ctx.embed_scale, ctx.padding_idx,
+            ctx.weight_dtype, ctx.backend,
+        )
+    return (None, grad_weight) + (None,) * 12
+
+
+sinusoidal_embedding_op.register_autograd(_backward, setup_context=_setup_context)

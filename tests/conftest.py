@@ -1,0 +1,41 @@
+"""Test session setup.
+
+Without a GPU, the Triton kernels run through Triton's interpreter: the
+environment variable must be set before the kernels are first defined, i.e.
+before anything imports posenc_fast.  With a GPU they run natively.
+
+Inputs are drawn fresh each session from a seed printed in the header;
+rerun a failure with POSENC_FAST_TEST_SEED=<seed>.
+"""
+
+import os
+import random
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+SESSION_SEED = int(os.environ.get("POSENC_FAST_TEST_SEED", random.SystemRandom().randrange(1 << 31)))
+
+
+def pytest_report_header(config):
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU (Triton interpreter on CPU)"
+    return [f"posenc_fast: seed POSENC_FAST_TEST_SEED={SESSION_SEED}; device: {device}; torch {torch.__version__}"]
+
+
+@pytest.fixture(autouse=True)
+def poison_kernel_outputs():
+    """Every buffer a kernel is meant to fill starts as NaN, so an unwritten element fails the comparison."""
+    from posenc_fast import backends
+
+    backends.POISON_OUTPUTS = True
+    yield
+    backends.POISON_OUTPUTS = False
+
+
+@pytest.fixture
+def seed(request):
+    """A per-test seed derived from the session seed and the test id."""
+    return (SESSION_SEED * 1000003 + sum(map(ord, request.node.nodeid))) % (1 << 31)

@@ -1,0 +1,171 @@
+"""posenc_fast.sinusoidal_embedding on every backend against float64 math (the reference on float64 weights).
+
+Bars (issue "Core"): fp32 output within 1e-6 + 2^-22|y| of exact; bf16/fp16 within one ulp
+(see cases.output_bound); weight gradients within 1e-5 relative (per element, relative to the
+sum of the magnitudes it adds up); gradients bitwise reproducible.
+"""
+
+import math
+from decimal import Decimal, localcontext
+
+import pytest
+import torch
+
+import posenc_fast as pf
+from posenc_fast import reference
+from posenc_fast.backends import triton_backend
+
+from cases import CASES, DESIGN_POSITIONS, Case, assert_within, backend_targets, make_inputs, output_bound, ulp
+
+TARGETS = backend_targets()
+LOW_PRECISION = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _exact(ids, weight, kwargs):
+    return reference.sinusoidal_embedding(ids, weight.double(), **kwargs)
+
+
+@pytest.mark.parametrize("backend,device", TARGETS)
+@pytest.mark.parametrize("dtype", LOW_PRECISION, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_forward_matches_float64(case, dtype, backend, device, seed):
+    ids, weight, kwargs = make_inputs(case, device, dtype, seed)
+    out = pf.sinusoidal_embedding(ids, weight, backend=backend, **kwargs)
+    assert out.dtype == dtype and out.device == weight.device
+    assert out.shape == ids.shape + (case.d_model,)
+    exact = _exact(ids, weight, kwargs)
+    assert_within(out, exact, output_bound(exact, dtype), f"{case.name} {backend} {dtype}")
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_forward_float64_on_torch_backend(case, seed):
+    ids, weight, kwargs = make_inputs(case, "cpu", torch.float64, seed)
+    out = pf.sinusoidal_embedding(ids, weight, backend="torch", **kwargs)
+    exact = _exact(ids, weight, kwargs)
+    assert_within(out, exact, output_bound(exact, torch.float64), case.name)
+
+
+def _gradients(fn, weight, grad_out):
+    w = weight.detach().clone().requires_grad_()
+    (grad,) = torch.autograd.grad(fn(w), w, grad_out)
+    return grad
+
+
+@pytest.mark.parametrize("backend,device", TARGETS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_weight_gradient(case, dtype, backend, device, seed):
+    ids, weight, kwargs = make_inputs(case, device, dtype, seed)
+    width = case.d_model
+    g = torch.Generator().manual_seed(seed + 1)
+    grad_out = torch.randn(ids.shape + (width,), generator=g, dtype=torch.float64).to(dtype).to(device)
+
+    fused = lambda w: pf.sinusoidal_embedding(ids, w, backend=backend, **kwargs)  # noqa: E731
+    grad = _gradients(fused, weight, grad_out)
+    assert grad.dtype == dtype and grad.shape == weight.shape
+
+    exact_fn = lambda w: reference.sinusoidal_embedding(ids, w, **kwargs)  # noqa: E731
+    exact = _gradients(exact_fn, weight.double(), grad_out.double())
+    magnitude = _gradients(exact_fn, weight.double(), grad_out.double().abs()).abs()
+    bound = 1e-5 * magnitude + 1e-30
+    if dtype != torch.float32:
+        bound = bound + ulp(exact, dtype)
+    assert_within(grad, exact, bound, f"{case.name} grad {backend} {dtype}")
+    if case.padding_idx is not None:
+        assert torch.count_nonzero(grad[case.padding_idx]) == 0
+
+    again = _gradients(fused, weight, grad_out)
+    assert torch.equal(grad, again), "weight gradient is not bitwise reproducible"
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 32])
+def test_triton_gradient_runs_across_chunks(chunk, seed, monkeypatch):
+    """Runs of equal ids crossing 1, several and many stage-1 chunks combine exactly once."""
+    target = [p for p in TARGETS if p.values[0] == "triton"]
+    if not target:
+        pytest.skip("Triton unavailable")
+    device = target[0].values[1]
+    monkeypatch.setattr(triton_backend, "GRAD_CHUNK", chunk)
+    case = Case("runs", (2, 45), 6, 10, mode="concat", d_pos=3, padding_idx=2, hot_id=True)
+    ids, weight, kwargs = make_inputs(case, device, torch.float32, seed)
+    ids.view(-1)[:20] = 4  # one long run, one padding run, short runs
+    ids.view(-1)[-7:] = 5
+    grad_out = torch.randn(ids.shape + (10,), dtype=torch.float64).float().to(device)
+    grad = _gradients(lambda w: pf.sinusoidal_embedding(ids, w, backend="triton", **kwargs), weight, grad_out)
+    exact_fn = lambda w: reference.sinusoidal_embedding(ids, w, **kwargs)  # noqa: E731
+    exact = _gradients(exact_fn, weight.double(), grad_out.double())
+    magnitude = _gradients(exact_fn, weight.double(), grad_out.double().abs())
+    assert_within(grad, exact, 1e-5 * magnitude + 1e-30, f"chunk={chunk}")
+
+
+def _decimal_pe(position: int, frequency: float, pe_width: int) -> tuple:
+    """sin and cos of position * frequency, reduced mod 2*pi in 50-digit decimal arithmetic."""
+    with localcontext() as ctx:
+        ctx.prec = 50
+        two_pi = Decimal("6.283185307179586476925286766559005768394338798750211641949889")
+        angle = (Decimal(position) * Decimal(frequency)) % two_pi
+        return math.sin(float(angle)), math.cos(float(angle))
+
+
+@pytest.mark.parametrize("backend,device", TARGETS)
+def test_design_positions_exact(backend, device):
+    """DESIGN.md's test vectors and beyond (|p| up to 2^40), against decimal arithmetic, fp32 bar."""
+    positions = DESIGN_POSITIONS + [2**31 - 1, 2**31, 2**32 - 1, -(2**32), 2**40, -(2**40) + 12345]
+    d = 64
+    weight = torch.zeros(1, d)  # the PE alone: y = PE(p)
+    ids = torch.zeros(len(positions), dtype=torch.int64)
+    pos = torch.tensor(positions, dtype=torch.int64)
+    out = pf.sinusoidal_embedding(ids.to(device), weight.to(device), positions=pos.to(device), backend=backend)
+    exact = torch.empty(len(positions), d, dtype=torch.float64)
+    for row, p in enumerate(positions):
+        for i in range(d // 2):
+            s, c = _decimal_pe(p, 10000.0 ** (-2.0 * i / d), d)
+            exact[row, 2 * i], exact[row, 2 * i + 1] = s, c
+    assert_within(out, exact, output_bound(exact, torch.float32), f"design positions {backend}")
+
+
+def test_fp32_table_would_fail_the_bar():
+    """The bar is sharp: an fp32 angle table (what eager code builds) violates it at p = 2^24."""
+    p = torch.tensor([2**24 - 1, 2**24, 3 * 10**7])
+    w = torch.tensor([10000.0 ** (-2.0 * i / 64) for i in range(32)])
+    fp32_table = torch.sin(p[:, None].float() * w.float()[None, :])
+    exact = reference.sinusoidal_table(p, 64)[:, 0::2]
+    err = (fp32_table.double() - exact).abs()
+    assert bool((err > output_bound(exact, torch.float32)).any())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU with ~10 GB free")
+def test_output_larger_than_2_pow_31_elements():
+    """int64 index arithmetic: 2^31 + 2^20 output elements, every one checked (in row chunks)."""
+    d = 1024
+    tokens = (2**31 + 2**20) // d
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ids = torch.randint(0, 4096, (tokens,), device="cuda", generator=g)
+    weight = torch.randn(4096, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    out = pf.sinusoidal_embedding(ids, weight, offset=2**24 - tokens // 2, backend="triton")
+    assert out.numel() > 2**31
+    step = 2**18
+    for start in range(0, tokens, step):
+        stop = min(start + step, tokens)
+        exact = reference.sinusoidal_embedding(
+            ids[start:stop], weight.double(), offset=2**24 - tokens // 2 + start
+        )
+        assert_within(out[start:stop], exact, output_bound(exact, torch.bfloat16), f"rows {start}:{stop}")
+
+
+def test_functional_compiles_fullgraph():
+    """The functional API, host parameters included, traces without graph breaks."""
+
+    def step(ids, weight, offsets):
+        out = pf.sinusoidal_embedding(ids, weight, mode="concat", d_pos=5, layout="split", offset=offsets,
+                                      embed_scale=3.0, padding_idx=1)
+        return out.square().sum()
+
+    torch._dynamo.reset()
+    weight = torch.randn(30, 11, requires_grad=True)
+    ids = torch.randint(0, 30, (2, 7))
+    offsets = torch.tensor([0, 2**30])
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    loss, eager = compiled(ids, weight, offsets), step(ids, weight, offsets)
+    torch.testing.assert_close(loss, eager)
+    torch.testing.assert_close(torch.autograd.grad(loss, weight)[0], torch.autograd.grad(eager, weight)[0])

@@ -1,0 +1,38 @@
+"""posenc_fast.ops: the torch.library registration (schema, fake impl, autograd) passes opcheck."""
+
+import pytest
+import torch
+
+from posenc_fast import ops
+from posenc_fast._validate import make_spec
+
+from cases import backend_targets
+
+TARGETS = backend_targets()
+
+
+def _op_args(device, positions_kind, backend, dtype=torch.float32):
+    spec = make_spec(20, 10, "concat", 4, 10000.0, "interleaved", 1.5, 0.5, 3)
+    ids = torch.randint(0, 20, (12,), device=device)
+    weight = torch.randn(20, 10, device=device, dtype=dtype, requires_grad=True)
+    positions = offsets = None
+    if positions_kind == "positions":
+        positions = torch.randint(-1000, 1000, (12,), device=device)
+    elif positions_kind == "offsets":
+        offsets = torch.tensor([5, -9, 2**30], device=device)
+    return (ids, weight, spec.turns_tensor(device), positions, offsets, 7 if positions_kind == "offset" else 0, 4,
+            True, spec.pe_width, False, spec.embed_scale, spec.pe_scale, spec.padding_idx, backend)
+
+
+@pytest.mark.parametrize("backend,device", TARGETS)
+@pytest.mark.parametrize("positions_kind", ["offset", "offsets", "positions"])
+def test_opcheck_forward(backend, device, positions_kind):
+    torch.library.opcheck(ops.sinusoidal_embedding_op, _op_args(device, positions_kind, backend))
+
+
+@pytest.mark.parametrize("backend,device", TARGETS)
+def test_opcheck_backward(backend, device):
+    grad_out = torch.randn(12, 14, device=device)
+    ids = torch.randint(0, 20, (12,), device=device)
+    torch.library.opcheck(ops.sinusoidal_embedding_backward_op,
+                          (grad_out, ids, 20, 10, 1.5, 3, torch.float32, backend))
