@@ -64,10 +64,25 @@ def available(device: torch.device) -> Optional[str]:
 
 
 def _forward_blocks(params: KernelParams, num_tokens: int):
+    """Tile shape: (tokens, pairs) per program.
+
+    Chosen so that each thread of 4 warps holds 8 consecutive output columns per
+    half (one 16-byte vector in bf16) and few registers (about 32 on sm_90, measured
+    with ptxas ahead of time; 32 tokens per program needed 212, which starves
+    occupancy).  The split layout writes two column blocks, so it takes twice the
+    pairs.  Not yet tuned on a GPU (benchmark issue).
+    """
     pair_slots = params.pe_width - params.num_pairs  # ceil(D / 2): includes the zero column of an odd D
-    block_p = min(64, triton.next_power_of_2(max(pair_slots, 1)))
-    block_t = max(1, min(4096 // (2 * block_p), triton.next_power_of_2(max(num_tokens, 1))))
+    block_p = min(128 if params.split else 64, triton.next_power_of_2(max(pair_slots, 1)))
+    block_t = max(1, min(1024 // (2 * block_p) if not params.split else 2048 // (2 * block_p),
+                         triton.next_power_of_2(max(num_tokens, 1))))
     return block_t, block_p, pair_slots
+
+
+FORWARD_WARPS = 4
+# Weight-gradient column block: one warp, 8 consecutive columns per thread (16-byte rows in bf16).
+GRAD_BLOCK_D = 256
+GRAD_WARPS = 1
 
 
 def forward(ids, weight, turns, positions, offsets, offset, seq_len, params: KernelParams):
@@ -88,7 +103,7 @@ def forward(ids, weight, turns, positions, offsets, offset, seq_len, params: Ker
         params.token_width, params.pe_width, params.num_pairs, num_copy_blocks,
         params.embed_scale, params.pe_scale,
         CONCAT=params.concat, SPLIT=params.split, POSITION_SOURCE=position_source,
-        BLOCK_T=block_t, BLOCK_P=block_p, SOFTWARE_BF16=_kernels_interpreted,
+        BLOCK_T=block_t, BLOCK_P=block_p, SOFTWARE_BF16=_kernels_interpreted, num_warps=FORWARD_WARPS,
     )
     return out
 
@@ -107,16 +122,16 @@ def backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_id
     sorted_ids, order = torch.sort(keys, stable=True)
     num_chunks = triton.cdiv(num_tokens, GRAD_CHUNK)
     partials = new_buffer((num_chunks, 2, token_width), torch.float32, grad_out.device)
-    block_d = min(128, triton.next_power_of_2(token_width))
+    block_d = min(GRAD_BLOCK_D, triton.next_power_of_2(token_width))
     grid = (num_chunks, triton.cdiv(token_width, block_d))
     kernels.grad_chunk_kernel[grid](
         sorted_ids, order, grad_out, grad_weight, partials,
         num_tokens, num_embeddings, token_width, grad_out.stride(0), padding_idx, embed_scale,
-        CHUNK=GRAD_CHUNK, BLOCK_D=block_d, SOFTWARE_BF16=_kernels_interpreted,
+        CHUNK=GRAD_CHUNK, BLOCK_D=block_d, SOFTWARE_BF16=_kernels_interpreted, num_warps=GRAD_WARPS,
     )
     kernels.grad_carry_kernel[grid](
         sorted_ids, grad_weight, partials,
         num_tokens, num_embeddings, token_width, padding_idx, embed_scale,
-        CHUNK=GRAD_CHUNK, BLOCK_D=block_d, SOFTWARE_BF16=_kernels_interpreted,
+        CHUNK=GRAD_CHUNK, BLOCK_D=block_d, SOFTWARE_BF16=_kernels_interpreted, num_warps=GRAD_WARPS,
     )
     return grad_weight

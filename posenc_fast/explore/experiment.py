@@ -68,7 +68,7 @@ class ExperimentConfig:
     batch_size: int = 64
     steps: int = 300
     learning_rate: float = 1e-3
-    eval_size: int = 1024
+    eval_size: int = 512
     eval_every: int = 20
     device: str = "cpu"
 
@@ -152,7 +152,8 @@ def count_parameters(model: nn.Module) -> int:
 
 
 def _model_parameters(variant: Variant, config: ExperimentConfig) -> int:
-    return count_parameters(OrderTaskModel(variant, dataclasses.replace(config, device="cpu")))
+    with torch.random.fork_rng(devices=[]):  # a model built only to be counted must not move the caller's RNG
+        return count_parameters(OrderTaskModel(variant, config))
 
 
 def build_variants(config: ExperimentConfig) -> List[Variant]:
@@ -215,7 +216,9 @@ def evaluate(model: OrderTaskModel, ids: torch.Tensor, targets: torch.Tensor) ->
 def train_one(variant: Variant, config: ExperimentConfig, seed: int) -> Dict:
     """Train one variant with one seed; returns the curves, final metrics and token tables."""
     device = torch.device(config.device)
-    with deterministic_algorithms(device):
+    rng_devices = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    # fork_rng: the run reseeds the global generators; the caller's state comes back afterwards.
+    with deterministic_algorithms(device), torch.random.fork_rng(devices=rng_devices):
         torch.manual_seed(seed)
         model = OrderTaskModel(variant, config).to(device)
         initial_table = model.token_table.detach().to("cpu", torch.float64).clone()

@@ -208,10 +208,12 @@ def plot_loss_curves(result: Dict, out_dir: str, name: str = "add_vs_concat_curv
     seeds = len(result["seeds"])
     loss_axes.set_yscale("log")
     loss_axes.set_xlabel("step")
-    loss_axes.set_ylabel(f"training loss (moving avg {window}, mean of {seeds} seeds)")
+    loss_axes.set_ylabel("training loss")
+    loss_axes.set_title(f"moving average over {window} steps, mean of {seeds} seeds", fontsize=9)
     loss_axes.legend(fontsize=8)
     accuracy_axes.set_xlabel("step")
-    accuracy_axes.set_ylabel(f"held-out token accuracy (mean, band: min-max of {seeds} seeds)")
+    accuracy_axes.set_ylabel("held-out token accuracy")
+    accuracy_axes.set_title(f"mean of {seeds} seeds, band: min to max", fontsize=9)
     accuracy_axes.set_ylim(0, 1.02)
     config = result["config"]
     figure.suptitle(f"sequence reversal, length {config['seq_len']}, vocab {config['vocab_size']}, "

@@ -1,0 +1,121 @@
+"""Compile every Triton kernel family natively for NVIDIA GPUs, without a GPU; print JSON lines.
+
+Run in its own process with TRITON_INTERPRET=0 (Triton fixes interpreter-or-compiler
+when its own library and our kernels are defined, so it cannot share a process with
+interpreted kernels).  ``tests/test_triton_native_compile.py`` runs it; by hand:
+
+    TRITON_INTERPRET=0 python tests/native_compile.py
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from posenc_fast.backends import triton_kernels as kernels
+
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+ARCHS = (80, 90)
+# What a real launch specialises on: 16-byte aligned pointers, widths and strides divisible by 16.
+ALIGNED = ("ids_ptr", "weight_ptr", "out_ptr", "turns_ptr", "positions_ptr", "offsets_ptr", "sorted_ids_ptr",
+           "order_ptr", "grad_out_ptr", "grad_weight_ptr", "partials_ptr", "weight_row_stride",
+           "out_row_stride", "token_width", "pe_width", "num_pairs", "grad_out_row_stride")
+FORWARD_VARIANTS = [
+    # (dtype, concat, split, position_source); tile shapes as triton_backend._forward_blocks picks them
+    ("bf16", False, False, 0), ("bf16", False, True, 0), ("bf16", True, False, 1), ("bf16", True, True, 2),
+    ("fp32", False, False, 2), ("fp16", False, True, 1), ("fp32", True, True, 0), ("fp16", True, False, 0),
+]
+GRAD_VARIANTS = [(kernel, dtype) for kernel in ("grad_chunk_kernel", "grad_carry_kernel")
+                 for dtype in ("fp32", "fp16", "bf16")]
+
+
+def forward_name(dtype, concat, split, position_source):
+    return f"forward-{dtype}-{'concat' if concat else 'add'}-{'split' if split else 'interleaved'}-pos{position_source}"
+
+
+def _forward_signature(dtype, position_source):
+    sig = {"ids_ptr": "*i64", "weight_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "turns_ptr": "*i64",
+           "positions_ptr": "*i64", "offsets_ptr": "*i64"}
+    sig.update({name: "i64" if name == "offset" else "i32" for name in (
+        "offset", "seq_len", "num_tokens", "num_embeddings", "weight_row_stride", "out_row_stride",
+        "token_width", "pe_width", "num_pairs", "num_copy_blocks")})
+    sig.update({"embed_scale": "fp32", "pe_scale": "fp32"})
+    return sig
+
+
+def _grad_signature(kernel, dtype):
+    if kernel == "grad_chunk_kernel":
+        return {"sorted_ids_ptr": "*i64", "order_ptr": "*i64", "grad_out_ptr": f"*{dtype}",
+                "grad_weight_ptr": f"*{dtype}", "partials_ptr": "*fp32", "num_tokens": "i32",
+                "num_embeddings": "i32", "token_width": "i32", "grad_out_row_stride": "i32",
+                "padding_idx": "i32", "embed_scale": "fp32"}
+    return {"sorted_ids_ptr": "*i64", "grad_weight_ptr": f"*{dtype}", "partials_ptr": "*fp32",
+            "num_tokens": "i32", "num_embeddings": "i32", "token_width": "i32", "padding_idx": "i32",
+            "embed_scale": "fp32"}
+
+
+def _compile(fn, signature, constexprs, arch, num_warps):
+    for name in constexprs:
+        signature[name] = "constexpr"
+    names = list(fn.arg_names)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ALIGNED
+             if n in names and signature[n] != "constexpr"}
+    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
+                          target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+
+
+def _ptxas(compiled):
+    ptx = compiled.asm["ptx"]
+    target = re.search(r"^\.target\s+(\w+)", ptx, re.M).group(1)  # e.g. sm_90a for Hopper
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    try:
+        report = subprocess.run([PTXAS, f"-arch={target}", "-v", f.name, "-o", os.devnull],
+                                capture_output=True, text=True, check=True).stderr
+    finally:
+        os.unlink(f.name)
+    registers = int(re.search(r"Used (\d+) registers", report).group(1))
+    spill_bytes = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", report))
+    vector_ops = len(re.findall(r"\b(?:ld|st)\.global\S*\.v[24]\.", ptx))
+    return {"target": target, "registers": registers, "spill_bytes": spill_bytes, "vector_memory_ops": vector_ops}
+
+
+def _record(name, arch, build):
+    entry = {"name": name, "arch": arch}
+    try:
+        entry.update(_ptxas(build()))
+        entry["ok"] = True
+    except Exception as exc:  # reported to the test, which fails with the message
+        entry.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:4000])
+    print(json.dumps(entry), flush=True)
+
+
+def main() -> int:
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("run with TRITON_INTERPRET=0", file=sys.stderr)
+        return 2
+    for arch in ARCHS:
+        for dtype, concat, split, position_source in FORWARD_VARIANTS:
+            constexprs = {"CONCAT": concat, "SPLIT": split, "POSITION_SOURCE": position_source,
+                          "BLOCK_T": 8, "BLOCK_P": 128 if split else 64, "SOFTWARE_BF16": False}
+            if position_source != 2:
+                constexprs["positions_ptr"] = None
+            if position_source != 1:
+                constexprs["offsets_ptr"] = None
+            _record(forward_name(dtype, concat, split, position_source), arch, lambda: _compile(
+                kernels.forward_kernel, _forward_signature(dtype, position_source), constexprs, arch, 4))
+        for kernel, dtype in GRAD_VARIANTS:
+            _record(f"{kernel}-{dtype}", arch, lambda: _compile(
+                getattr(kernels, kernel), _grad_signature(kernel, dtype),
+                {"CHUNK": 32, "BLOCK_D": 256, "SOFTWARE_BF16": False}, arch, 1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
