@@ -84,21 +84,23 @@ def _add_experiment(subparsers) -> None:
         description="Train a tiny nn.TransformerEncoder on sequence reversal with each way of injecting "
                     "positions, at equal width and at equal parameter count; print a table over seeds.",
     )
-    add_vs_concat.add_argument("--seeds", type=int, default=3, help="number of seeds (default: %(default)s)")
-    add_vs_concat.add_argument("--first-seed", type=int, default=0, help="seeds are first-seed.. (default: %(default)s)")
-    add_vs_concat.add_argument("--steps", type=int, default=defaults.steps, help="training steps (default: %(default)s)")
-    add_vs_concat.add_argument("--d-model", type=int, default=defaults.d_model, help="model width (default: %(default)s)")
-    add_vs_concat.add_argument("--d-pos", type=int, default=None, help="PE columns for concat (default: d_model // 4)")
-    add_vs_concat.add_argument("--seq-len", type=int, default=defaults.seq_len, help="sequence length (default: %(default)s)")
-    add_vs_concat.add_argument("--vocab", type=int, default=defaults.vocab_size, help="vocabulary size (default: %(default)s)")
-    add_vs_concat.add_argument("--layers", type=int, default=defaults.num_layers, help="encoder layers (default: %(default)s)")
-    add_vs_concat.add_argument("--heads", type=int, default=defaults.num_heads, help="attention heads (default: %(default)s)")
-    add_vs_concat.add_argument("--batch-size", type=int, default=defaults.batch_size, help="(default: %(default)s)")
-    add_vs_concat.add_argument("--lr", type=float, default=defaults.learning_rate, help="Adam learning rate (default: %(default)s)")
-    add_vs_concat.add_argument("--eval-every", type=int, default=defaults.eval_every, help="(default: %(default)s)")
-    add_vs_concat.add_argument("--device", default="auto", help="'auto' (cuda if available, else cpu), 'cpu', 'cuda', ...")
-    add_vs_concat.add_argument("--out", default=None, help="folder for results.json and the loss-curve PNG")
-    add_vs_concat.add_argument("--quiet", action="store_true", help="do not print one line per run")
+    option = add_vs_concat.add_argument
+    option("--seeds", type=int, default=3, help="number of seeds (default: %(default)s)")
+    option("--first-seed", type=int, default=0, help="the seeds are first-seed, first-seed+1, ... (default: 0)")
+    option("--steps", type=int, default=defaults.steps, help="training steps (default: %(default)s)")
+    option("--d-model", type=int, default=defaults.d_model, help="model width (default: %(default)s)")
+    option("--d-pos", type=int, default=None, help="PE columns for concat (default: d_model // 4)")
+    option("--seq-len", type=int, default=defaults.seq_len, help="sequence length (default: %(default)s)")
+    option("--vocab", type=int, default=defaults.vocab_size, help="vocabulary size (default: %(default)s)")
+    option("--layers", type=int, default=defaults.num_layers, help="encoder layers (default: %(default)s)")
+    option("--heads", type=int, default=defaults.num_heads, help="attention heads (default: %(default)s)")
+    option("--batch-size", type=int, default=defaults.batch_size, help="(default: %(default)s)")
+    option("--lr", type=float, default=defaults.learning_rate, help="Adam learning rate (default: %(default)s)")
+    option("--eval-size", type=int, default=defaults.eval_size, help="held-out sequences (default: %(default)s)")
+    option("--eval-every", type=int, default=defaults.eval_every, help="(default: %(default)s)")
+    option("--device", default="auto", help="'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:1', ...")
+    option("--out", default=None, help="folder for add_vs_concat.json and the loss-curve PNG")
+    option("--quiet", action="store_true", help="do not print one line per run")
     add_vs_concat.set_defaults(func=_run_add_vs_concat)
 
     subspace_parser = experiments.add_parser(
@@ -129,7 +131,8 @@ def _run_add_vs_concat(args: argparse.Namespace) -> int:
     config = experiment_module.ExperimentConfig(
         vocab_size=args.vocab, seq_len=args.seq_len, d_model=args.d_model, d_pos=args.d_pos,
         num_layers=args.layers, num_heads=args.heads, batch_size=args.batch_size, steps=args.steps,
-        learning_rate=args.lr, eval_every=args.eval_every, device=_resolve_device(args.device),
+        learning_rate=args.lr, eval_size=args.eval_size, eval_every=args.eval_every,
+        device=_resolve_device(args.device),
     )
     if args.seeds < 1:
         print("error: --seeds must be >= 1", file=sys.stderr)

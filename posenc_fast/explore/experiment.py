@@ -186,7 +186,8 @@ def reversal_batch(generator: torch.Generator, batch_size: int, seq_len: int, vo
 @contextlib.contextmanager
 def deterministic_algorithms(device: torch.device) -> Iterator[None]:
     """``torch.use_deterministic_algorithms(True)`` for the block, restoring the caller's setting after."""
-    previous, previous_warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    previous = torch.are_deterministic_algorithms_enabled()
+    previous_warn = torch.is_deterministic_algorithms_warn_only_enabled()
     if device.type == "cuda":
         # cuBLAS needs this for reproducible matmuls; it only takes effect if set before cuBLAS starts.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -216,7 +217,9 @@ def evaluate(model: OrderTaskModel, ids: torch.Tensor, targets: torch.Tensor) ->
 def train_one(variant: Variant, config: ExperimentConfig, seed: int) -> Dict:
     """Train one variant with one seed; returns the curves, final metrics and token tables."""
     device = torch.device(config.device)
-    rng_devices = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    rng_devices = []
+    if device.type == "cuda":
+        rng_devices = [device.index if device.index is not None else torch.cuda.current_device()]
     # fork_rng: the run reseeds the global generators; the caller's state comes back afterwards.
     with deterministic_algorithms(device), torch.random.fork_rng(devices=rng_devices):
         torch.manual_seed(seed)
@@ -230,7 +233,8 @@ def train_one(variant: Variant, config: ExperimentConfig, seed: int) -> Dict:
         train_losses: List[float] = []
         eval_history: List[Dict[str, float]] = []
         for step in range(1, config.steps + 1):
-            ids, targets = (t.to(device) for t in reversal_batch(data, config.batch_size, config.seq_len, config.vocab_size))
+            ids, targets = reversal_batch(data, config.batch_size, config.seq_len, config.vocab_size)
+            ids, targets = ids.to(device), targets.to(device)
             logits = model(ids)
             loss = F.cross_entropy(logits.reshape(-1, config.vocab_size), targets.reshape(-1))
             optimizer.zero_grad(set_to_none=True)
