@@ -18,12 +18,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
 MODES = ("add", "concat")
-LAYOUTS = ("interleaved", "split")
+# interleaved: [s0 c0 s1 c1 ...]; split: [s0 s1 ... | c0 c1 ...]; split_cos_first: [c0 c1 ... | s0 s1 ...]
+LAYOUTS = ("interleaved", "split", "split_cos_first")
 
 # 2*pi * 10**60, rounded to an integer.  R_i is computed in exact integer arithmetic
 # (float64 would lose ~2^-53 relative, i.e. 0.5 microradian at p = 2^32); plain
@@ -48,10 +49,10 @@ def host_cache(fn):
 
 
 @host_cache
-def default_frequencies(pe_width: int, base: float = 10000.0) -> Tuple[float, ...]:
-    """Vaswani et al. frequencies ``w_i = base ** (-2 i / D)`` for ``i < D // 2``, in float64."""
-    half = pe_width // 2
-    return tuple(float(base) ** (-2.0 * i / pe_width) for i in range(half))
+def default_frequencies(pe_width: int, base: float = 10000.0, count: Optional[int] = None) -> Tuple[float, ...]:
+    """Vaswani et al. frequencies ``w_i = base ** (-2 i / D)`` for ``i < count`` (default D // 2), in float64."""
+    count = pe_width // 2 if count is None else count
+    return tuple(float(base) ** (-2.0 * i / pe_width) for i in range(count))
 
 
 @host_cache
@@ -75,6 +76,51 @@ def turns_fixed_point(frequencies: Tuple[float, ...]) -> Tuple[int, ...]:
 
 
 @dataclasses.dataclass(frozen=True)
+class PEColumns:
+    """Where each pair's sin and cos land in the PE (width D, h = D // 2 pairs).
+
+    interleaved: sin of pair i at column 2i, cos at 2i + 1.
+    blocks: sin of pair i at ``sin_base + i`` for i < num_sin, cos at ``cos_base + i`` for i < num_cos.
+    An odd D has one column beyond the h pairs (the "tail"): it is the sin of a frequency
+    ``w_h`` when the spec has h + 1 frequencies, else zero.  In block layouts the tail
+    is slot h of whichever block has h + 1 slots; a cos slot h is always zero.
+    """
+
+    interleaved: bool
+    sin_base: int = 0
+    num_sin: int = 0
+    cos_base: int = 0
+    num_cos: int = 0
+
+    @staticmethod
+    def of(layout: str, pe_width: int, tail_is_sin: bool) -> "PEColumns":
+        half, odd = pe_width // 2, pe_width % 2
+        if layout == "interleaved":
+            return PEColumns(True, 0, pe_width - half, 1, half)
+        if layout == "split":  # zero tail after the cos block; a sin tail extends the sin block
+            num_sin = half + (odd if tail_is_sin else 0)
+            return PEColumns(False, 0, num_sin, num_sin, pe_width - num_sin)
+        if layout == "split_cos_first":  # the tail, sin or zero, ends the sin block
+            return PEColumns(False, half, pe_width - half, 0, half)
+        raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
+
+    def sin_columns(self, pe_width: int) -> range:
+        """Column of the sin of pair i, for every pair slot i (the tail included)."""
+        return range(0, pe_width, 2) if self.interleaved else range(self.sin_base, self.sin_base + self.num_sin)
+
+    def cos_columns(self, pe_width: int) -> range:
+        """Column of the cos of pair i, for i < h (a cos-block tail slot is a zero column)."""
+        half = pe_width // 2
+        if self.interleaved:
+            return range(1, 2 * half, 2)
+        return range(self.cos_base, self.cos_base + min(self.num_cos, half))
+
+    def as_list(self) -> List[int]:
+        """The form the op takes: [interleaved, sin_base, num_sin, cos_base, num_cos]."""
+        return [int(self.interleaved), self.sin_base, self.num_sin, self.cos_base, self.num_cos]
+
+
+@dataclasses.dataclass(frozen=True)
 class PESpec:
     """Everything about the layer that is fixed before seeing a batch.
 
@@ -90,13 +136,17 @@ class PESpec:
     embed_scale: float = 1.0
     pe_scale: float = 1.0
     padding_idx: Optional[int] = None  # normalised to [0, num_embeddings) or None
-    # Derived, not compared: R_i for each frequency, and their device copies.
+    zero_pe_at_padding: bool = False  # tokens equal to padding_idx get no PE (fairseq)
+    # Derived, not compared: R_i for each frequency, the column layout, and device copies of R.
     turns_fixed_point: Tuple[int, ...] = dataclasses.field(init=False, compare=False, repr=False)
+    columns: PEColumns = dataclasses.field(init=False, compare=False, repr=False)
     _turns_by_device: dict = dataclasses.field(init=False, compare=False, repr=False, default_factory=dict)
 
     def __post_init__(self):
-        # Plain attribute rather than functools.cached_property, whose lock torch.compile cannot trace.
+        # Plain attributes rather than functools.cached_property, whose lock torch.compile cannot trace.
         object.__setattr__(self, "turns_fixed_point", turns_fixed_point(tuple(self.frequencies)))
+        tail_is_sin = len(self.frequencies) > self.pe_width // 2
+        object.__setattr__(self, "columns", PEColumns.of(self.layout, self.pe_width, tail_is_sin))
 
     @property
     def width(self) -> int:
@@ -120,20 +170,6 @@ class PESpec:
             cached = torch.tensor(self.turns_fixed_point, dtype=torch.int64, device=device).reshape(-1)
             self._turns_by_device[device] = cached
         return cached
-
-
-def pe_column_map(pe_width: int, layout: str):
-    """Column indices of the sin and cos of each pair within a PE of width D.
-
-    Returns ``(sin_columns, cos_columns)`` as Python ranges.  The one place the
-    layout is defined; the reference builds its tables from it.
-    """
-    half = pe_width // 2
-    if layout == "interleaved":
-        return range(0, 2 * half, 2), range(1, 2 * half, 2)
-    if layout == "split":
-        return range(0, half), range(half, 2 * half)
-    raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
 
 
 def is_finite_number(value) -> bool:

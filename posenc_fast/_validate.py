@@ -9,7 +9,8 @@ lives in :func:`check_id_range`, called from inside the op at run time.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Tuple
+import math
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -62,11 +63,15 @@ def make_spec(
     embed_scale: float,
     pe_scale: float,
     padding_idx: Optional[int],
+    frequencies: Optional[Sequence[float]] = None,
+    zero_pe_at_padding: bool = False,
 ) -> PESpec:
     """Validate the layer's fixed parameters and build its :class:`PESpec`.
 
-    Specs are cached per argument tuple, so a repeated call returns the same
-    object (whose device tensors are cached in turn).
+    ``frequencies`` (radians per position) replaces the ``base`` recipe: h = D // 2 of
+    them, or h + 1 for an odd D whose last column is then the sin of the extra one.
+    Specs are cached per argument tuple, so a repeated call returns the same object
+    (whose device tensors are cached in turn).
     """
     for name, value in (("mode", mode), ("layout", layout)):
         if not isinstance(value, str):
@@ -77,13 +82,24 @@ def make_spec(
     for name, value in (("d_pos", d_pos), ("padding_idx", padding_idx)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise TypeError(f"{name} must be an int or None, got {value!r}")
+    if frequencies is not None:
+        if isinstance(frequencies, torch.Tensor):
+            frequencies = frequencies.detach().cpu().double().reshape(-1).tolist()
+        try:
+            frequencies = tuple(float(w) for w in frequencies)
+        except (TypeError, ValueError):
+            raise TypeError(f"frequencies must be a sequence of numbers, got {frequencies!r}") from None
+    if not isinstance(zero_pe_at_padding, bool):
+        raise TypeError(f"zero_pe_at_padding must be a bool, got {zero_pe_at_padding!r}")
     return _make_spec_cached(
-        num_embeddings, token_width, mode, d_pos, float(base), layout, float(embed_scale), float(pe_scale), padding_idx
+        num_embeddings, token_width, mode, d_pos, float(base), layout, float(embed_scale), float(pe_scale),
+        padding_idx, frequencies, zero_pe_at_padding,
     )
 
 
 @host_cache
-def _make_spec_cached(num_embeddings, token_width, mode, d_pos, base, layout, embed_scale, pe_scale, padding_idx):
+def _make_spec_cached(num_embeddings, token_width, mode, d_pos, base, layout, embed_scale, pe_scale, padding_idx,
+                      frequencies, zero_pe_at_padding):
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
     if layout not in LAYOUTS:
@@ -112,15 +128,32 @@ def _make_spec_cached(num_embeddings, token_width, mode, d_pos, base, layout, em
         if not -num_embeddings <= padding_idx < num_embeddings:
             raise ValueError(f"padding_idx={padding_idx} is out of range for {num_embeddings} embeddings")
         padding_idx %= num_embeddings
+    if zero_pe_at_padding and padding_idx is None:
+        raise ValueError("zero_pe_at_padding=True needs a padding_idx")
+    half = pe_width // 2
+    if frequencies is None:
+        frequencies = default_frequencies(pe_width, float(base))
+    else:
+        allowed = (half, half + 1) if pe_width % 2 else (half,)
+        if len(frequencies) not in allowed:
+            raise ValueError(
+                f"got {len(frequencies)} frequencies for a PE of width {pe_width}; expected "
+                + " or ".join(str(n) for n in allowed) + " (one per (sin, cos) pair; an odd width may add one "
+                "for a final sin column)"
+            )
+        bad = [w for w in frequencies if not math.isfinite(w)]
+        if bad:
+            raise ValueError(f"frequencies must be finite, got {bad[0]!r}")
     return PESpec(
         mode=mode,
         token_width=token_width,
         pe_width=pe_width,
         layout=layout,
-        frequencies=default_frequencies(pe_width, float(base)),
+        frequencies=frequencies,
         embed_scale=embed_scale,
         pe_scale=pe_scale,
         padding_idx=padding_idx,
+        zero_pe_at_padding=zero_pe_at_padding,
     )
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -25,6 +25,8 @@ def sinusoidal_embedding(
     embed_scale: float = 1.0,
     pe_scale: float = 1.0,
     padding_idx: Optional[int] = None,
+    frequencies: Optional[Sequence[float]] = None,
+    zero_pe_at_padding: bool = False,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Token embedding lookup + sinusoidal positional encoding, fused.
@@ -35,10 +37,13 @@ def sinusoidal_embedding(
     per sequence, shape ``ids.shape[:-1]``), or the explicit integer ``positions`` tensor
     (broadcastable to ``ids.shape``).  Returns ``ids.shape + (width,)`` in ``weight.dtype``.
     Only ``weight`` receives a gradient (deterministic; zero for ``padding_idx``).
-    See ``posenc_fast.reference`` for the exact definition.
+    ``frequencies`` replaces the ``base`` recipe (radians per position, one per pair);
+    ``zero_pe_at_padding`` gives padding tokens no PE (fairseq).  Presets for other
+    libraries: ``posenc_fast.presets``.  See ``posenc_fast.reference`` for the exact definition.
     """
     check_weight(weight)
-    spec = make_spec(weight.shape[0], weight.shape[1], mode, d_pos, base, layout, embed_scale, pe_scale, padding_idx)
+    spec = make_spec(weight.shape[0], weight.shape[1], mode, d_pos, base, layout, embed_scale, pe_scale, padding_idx,
+                     frequencies, zero_pe_at_padding)
     return apply_spec(ids, weight, spec, spec.turns_tensor(weight.device), positions, offset, backend)
 
 
@@ -48,7 +53,7 @@ def apply_spec(ids, weight, spec: PESpec, turns: torch.Tensor, positions, offset
     name = resolve_backend(backend, weight.device, weight.dtype)
     out = sinusoidal_embedding_op(
         batch.ids, weight, turns, batch.positions, batch.offsets, batch.offset, batch.seq_len,
-        spec.mode == "concat", spec.pe_width, spec.layout == "split", spec.embed_scale, spec.pe_scale,
-        -1 if spec.padding_idx is None else spec.padding_idx, name,
+        spec.mode == "concat", spec.pe_width, spec.columns.as_list(), spec.embed_scale, spec.pe_scale,
+        -1 if spec.padding_idx is None else spec.padding_idx, spec.zero_pe_at_padding, name,
     )
     return out.reshape(batch.out_shape)

@@ -9,13 +9,14 @@ before any kernel (skipped while a CUDA graph is being captured).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional
 
 import torch
 from torch import Tensor
 
 from . import config
 from ._dispatch import get_backend
+from ._spec import PEColumns
 from ._validate import check_id_range
 from .backends import KernelParams
 
@@ -35,22 +36,31 @@ def sinusoidal_embedding_op(
     seq_len: int,
     concat: bool,
     pe_width: int,
-    split: bool,
+    pe_columns: List[int],
     embed_scale: float,
     pe_scale: float,
     padding_idx: int,
+    zero_pe_at_padding: bool,
     backend: str,
 ) -> Tensor:
-    """Flat forward: ``[N, width]`` for ids ``[N]``.  ``padding_idx`` (-1: none) only affects the gradient."""
+    """Flat forward: ``[N, width]`` for ids ``[N]``.
+
+    ``pe_columns`` is ``PEColumns.as_list()``; ``padding_idx`` (-1: none) gets no gradient,
+    and no PE when ``zero_pe_at_padding``.
+    """
     if config.id_check_enabled() and not _capturing(ids):
         check_id_range(ids, weight.shape[0])
-    params = KernelParams(concat, weight.shape[1], pe_width, split, embed_scale, pe_scale)
+    interleaved, sin_base, num_sin, cos_base, num_cos = pe_columns
+    params = KernelParams(
+        concat, weight.shape[1], pe_width, PEColumns(bool(interleaved), sin_base, num_sin, cos_base, num_cos),
+        embed_scale, pe_scale, padding_idx if zero_pe_at_padding else -1,
+    )
     return get_backend(backend).forward(ids, weight, turns, positions, offsets, offset, seq_len, params)
 
 
 @sinusoidal_embedding_op.register_fake
-def _(ids, weight, turns, positions, offsets, offset, seq_len, concat, pe_width, split, embed_scale, pe_scale,
-      padding_idx, backend):
+def _(ids, weight, turns, positions, offsets, offset, seq_len, concat, pe_width, pe_columns, embed_scale, pe_scale,
+      padding_idx, zero_pe_at_padding, backend):
     width = weight.shape[1] + pe_width if concat else weight.shape[1]
     return weight.new_empty((ids.shape[0], width))
 
@@ -79,7 +89,7 @@ def _(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weig
 
 def _setup_context(ctx, inputs, output):
     ids, weight = inputs[0], inputs[1]
-    embed_scale, padding_idx, backend = inputs[10], inputs[12], inputs[13]
+    embed_scale, padding_idx, backend = inputs[10], inputs[12], inputs[14]
     ctx.save_for_backward(ids)  # only the ids: nothing of size tokens x width is kept
     ctx.num_embeddings, ctx.token_width = weight.shape
     ctx.weight_dtype = weight.dtype
@@ -96,7 +106,7 @@ def _backward(ctx, grad_out):
             grad_out, ids, ctx.num_embeddings, ctx.token_width, ctx.embed_scale, ctx.padding_idx,
             ctx.weight_dtype, ctx.backend,
         )
-    return (None, grad_weight) + (None,) * 12
+    return (None, grad_weight) + (None,) * 13
 
 
 sinusoidal_embedding_op.register_autograd(_backward, setup_context=_setup_context)

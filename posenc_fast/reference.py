@@ -4,8 +4,11 @@
 
 (+) is addition (mode="add") or concatenation (mode="concat").  The PE is the
 fixed sinusoid of width D with h = D // 2 (sin, cos) pairs; frequencies
-``w_i = base ** (-2 i / D)``; layout "interleaved" puts sin/cos of pair i in
-columns 2i/2i+1, layout "split" in columns i/h+i; an odd D ends in a zero column.
+``w_i = base ** (-2 i / D)`` unless given; layout "interleaved" puts sin/cos of
+pair i in columns 2i/2i+1, "split" in columns i/h+i, "split_cos_first" cos first;
+an odd D ends in a zero column, or in a sin column when h + 1 frequencies are given
+(see ``_spec.PEColumns``).  With ``zero_pe_at_padding`` tokens equal to
+``padding_idx`` get no PE.
 
 Everything is computed in float64 and rounded once to the output dtype.  The
 angle is never formed as a product ``p * w`` in floating point: the pair's
@@ -23,23 +26,32 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 
-from ._spec import default_frequencies, pe_column_map, turns_fixed_point
+from ._spec import PEColumns, default_frequencies, turns_fixed_point
 from ._validate import check_id_range, check_weight, make_batch, make_spec
 from . import config
 
 _RADIANS_PER_UNIT = 2.0 * math.pi / 2.0**64
 
 
-def exact_sinusoid(positions: torch.Tensor, turns: torch.Tensor, pe_width: int, layout: str) -> torch.Tensor:
-    """float64 PE of width ``pe_width`` for int64 ``positions`` (any shape) and fixed-point turns ``R``."""
+def _assign(table: torch.Tensor, columns: range, values: torch.Tensor) -> None:
+    if len(columns):
+        table[..., columns.start : columns.stop : columns.step] = values[..., : len(columns)]
+
+
+def exact_sinusoid(positions: torch.Tensor, turns: torch.Tensor, pe_width: int, columns: PEColumns) -> torch.Tensor:
+    """float64 PE of width ``pe_width`` for int64 ``positions`` (any shape), fixed-point turns ``R``
+    (h or h + 1 of them) and column layout ``columns``."""
     positions = positions.to(torch.int64)
-    frac = positions.unsqueeze(-1) * turns.to(positions.device)  # wraps mod 2**64: the exact fractional turn
+    sin_columns, cos_columns = columns.sin_columns(pe_width), columns.cos_columns(pe_width)
+    # Pair slots beyond the given frequencies (an odd D's zero tail) have R = 0: sin 0 = 0.
+    slots = max(len(sin_columns), len(cos_columns), turns.numel())
+    padded = torch.zeros(slots, dtype=torch.int64, device=positions.device)
+    padded[: turns.numel()] = turns.to(positions.device)
+    frac = positions.unsqueeze(-1) * padded  # wraps mod 2**64: the exact fractional turn
     angle = frac.to(torch.float64) * _RADIANS_PER_UNIT  # in [-pi, pi)
     table = torch.zeros(positions.shape + (pe_width,), dtype=torch.float64, device=positions.device)
-    sin_columns, cos_columns = pe_column_map(pe_width, layout)
-    if len(sin_columns):
-        table[..., sin_columns.start : sin_columns.stop : sin_columns.step] = torch.sin(angle)
-        table[..., cos_columns.start : cos_columns.stop : cos_columns.step] = torch.cos(angle)
+    _assign(table, sin_columns, torch.sin(angle))
+    _assign(table, cos_columns, torch.cos(angle))
     return table
 
 
@@ -50,6 +62,7 @@ def sinusoidal_table(
     base: float = 10000.0,
     layout: str = "interleaved",
     dtype: torch.dtype = torch.float64,
+    frequencies: Optional[Sequence[float]] = None,
 ) -> torch.Tensor:
     """The PE alone: shape ``positions.shape + (dim,)``.
 
@@ -68,9 +81,9 @@ def sinusoidal_table(
         raise TypeError(f"positions must be integers, got dtype {positions.dtype}")
     if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
         raise ValueError(f"dim must be an int >= 1, got {dim!r}")
-    spec = make_spec(1, dim, "add", None, base, layout, 1.0, 1.0, None)
+    spec = make_spec(1, dim, "add", None, base, layout, 1.0, 1.0, None, frequencies)
     turns = torch.tensor(spec.turns_fixed_point, dtype=torch.int64).reshape(-1)
-    return exact_sinusoid(positions, turns, dim, layout).to(dtype)
+    return exact_sinusoid(positions, turns, dim, spec.columns).to(dtype)
 
 
 def embed_flat(
@@ -81,10 +94,11 @@ def embed_flat(
     *,
     concat: bool,
     pe_width: int,
-    layout: str,
+    columns: PEColumns,
     embed_scale: float,
     pe_scale: float,
     padding_idx: Optional[int] = None,
+    zero_pe_at_padding: bool = False,
 ) -> torch.Tensor:
     """The layer on flat inputs (ids [N], int64 positions [N]); differentiable w.r.t. ``weight``.
 
@@ -94,7 +108,9 @@ def embed_flat(
     in_range = (ids >= 0) & (ids < weight.shape[0])
     rows = F.embedding(torch.where(in_range, ids, 0), weight, padding_idx=padding_idx)
     tokens = rows.to(torch.float64) * embed_scale * in_range.unsqueeze(-1)
-    pe = exact_sinusoid(positions, turns, pe_width, layout) * pe_scale
+    pe = exact_sinusoid(positions, turns, pe_width, columns) * pe_scale
+    if zero_pe_at_padding:
+        pe = pe * (ids != padding_idx).unsqueeze(-1)
     out = torch.cat([tokens, pe], dim=-1) if concat else tokens + pe
     return out.to(weight.dtype)
 
@@ -112,17 +128,21 @@ def sinusoidal_embedding(
     embed_scale: float = 1.0,
     pe_scale: float = 1.0,
     padding_idx: Optional[int] = None,
+    frequencies: Optional[Sequence[float]] = None,
+    zero_pe_at_padding: bool = False,
 ) -> torch.Tensor:
     """Reference implementation of :func:`posenc_fast.sinusoidal_embedding` (any float dtype, autograd by PyTorch)."""
     check_weight(weight)
-    spec = make_spec(weight.shape[0], weight.shape[1], mode, d_pos, base, layout, embed_scale, pe_scale, padding_idx)
+    spec = make_spec(weight.shape[0], weight.shape[1], mode, d_pos, base, layout, embed_scale, pe_scale, padding_idx,
+                     frequencies, zero_pe_at_padding)
     batch = make_batch(ids, weight, spec, positions, offset)
     if config.id_check_enabled():
         check_id_range(batch.ids, weight.shape[0])
     out = embed_flat(
         batch.ids, weight, batch.token_positions(), spec.turns_tensor(weight.device),
-        concat=spec.mode == "concat", pe_width=spec.pe_width, layout=spec.layout,
+        concat=spec.mode == "concat", pe_width=spec.pe_width, columns=spec.columns,
         embed_scale=spec.embed_scale, pe_scale=spec.pe_scale, padding_idx=spec.padding_idx,
+        zero_pe_at_padding=spec.zero_pe_at_padding,
     )
     return out.reshape(batch.out_shape)
 

@@ -46,6 +46,8 @@ class Case:
     padding_idx: Optional[int] = None
     ids_dtype: torch.dtype = torch.int64
     hot_id: bool = False  # many tokens share one id: long gradient runs
+    frequencies: str = "base"  # "base": base^(-2i/D); "random": h random rates; "random_tail": h + 1 (odd D)
+    zero_pe_at_padding: bool = False
 
     @property
     def token_width(self) -> int:
@@ -75,6 +77,17 @@ CASES = [
     Case("hot_id_padding", (3, 70), 9, 8, padding_idx=-1, hot_id=True, ids_dtype=torch.int32),
     Case("long_sequence", (1, 600), 500, 8, layout="split", position_rule="int", hot_id=True),
     Case("wide", (1, 5), 7, 300, mode="concat", d_pos=131, position_rule="per_sequence"),
+    Case("cos_first", (2, 9), 37, 16, layout="split_cos_first", position_rule="int"),
+    Case("cos_first_odd", (2, 9), 37, 11, layout="split_cos_first", frequencies="random"),
+    Case("cos_first_odd_tail", (2, 9), 37, 11, layout="split_cos_first", frequencies="random_tail"),
+    Case("split_odd_sin_tail", (3, 8), 20, 9, layout="split", frequencies="random_tail", embed_scale=3.0),
+    Case("interleaved_odd_sin_tail", (3, 8), 20, 13, frequencies="random_tail", position_rule="positions"),
+    Case("concat_sin_tail", (2, 6), 20, 12, mode="concat", d_pos=7, layout="split", frequencies="random_tail"),
+    Case("random_rates", (2, 10), 30, 20, frequencies="random", position_rule="far"),
+    Case("zero_pe_at_padding", (3, 12), 15, 10, layout="split", padding_idx=1, zero_pe_at_padding=True,
+         hot_id=True, position_rule="positions"),
+    Case("zero_pe_at_padding_concat", (3, 12), 15, 10, mode="concat", d_pos=4, padding_idx=0,
+         zero_pe_at_padding=True, hot_id=True),
 ]
 
 # Positions the design promises to be exact at (fp32 products fail at these): DESIGN.md section 2.
@@ -92,6 +105,15 @@ def make_inputs(case: Case, device: str, dtype: torch.dtype, seed: int):
     weight = torch.randn(case.vocab, case.token_width, generator=g, dtype=torch.float64)
     kwargs = dict(mode=case.mode, d_pos=case.d_pos, layout=case.layout, embed_scale=case.embed_scale,
                   pe_scale=case.pe_scale, padding_idx=case.padding_idx)
+    if case.zero_pe_at_padding:
+        kwargs["zero_pe_at_padding"] = True
+    pe_width = case.d_pos if case.mode == "concat" else case.d_model
+    if case.frequencies != "base":
+        count = pe_width // 2 + (1 if case.frequencies == "random_tail" else 0)
+        # Rates spread over [-8, 8) rad per position, and some below 1e-4 as long wavelengths are.
+        rates = (torch.rand(count, generator=g, dtype=torch.float64) - 0.5) * 16
+        rates[::3] *= 1e-5
+        kwargs["frequencies"] = rates.tolist()
     sequences = case.ids_shape[:-1]
     if case.position_rule == "int":
         kwargs["offset"] = int(torch.randint(-(2**24), 2**24, (), generator=g))

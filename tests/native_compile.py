@@ -44,7 +44,8 @@ def _forward_signature(dtype, position_source):
            "positions_ptr": "*i64", "offsets_ptr": "*i64"}
     sig.update({name: "i64" if name == "offset" else "i32" for name in (
         "offset", "seq_len", "num_tokens", "num_embeddings", "weight_row_stride", "out_row_stride",
-        "token_width", "pe_width", "num_pairs", "num_copy_blocks")})
+        "token_width", "pe_width", "num_pairs", "num_turns", "sin_base", "num_sin", "cos_base", "num_cos",
+        "pe_zero_id", "num_copy_blocks")})
     sig.update({"embed_scale": "fp32", "pe_scale": "fp32"})
     return sig
 
@@ -102,7 +103,7 @@ def main() -> int:
         return 2
     for arch in ARCHS:
         for dtype, concat, split, position_source in FORWARD_VARIANTS:
-            constexprs = {"CONCAT": concat, "SPLIT": split, "POSITION_SOURCE": position_source,
+            constexprs = {"CONCAT": concat, "INTERLEAVED": not split, "POSITION_SOURCE": position_source,
                           "BLOCK_T": 8, "BLOCK_P": 128 if split else 64, "SOFTWARE_BF16": False}
             if position_source != 2:
                 constexprs["positions_ptr"] = None

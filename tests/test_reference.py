@@ -15,22 +15,32 @@ from posenc_fast import reference
 from cases import CASES, make_inputs
 
 
-def naive_table(positions: torch.Tensor, dim: int, base: float, layout: str) -> torch.Tensor:
+def naive_table(positions: torch.Tensor, dim: int, base: float, layout: str, frequencies=None) -> torch.Tensor:
+    """Written from the layout descriptions: interleaved [s0 c0 s1 c1 ..], split [s.. | c..],
+    split_cos_first [c.. | s..]; odd dim: a zero last column, or, with h + 1 frequencies, one more
+    sin column (interleaved: last; split: ending the sin block; cos-first: last)."""
     half = dim // 2
-    w = torch.tensor([base ** (-2.0 * i / dim) for i in range(half)], dtype=torch.float64)
-    angle = positions.double().unsqueeze(-1) * w
-    table = torch.zeros(positions.shape + (dim,), dtype=torch.float64)
-    for i in range(half):
-        if layout == "interleaved":
-            table[..., 2 * i] = torch.sin(angle[..., i])
-            table[..., 2 * i + 1] = torch.cos(angle[..., i])
-        else:
-            table[..., i] = torch.sin(angle[..., i])
-            table[..., half + i] = torch.cos(angle[..., i])
-    return table
+    w = frequencies if frequencies is not None else [base ** (-2.0 * i / dim) for i in range(half)]
+    angle = positions.double().unsqueeze(-1) * torch.tensor(w, dtype=torch.float64)
+    sin, cos = torch.sin(angle), torch.cos(angle)
+    sin_tail = len(w) > half
+    if layout == "interleaved":
+        columns = []
+        for i in range(half):
+            columns += [sin[..., i], cos[..., i]]
+    elif layout == "split":
+        columns = [sin[..., i] for i in range(len(w))] + [cos[..., i] for i in range(half)]
+    else:
+        columns = [cos[..., i] for i in range(half)] + [sin[..., i] for i in range(len(w))]
+    if layout == "interleaved" and sin_tail:
+        columns.append(sin[..., half])
+    if len(columns) < dim:
+        columns.append(torch.zeros_like(angle[..., 0]) if half else torch.zeros(positions.shape, dtype=torch.float64))
+    return torch.stack(columns, dim=-1) if columns else torch.zeros(positions.shape + (0,), dtype=torch.float64)
 
 
-def naive_embedding(ids, weight, *, mode, d_pos, positions, offset, layout, embed_scale, pe_scale, padding_idx):
+def naive_embedding(ids, weight, *, mode, d_pos, positions, offset, layout, embed_scale, pe_scale, padding_idx,
+                    frequencies=None, zero_pe_at_padding=False):
     ids = ids.cpu()
     if positions is not None:
         pos = positions.cpu().to(torch.int64).expand(ids.shape)
@@ -40,8 +50,14 @@ def naive_embedding(ids, weight, *, mode, d_pos, positions, offset, layout, embe
         pos = t + off
     tokens = weight.cpu().double()[ids.long()] * embed_scale
     dim = d_pos if mode == "concat" else weight.shape[1]
-    pe = naive_table(pos, dim, 10000.0, layout) * pe_scale
-    return torch.cat([tokens, pe], -1) if mode == "concat" else tokens + pe
+    pe = naive_table(pos, dim, 10000.0, layout, frequencies) * pe_scale
+    if zero_pe_at_padding:
+        pe = pe * (ids != padding_idx).unsqueeze(-1)
+    out = torch.cat([tokens, pe], -1) if mode == "concat" else tokens + pe
+    # The naive float64 angle p * w is itself off by up to ~|p w| 2^-53: the tolerance of this check.
+    rates = frequencies if frequencies is not None else [1.0]
+    largest_angle = (pos.abs().max().item() if pos.numel() else 0) * max(abs(w) for w in rates) if rates else 0.0
+    return out, largest_angle
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
@@ -50,12 +66,13 @@ def test_reference_matches_independent_formula(case, seed):
     got = reference.sinusoidal_embedding(ids, weight, **kwargs)
     full = dict(positions=None, offset=0)
     full.update(kwargs)
-    want = naive_embedding(ids, weight, **full)
+    want, largest_angle = naive_embedding(ids, weight, **full)
     assert got.dtype == torch.float64 and got.shape == want.shape
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-8 * max(1.0, case.embed_scale, case.pe_scale))
+    atol = (1e-9 + largest_angle * 2.0**-51) * max(1.0, case.embed_scale, case.pe_scale)
+    torch.testing.assert_close(got, want, rtol=0, atol=atol)
 
 
-@pytest.mark.parametrize("layout", ["interleaved", "split"])
+@pytest.mark.parametrize("layout", ["interleaved", "split", "split_cos_first"])
 @pytest.mark.parametrize("dim", [1, 2, 3, 8, 9, 64])
 def test_sinusoidal_table(layout, dim):
     positions = torch.tensor([0, 1, 5, -7, 65536, 2**24, -(2**24)])
@@ -63,6 +80,9 @@ def test_sinusoidal_table(layout, dim):
     torch.testing.assert_close(got, naive_table(positions, dim, 10000.0, layout), rtol=0, atol=1e-8)
     if dim % 2:
         assert torch.count_nonzero(got[..., -1]) == 0, "odd width must end in a zero column"
+        rates = [0.3 * (i + 1) for i in range(dim // 2 + 1)]
+        with_tail = reference.sinusoidal_table(positions, dim, layout=layout, frequencies=rates)
+        torch.testing.assert_close(with_tail, naive_table(positions, dim, 0.0, layout, rates), rtol=0, atol=1e-8)
 
 
 def test_sinusoidal_table_arguments():

@@ -15,6 +15,8 @@ from typing import NamedTuple
 
 import torch
 
+from .._spec import PEColumns
+
 # Tests set this so that any element a kernel fails to write shows up as NaN.
 POISON_OUTPUTS = False
 
@@ -33,9 +35,10 @@ class KernelParams(NamedTuple):
     concat: bool
     token_width: int
     pe_width: int
-    split: bool
+    columns: PEColumns
     embed_scale: float
     pe_scale: float
+    pe_zero_id: int  # tokens with this id get no PE (fairseq padding); -1: none
 
     @property
     def width(self) -> int:

@@ -26,8 +26,10 @@ def forward(ids, weight, turns, positions, offsets, offset, seq_len, params: Ker
     with torch.no_grad():
         return reference.embed_flat(
             ids, weight, batch.token_positions(), turns,
-            concat=params.concat, pe_width=params.pe_width, layout="split" if params.split else "interleaved",
+            concat=params.concat, pe_width=params.pe_width, columns=params.columns,
             embed_scale=params.embed_scale, pe_scale=params.pe_scale,
+            padding_idx=params.pe_zero_id if params.pe_zero_id >= 0 else None,
+            zero_pe_at_padding=params.pe_zero_id >= 0,
         )
 
 

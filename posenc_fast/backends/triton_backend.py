@@ -69,12 +69,13 @@ def _forward_blocks(params: KernelParams, num_tokens: int):
     Chosen so that each thread of 4 warps holds 8 consecutive output columns per
     half (one 16-byte vector in bf16) and few registers (about 32 on sm_90, measured
     with ptxas ahead of time; 32 tokens per program needed 212, which starves
-    occupancy).  The split layout writes two column blocks, so it takes twice the
+    occupancy).  Block layouts write two column blocks, so they take twice the
     pairs.  Not yet tuned on a GPU (benchmark issue).
     """
-    pair_slots = params.pe_width - params.num_pairs  # ceil(D / 2): includes the zero column of an odd D
-    block_p = min(128 if params.split else 64, triton.next_power_of_2(max(pair_slots, 1)))
-    block_t = max(1, min(1024 // (2 * block_p) if not params.split else 2048 // (2 * block_p),
+    pair_slots = params.pe_width - params.num_pairs  # ceil(D / 2): includes the tail column of an odd D
+    interleaved = params.columns.interleaved
+    block_p = min(64 if interleaved else 128, triton.next_power_of_2(max(pair_slots, 1)))
+    block_t = max(1, min((1024 if interleaved else 2048) // (2 * block_p),
                          triton.next_power_of_2(max(num_tokens, 1))))
     return block_t, block_p, pair_slots
 
@@ -97,12 +98,14 @@ def forward(ids, weight, turns, positions, offsets, offset, seq_len, params: Ker
     num_copy_blocks = triton.cdiv(params.token_width, 2 * block_p) if params.concat else 0
     position_source = 2 if positions is not None else (1 if offsets is not None else 0)
     grid = (triton.cdiv(num_tokens, block_t), num_copy_blocks + triton.cdiv(pair_slots, block_p))
+    columns = params.columns
     kernels.forward_kernel[grid](
         ids, weight, out, turns, positions, offsets,
         offset, max(seq_len, 1), num_tokens, weight.shape[0], weight.stride(0), out.stride(0),
-        params.token_width, params.pe_width, params.num_pairs, num_copy_blocks,
-        params.embed_scale, params.pe_scale,
-        CONCAT=params.concat, SPLIT=params.split, POSITION_SOURCE=position_source,
+        params.token_width, params.pe_width, params.num_pairs, turns.numel(),
+        columns.sin_base, columns.num_sin, columns.cos_base, columns.num_cos, params.pe_zero_id,
+        num_copy_blocks, params.embed_scale, params.pe_scale,
+        CONCAT=params.concat, INTERLEAVED=columns.interleaved, POSITION_SOURCE=position_source,
         BLOCK_T=block_t, BLOCK_P=block_p, SOFTWARE_BF16=_kernels_interpreted, num_warps=FORWARD_WARPS,
     )
     return out

@@ -90,44 +90,48 @@ def _store_columns(out_rows, weight_rows, id_ok, out_cols, weight_cols, pe, mask
 
 @triton.jit
 def _pe_block(
-    out_rows, weight_rows, id_ok, token_ok, pos, turns_ptr, pair_block, num_pairs, pe_width, pe_col0,
-    embed_scale, pe_scale, ADD_TOKENS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr,
+    out_rows, weight_rows, id_ok, token_ok, pe_on, pos, turns_ptr, pair_block, num_turns, num_pairs, pe_width,
+    pe_col0, sin_base, num_sin, cos_base, num_cos, embed_scale, pe_scale,
+    ADD_TOKENS: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr,
     SOFTWARE_BF16: tl.constexpr,
 ):
-    """The PE columns of BLOCK_P pairs for BLOCK_T tokens (plus the token columns they share in add mode)."""
+    """The PE columns of BLOCK_P pair slots for BLOCK_T tokens (plus the token columns they share in add mode).
+
+    Slot i >= num_turns (an odd D's zero tail) has no frequency: sin 0 = 0.  A cos slot
+    i >= num_pairs (the tail slot of a cos block) is a zero column.  See _spec.PEColumns.
+    """
     pairs = pair_block * BLOCK_P + tl.arange(0, BLOCK_P)
-    turns = tl.load(turns_ptr + pairs, mask=pairs < num_pairs, other=0)
+    turns = tl.load(turns_ptr + pairs, mask=pairs < num_turns, other=0)
     sin, cos = sin_cos_of_turns(pos[:, None] * turns[None, :])  # one sin/cos per pair
-    sin = sin * pe_scale
-    cos = cos * pe_scale
-    if SPLIT:
-        # sin of pair i at column i, cos at h + i; for odd D the slot i == h of the cos half is the zero column.
-        cos = tl.where((pairs < num_pairs)[None, :], cos, 0.0)
-        sin_mask = token_ok[:, None] & (pairs < num_pairs)[None, :]
-        cos_mask = token_ok[:, None] & (pairs < pe_width - num_pairs)[None, :]
-        _store_columns(out_rows, weight_rows, id_ok, pe_col0 + pairs, pairs, sin, sin_mask, embed_scale, ADD_TOKENS,
-                       SOFTWARE_BF16)
-        _store_columns(out_rows, weight_rows, id_ok, pe_col0 + num_pairs + pairs, num_pairs + pairs, cos,
-                       cos_mask, embed_scale, ADD_TOKENS, SOFTWARE_BF16)
-    else:
-        # Interleave (sin, cos) into contiguous columns 2i, 2i+1; the pair i == h of an odd D has sin = 0
-        # (its turns are 0) in the last column and its cos falls outside the mask.
+    scale = tl.where(pe_on, pe_scale, 0.0)[:, None]  # tokens with the pe_zero_id get no PE
+    sin = sin * scale
+    cos = tl.where((pairs < num_pairs)[None, :], cos * scale, 0.0)
+    if INTERLEAVED:
+        # (sin, cos) of slot i into contiguous columns 2i, 2i+1; an odd D's tail cos falls outside the mask.
         pe = tl.join(sin, cos).reshape(BLOCK_T, 2 * BLOCK_P)
         cols = pair_block * (2 * BLOCK_P) + tl.arange(0, 2 * BLOCK_P)
         mask = token_ok[:, None] & (cols < pe_width)[None, :]
         _store_columns(out_rows, weight_rows, id_ok, pe_col0 + cols, cols, pe, mask, embed_scale, ADD_TOKENS,
                        SOFTWARE_BF16)
+    else:
+        sin_mask = token_ok[:, None] & (pairs < num_sin)[None, :]
+        cos_mask = token_ok[:, None] & (pairs < num_cos)[None, :]
+        _store_columns(out_rows, weight_rows, id_ok, pe_col0 + sin_base + pairs, sin_base + pairs, sin, sin_mask,
+                       embed_scale, ADD_TOKENS, SOFTWARE_BF16)
+        _store_columns(out_rows, weight_rows, id_ok, pe_col0 + cos_base + pairs, cos_base + pairs, cos, cos_mask,
+                       embed_scale, ADD_TOKENS, SOFTWARE_BF16)
 
 
 @triton.jit
 def forward_kernel(
     ids_ptr, weight_ptr, out_ptr, turns_ptr, positions_ptr, offsets_ptr,
     offset, seq_len, num_tokens, num_embeddings, weight_row_stride, out_row_stride,
-    token_width, pe_width, num_pairs, num_copy_blocks, embed_scale, pe_scale,
-    CONCAT: tl.constexpr, SPLIT: tl.constexpr, POSITION_SOURCE: tl.constexpr,
+    token_width, pe_width, num_pairs, num_turns, sin_base, num_sin, cos_base, num_cos, pe_zero_id,
+    num_copy_blocks, embed_scale, pe_scale,
+    CONCAT: tl.constexpr, INTERLEAVED: tl.constexpr, POSITION_SOURCE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, SOFTWARE_BF16: tl.constexpr,
 ):
-    """Grid: (token blocks, column blocks).  A column block is BLOCK_P (sin, cos) pairs;
+    """Grid: (token blocks, column blocks).  A column block is BLOCK_P pair slots;
     in concat mode the first ``num_copy_blocks`` column blocks copy 2*BLOCK_P token columns each."""
     pid_t = tl.program_id(0)
     pid_c = tl.program_id(1)
@@ -136,6 +140,7 @@ def forward_kernel(
     ids = tl.load(ids_ptr + tokens, mask=token_ok, other=0).to(tl.int64)
     # Guard every access: an out-of-range id (range check off) reads nothing and counts as a zero vector.
     id_ok = token_ok & (ids >= 0) & (ids < num_embeddings)
+    pe_on = ids != pe_zero_id
     weight_rows = weight_ptr + tl.where(id_ok, ids, 0) * weight_row_stride
     out_rows = out_ptr + tokens * out_row_stride
     if CONCAT:
@@ -147,12 +152,14 @@ def forward_kernel(
                                                                          SOFTWARE_BF16), mask=mask)
         else:
             pos = _token_positions(tokens, token_ok, positions_ptr, offsets_ptr, offset, seq_len, POSITION_SOURCE)
-            _pe_block(out_rows, weight_rows, id_ok, token_ok, pos, turns_ptr, pid_c - num_copy_blocks, num_pairs,
-                      pe_width, token_width, embed_scale, pe_scale, False, SPLIT, BLOCK_T, BLOCK_P, SOFTWARE_BF16)
+            _pe_block(out_rows, weight_rows, id_ok, token_ok, pe_on, pos, turns_ptr, pid_c - num_copy_blocks,
+                      num_turns, num_pairs, pe_width, token_width, sin_base, num_sin, cos_base, num_cos,
+                      embed_scale, pe_scale, False, INTERLEAVED, BLOCK_T, BLOCK_P, SOFTWARE_BF16)
     else:
         pos = _token_positions(tokens, token_ok, positions_ptr, offsets_ptr, offset, seq_len, POSITION_SOURCE)
-        _pe_block(out_rows, weight_rows, id_ok, token_ok, pos, turns_ptr, pid_c, num_pairs,
-                  pe_width, 0, embed_scale, pe_scale, True, SPLIT, BLOCK_T, BLOCK_P, SOFTWARE_BF16)
+        _pe_block(out_rows, weight_rows, id_ok, token_ok, pe_on, pos, turns_ptr, pid_c,
+                  num_turns, num_pairs, pe_width, 0, sin_base, num_sin, cos_base, num_cos,
+                  embed_scale, pe_scale, True, INTERLEAVED, BLOCK_T, BLOCK_P, SOFTWARE_BF16)
 
 
 @triton.jit

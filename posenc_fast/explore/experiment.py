@@ -4,9 +4,9 @@ Owns the task, the model variants, the training loop and the summary table.
 
 Task: sequence reversal.  Input: ``seq_len`` tokens drawn uniformly from
 ``vocab_size``; target at position i: the input token at ``seq_len - 1 - i``.  Every
-output depends on *where* a token is, so an encoder without positions can only
-guess (it is permutation-equivariant: position i sees the same multiset as
-every other position).
+output depends on *where* a token is.  Without positions the encoder is
+permutation-equivariant: the output at position i is a function of the token
+there and of the multiset of all tokens, so it can only guess.
 
 Variants (all: N(0, 1) token table, the same ``nn.TransformerEncoder`` body,
 pre-LayerNorm, no dropout, a linear read-out):
@@ -52,6 +52,7 @@ POSITION_KINDS = ("none", "index", "add", "concat")
 EQUAL_WIDTH = "equal width"
 EQUAL_PARAMS = "equal params"
 _EVAL_SEED = 2**31 - 1  # one held-out set for every seed and variant
+SOLVED_ACCURACY = 0.99  # held-out token accuracy that counts as "solved" for the steps-to-solve column
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +113,8 @@ class OrderTaskModel(nn.Module):
 
     def __init__(self, variant: Variant, config: ExperimentConfig):
         super().__init__()
+        if variant.position not in POSITION_KINDS:
+            raise ValueError(f"unknown position kind {variant.position!r}; expected one of {POSITION_KINDS}")
         self.position = variant.position
         self.seq_len = config.seq_len
         # Build order matters for comparability: with the same seed, the token
@@ -271,8 +274,6 @@ def run_add_vs_concat(config: ExperimentConfig, seeds: Sequence[int], *, progres
                          f"token acc {final['token_accuracy']:.3f}, eval loss {final['loss']:.4f}")
     return {"config": dataclasses.asdict(config), "seeds": list(seeds), "variants": variants, "runs": runs}
 
-
-SOLVED_ACCURACY = 0.99  # held-out token accuracy that counts as "solved" for the steps-to-solve column
 
 
 def steps_to_solve(run: Dict, threshold: float = SOLVED_ACCURACY) -> Optional[int]:

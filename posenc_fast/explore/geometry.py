@@ -22,8 +22,26 @@ from typing import Dict, List, Sequence
 
 import torch
 
-from .._spec import pe_column_map
 from ..reference import sinusoidal_table
+
+# Layouts whose (sin, cos) columns this module knows, as documented for
+# ``sinusoidal_table``: interleaved puts pair i in columns 2i, 2i+1; split in i, h+i.
+# Written out here (not taken from the core's private helpers) so the check is
+# independent of the implementation; the tests compare it with the library's table.
+ROTATION_LAYOUTS = ("interleaved", "split")
+
+
+def pair_columns(dim: int, layout: str):
+    """``(sin_columns, cos_columns)``: int64 index tensors, pair i at position i, for an even ``dim``."""
+    if dim < 2 or dim % 2:
+        raise ValueError(f"dim must be even and >= 2 for the pair structure, got {dim}")
+    half = dim // 2
+    pairs = torch.arange(half, dtype=torch.int64)
+    if layout == "interleaved":
+        return 2 * pairs, 2 * pairs + 1
+    if layout == "split":
+        return pairs, half + pairs
+    raise ValueError(f"layout {layout!r} not supported here; expected one of {ROTATION_LAYOUTS}")
 
 
 def pe_table(positions, dim: int, *, base: float = 10000.0, layout: str = "interleaved") -> torch.Tensor:
@@ -32,7 +50,7 @@ def pe_table(positions, dim: int, *, base: float = 10000.0, layout: str = "inter
 
 
 def offset_rotation(offset: int, dim: int, *, base: float = 10000.0, layout: str = "interleaved") -> torch.Tensor:
-    """The ``[dim, dim]`` float64 matrix R(k) with ``PE(t + k) = R(k) @ PE(t)`` for every t.
+    """The ``[dim, dim]`` float64 matrix R(k) with ``PE(t + k) = R(k) @ PE(t)`` for every t (even ``dim``).
 
     One 2x2 rotation per (sin, cos) pair, by the angle k * w_i, from
     sin(a + b) = sin a cos b + cos a sin b and cos(a + b) = cos a cos b - sin a sin b.
@@ -42,16 +60,14 @@ def offset_rotation(offset: int, dim: int, *, base: float = 10000.0, layout: str
     the check, not of the identity being checked.  R(k) depends on k alone, never
     on t: that is the "relative position is a linear map" property.
     """
+    sin_columns, cos_columns = pair_columns(dim, layout)
     row = pe_table([offset], dim, base=base, layout=layout)[0]
-    sin_columns, cos_columns = (torch.tensor(list(c), dtype=torch.int64) for c in pe_column_map(dim, layout))
     sin_k, cos_k = row[sin_columns], row[cos_columns]
     rotation = torch.zeros(dim, dim, dtype=torch.float64)
     rotation[sin_columns, sin_columns] = cos_k
     rotation[sin_columns, cos_columns] = sin_k
     rotation[cos_columns, sin_columns] = -sin_k
     rotation[cos_columns, cos_columns] = cos_k
-    if dim % 2:  # an odd width ends in an all-zero PE column; keep it (it stays zero)
-        rotation[dim - 1, dim - 1] = 1.0
     return rotation
 
 
