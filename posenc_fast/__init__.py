@@ -5,10 +5,11 @@
 ``posenc_fast.reference`` is the pure-PyTorch definition every backend is tested against.
 """
 
-from . import reference
+from . import presets, reference
 from .config import id_check, id_check_enabled, set_id_check
 from .functional import sinusoidal_embedding
 from .module import SinusoidalEmbedding
+from .positions import make_positions, packed_positions
 
 __version__ = "0.1.0"
 
@@ -16,6 +17,9 @@ __all__ = [
     "sinusoidal_embedding",
     "SinusoidalEmbedding",
     "reference",
+    "presets",
+    "make_positions",
+    "packed_positions",
     "set_id_check",
     "id_check",
     "id_check_enabled",

@@ -10,6 +10,7 @@ from ._dispatch import resolve_backend
 from ._spec import PESpec
 from ._validate import check_weight, make_batch, make_spec
 from .ops import sinusoidal_embedding_op
+from .positions import make_positions, packed_positions
 
 
 def sinusoidal_embedding(
@@ -27,6 +28,7 @@ def sinusoidal_embedding(
     padding_idx: Optional[int] = None,
     frequencies: Optional[Sequence[float]] = None,
     zero_pe_at_padding: bool = False,
+    cu_seqlens: Optional[torch.Tensor] = None,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Token embedding lookup + sinusoidal positional encoding, fused.
@@ -38,17 +40,38 @@ def sinusoidal_embedding(
     (broadcastable to ``ids.shape``).  Returns ``ids.shape + (width,)`` in ``weight.dtype``.
     Only ``weight`` receives a gradient (deterministic; zero for ``padding_idx``).
     ``frequencies`` replaces the ``base`` recipe (radians per position, one per pair);
-    ``zero_pe_at_padding`` gives padding tokens no PE (fairseq).  Presets for other
-    libraries: ``posenc_fast.presets``.  See ``posenc_fast.reference`` for the exact definition.
+    ``zero_pe_at_padding`` gives padding tokens no PE (fairseq).  ``cu_seqlens`` packs
+    several sequences along the last axis (cumulative lengths ``[0, l0, l0 + l1, ...]``):
+    positions restart at 0 at each start.  Presets for other libraries:
+    ``posenc_fast.presets``.  See ``posenc_fast.reference`` for the exact definition.
     """
     check_weight(weight)
     spec = make_spec(weight.shape[0], weight.shape[1], mode, d_pos, base, layout, embed_scale, pe_scale, padding_idx,
                      frequencies, zero_pe_at_padding)
-    return apply_spec(ids, weight, spec, spec.turns_tensor(weight.device), positions, offset, backend)
+    return apply_spec(ids, weight, spec, spec.turns_tensor(weight.device), positions, offset, backend,
+                      cu_seqlens=cu_seqlens)
 
 
-def apply_spec(ids, weight, spec: PESpec, turns: torch.Tensor, positions, offset, backend: str) -> torch.Tensor:
+def _positions_by_rule(ids, spec: PESpec, positions, offset, cu_seqlens, position_rule: str):
+    """Turn cu_seqlens or a position rule into explicit positions (on the device, no host sync)."""
+    if cu_seqlens is not None:
+        if positions is not None or isinstance(offset, torch.Tensor) or offset != 0:
+            raise ValueError("cu_seqlens already gives the positions; do not also pass positions or a nonzero offset")
+        if position_rule != "offset":
+            raise ValueError(f"cu_seqlens cannot be combined with the {position_rule!r} position rule")
+        if isinstance(cu_seqlens, torch.Tensor) and isinstance(ids, torch.Tensor) and cu_seqlens.device != ids.device:
+            raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but ids are on {ids.device}")
+        length = ids.shape[-1] if isinstance(ids, torch.Tensor) and ids.dim() else 1
+        return packed_positions(cu_seqlens, length), 0
+    if position_rule == "fairseq" and positions is None and isinstance(ids, torch.Tensor):
+        return make_positions(ids, spec.padding_idx, past_length=offset), 0
+    return positions, offset
+
+
+def apply_spec(ids, weight, spec: PESpec, turns: torch.Tensor, positions, offset, backend: str, *,
+               cu_seqlens=None, position_rule: str = "offset") -> torch.Tensor:
     """Run the layer described by ``spec`` (``turns``: its fixed-point frequencies on weight's device)."""
+    positions, offset = _positions_by_rule(ids, spec, positions, offset, cu_seqlens, position_rule)
     batch = make_batch(ids, weight, spec, positions, offset)
     name = resolve_backend(backend, weight.device, weight.dtype)
     out = sinusoidal_embedding_op(

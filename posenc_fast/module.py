@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 import torch
 from torch import nn
 
+from . import presets
 from ._dispatch import check_backend_name
 from ._validate import make_spec
 from .functional import apply_spec
+from .presets import POSITION_RULES
 
 
 class SinusoidalEmbedding(nn.Module):
@@ -18,7 +20,11 @@ class SinusoidalEmbedding(nn.Module):
     ``weight`` is ``[num_embeddings, d_model]`` for ``mode="add"`` and
     ``[num_embeddings, d_model - d_pos]`` for ``mode="concat"``; the output
     width is always ``d_model``.  Initialised like ``nn.Embedding`` (N(0, 1),
-    padding row zero).  ``forward(ids, positions=None, offset=0)``.
+    padding row zero).  ``forward(ids, positions=None, offset=0, cu_seqlens=None)``.
+
+    ``position_rule="fairseq"`` numbers positions as fairseq does (padding-aware, see
+    ``posenc_fast.make_positions``; ``offset`` is then the past length).  Library
+    conventions: :meth:`from_preset`; an existing token table: :meth:`from_pretrained`.
     """
 
     def __init__(
@@ -33,6 +39,9 @@ class SinusoidalEmbedding(nn.Module):
         embed_scale: float = 1.0,
         pe_scale: float = 1.0,
         padding_idx: Optional[int] = None,
+        frequencies: Optional[Sequence[float]] = None,
+        zero_pe_at_padding: bool = False,
+        position_rule: str = "offset",
         backend: str = "auto",
         device=None,
         dtype=None,
@@ -43,9 +52,16 @@ class SinusoidalEmbedding(nn.Module):
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if mode == "concat" and isinstance(d_pos, int) and not isinstance(d_pos, bool) and not 1 <= d_pos < d_model:
             raise ValueError(f"d_pos={d_pos} must satisfy 1 <= d_pos < d_model={d_model}")
+        if position_rule not in POSITION_RULES:
+            raise ValueError(f"unknown position_rule {position_rule!r}; expected one of {POSITION_RULES}")
+        if position_rule == "fairseq" and padding_idx is None:
+            raise ValueError("position_rule='fairseq' needs a padding_idx (fairseq's default is 1)")
         token_width = d_model - d_pos if mode == "concat" and isinstance(d_pos, int) else d_model
         # Validates every fixed parameter once, here, and computes the frequencies.
-        self.spec = make_spec(num_embeddings, token_width, mode, d_pos, base, layout, embed_scale, pe_scale, padding_idx)
+        self.spec = make_spec(num_embeddings, token_width, mode, d_pos, base, layout, embed_scale, pe_scale, padding_idx,
+                              frequencies, zero_pe_at_padding)
+        self.position_rule = position_rule
+        self.preset: Optional[str] = None  # set by from_preset, for the repr
         check_backend_name(backend)  # availability depends on where the tensors are: checked per call
         self.num_embeddings = num_embeddings
         self.d_model = d_model
@@ -71,12 +87,49 @@ class SinusoidalEmbedding(nn.Module):
                 self.weight[self.spec.padding_idx].fill_(0)
 
     def forward(self, ids: torch.Tensor, positions: Optional[torch.Tensor] = None,
-                offset: Union[int, torch.Tensor] = 0) -> torch.Tensor:
-        return apply_spec(ids, self.weight, self.spec, self.turns_fixed_point, positions, offset, self.backend)
+                offset: Union[int, torch.Tensor] = 0, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return apply_spec(ids, self.weight, self.spec, self.turns_fixed_point, positions, offset, self.backend,
+                          cu_seqlens=cu_seqlens, position_rule=self.position_rule)
+
+    @classmethod
+    def from_preset(cls, name: str, num_embeddings: int, d_model: int, padding_idx: Optional[int] = None,
+                    **overrides) -> "SinusoidalEmbedding":
+        """The layer as library ``name`` builds it (see ``posenc_fast.presets``); ``overrides`` win."""
+        preset = presets.get(name)
+        kwargs = preset.kwargs(d_model)
+        kwargs["position_rule"] = preset.position_rule
+        kwargs.update(overrides)
+        module = cls(num_embeddings, d_model, padding_idx=padding_idx, **kwargs)
+        module.preset = name
+        return module
+
+    @classmethod
+    def from_pretrained(cls, weight: torch.Tensor, *, preset: Optional[str] = None, freeze: bool = False,
+                        padding_idx: Optional[int] = None, **kwargs) -> "SinusoidalEmbedding":
+        """Wrap an existing token table (like ``nn.Embedding.from_pretrained``: the tensor is used, not copied).
+
+        ``weight`` is ``[num_embeddings, token_width]``; ``d_model`` is its width (plus ``d_pos`` in
+        concat mode).  ``preset`` names a library convention; other keyword arguments as the constructor.
+        """
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            raise ValueError(f"weight must be a 2-D tensor, got {getattr(weight, 'shape', weight)!r}")
+        concat_width = kwargs.get("d_pos") or 0 if kwargs.get("mode") == "concat" else 0
+        d_model = weight.shape[1] + concat_width
+        kwargs.setdefault("device", weight.device)
+        kwargs.setdefault("dtype", weight.dtype)
+        if preset is not None:
+            module = cls.from_preset(preset, weight.shape[0], d_model, padding_idx=padding_idx, **kwargs)
+        else:
+            module = cls(weight.shape[0], d_model, padding_idx=padding_idx, **kwargs)
+        module.weight = nn.Parameter(weight, requires_grad=not freeze)
+        return module
 
     def extra_repr(self) -> str:
         s = self.spec
-        parts = [f"{self.num_embeddings}, {self.d_model}", f"mode={s.mode!r}"]
+        parts = [f"{self.num_embeddings}, {self.d_model}"]
+        if self.preset is not None:
+            parts.append(f"preset={self.preset!r}")
+        parts.append(f"mode={s.mode!r}")
         if s.mode == "concat":
             parts.append(f"d_pos={s.pe_width}")
         parts.append(f"layout={s.layout!r}")
@@ -86,6 +139,10 @@ class SinusoidalEmbedding(nn.Module):
             parts.append(f"pe_scale={s.pe_scale:g}")
         if s.padding_idx is not None:
             parts.append(f"padding_idx={s.padding_idx}")
+        if s.zero_pe_at_padding:
+            parts.append("zero_pe_at_padding=True")
+        if self.position_rule != "offset":
+            parts.append(f"position_rule={self.position_rule!r}")
         if self.backend != "auto":
             parts.append(f"backend={self.backend!r}")
         return ", ".join(parts)

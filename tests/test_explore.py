@@ -21,6 +21,16 @@ from posenc_fast.reference import sinusoidal_table
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_intra_op_thread():
+    """Run this module's tiny models on one thread: they gain nothing from more, and on a
+    busy 2-core machine two OpenMP threads fighting another process made the file 5x slower."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 def _frequencies(dim, base=10000.0):
     return torch.tensor([base ** (-2.0 * i / dim) for i in range(dim // 2)], dtype=torch.float64)
 

@@ -1,0 +1,57 @@
+"""Position rules other libraries use, computed on the ids' device without a host sync.
+
+They produce the integer ``positions`` the op takes, so the kernels never need to know
+which rule a model uses.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import torch
+
+
+def make_positions(ids: torch.Tensor, padding_idx: int, past_length: Union[int, torch.Tensor] = 0) -> torch.Tensor:
+    """fairseq's padding-aware positions (also HF FSMT, M2M100/NLLB, Speech2Text).
+
+    Non-padding tokens are numbered ``padding_idx + 1, padding_idx + 2, ...`` along the
+    last axis, counting only non-padding tokens (so left and right padding both work),
+    shifted by ``past_length`` when decoding with a cache; padding tokens get position
+    ``padding_idx`` (whose PE fairseq zeroes: use ``zero_pe_at_padding=True``).
+    ``past_length``: an int, or one per sequence (shape ``ids.shape[:-1]``).
+    """
+    if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"ids must be an int32 or int64 tensor, got {getattr(ids, 'dtype', type(ids).__name__)}")
+    if isinstance(padding_idx, bool) or not isinstance(padding_idx, int):
+        raise TypeError(f"padding_idx must be an int, got {padding_idx!r}")
+    if isinstance(past_length, torch.Tensor):
+        if past_length.is_floating_point() or past_length.dtype == torch.bool:
+            raise TypeError(f"past_length must be integer, got dtype {past_length.dtype}")
+        if past_length.dim() and tuple(past_length.shape) != tuple(ids.shape[:-1]):
+            raise ValueError(f"past_length of shape {list(past_length.shape)} must be 0-d or ids.shape[:-1] "
+                             f"= {list(ids.shape[:-1])}")
+        past_length = past_length.to(device=ids.device, dtype=torch.int64).unsqueeze(-1)
+    elif isinstance(past_length, bool) or not isinstance(past_length, int):
+        raise TypeError(f"past_length must be an int or an integer tensor, got {past_length!r}")
+    real = (ids != padding_idx).to(torch.int64)
+    return (torch.cumsum(real, dim=-1) + past_length) * real + padding_idx
+
+
+def packed_positions(cu_seqlens: torch.Tensor, total_tokens: int) -> torch.Tensor:
+    """Positions of packed sequences: restart at 0 at each start in ``cu_seqlens``.
+
+    ``cu_seqlens`` holds cumulative lengths ``[0, l0, l0 + l1, ...]`` (flash-attention /
+    TransformerEngine convention); returns int64 ``[total_tokens]``, token t of sequence
+    k at position ``t - cu_seqlens[k]``.  Computed on cu_seqlens' device (searchsorted),
+    no host sync.
+    """
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1:
+        raise ValueError(f"cu_seqlens must be a 1-D integer tensor, got {getattr(cu_seqlens, 'shape', cu_seqlens)!r}")
+    if cu_seqlens.is_floating_point() or cu_seqlens.dtype == torch.bool:
+        raise TypeError(f"cu_seqlens must be integer, got dtype {cu_seqlens.dtype}")
+    if cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens needs at least 2 entries ([0, total]), got {cu_seqlens.numel()}")
+    starts = cu_seqlens.to(torch.int64)
+    t = torch.arange(total_tokens, device=cu_seqlens.device, dtype=torch.int64)
+    sequence = torch.searchsorted(starts[1:-1].contiguous(), t, right=True)
+    return t - starts[sequence]

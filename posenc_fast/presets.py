@@ -1,0 +1,162 @@
+"""Presets: the sinusoid, scaling and position rule of the libraries users come from.
+
+A preset is host-side data (a frequency recipe, a column layout, scales, a position
+rule); the kernels stay library-agnostic.  Adding a library is one entry in
+``_REGISTRY``.  Each entry names the code it reproduces.  Frequencies are computed
+in float64 from the library's own formula; angles are then exact (docs/design.md),
+so a preset matches the library's float64 math and is more accurate than the
+library's own fp32 table.
+
+    layer = SinusoidalEmbedding.from_preset("fairseq", vocab, 512, padding_idx=1)
+    posenc_fast.presets.get("whisper").kwargs(384)     # for the functional API
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+from typing import Callable, Dict, List, Tuple
+
+POSITION_RULES = ("offset", "fairseq")
+
+
+def _half(pe_width: int) -> int:
+    return pe_width // 2
+
+
+def _vaswani(pe_width: int) -> Tuple[float, ...]:
+    # exp(2i * -(ln 10000 / D)): Annotated Transformer / PyTorch tutorial ``div_term``.
+    return tuple(math.exp(2 * i * -(math.log(10000.0) / pe_width)) for i in range(_half(pe_width)))
+
+
+def _log_spaced_endpoints(pe_width: int) -> Tuple[float, ...]:
+    # exp(-i * ln 10000 / (h - 1)): fairseq get_embedding, Whisper sinusoids(), MusicGen.
+    # (h - 1 is taken as at least 1, where the libraries divide by zero for D < 4.)
+    half = _half(pe_width)
+    step = math.log(10000.0) / max(half - 1, 1)
+    return tuple(math.exp(-i * step) for i in range(half))
+
+
+def _tensor2tensor(pe_width: int, min_timescale: float = 1.0, max_timescale: float = 1.0e4) -> Tuple[float, ...]:
+    # get_timing_signal_1d: min_ts * exp(-i * ln(max_ts / min_ts) / max(h - 1, 1)).
+    half = _half(pe_width)
+    step = math.log(max_timescale / min_timescale) / max(half - 1, 1)
+    return tuple(min_timescale * math.exp(-i * step) for i in range(half))
+
+
+def _per_column_pairs(pe_width: int) -> Tuple[float, ...]:
+    # 1 / 10000^(2 * (j // 2) / D) for column j; the sin columns j = 2i give one rate per pair,
+    # and an odd D has ceil(D / 2) of them: the last column is a sin (XLM, Marian).
+    return tuple(1.0 / 10000.0 ** (2 * i / pe_width) for i in range(pe_width - _half(pe_width)))
+
+
+def _sqrt_width(d_model: int) -> float:
+    return math.sqrt(d_model)
+
+
+def _one(d_model: int) -> float:
+    return 1.0
+
+
+def _inverse_sqrt_width(d_model: int) -> float:
+    return 1.0 / math.sqrt(d_model)
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """One library's sinusoidal embedding convention."""
+
+    name: str
+    libraries: str
+    source: str
+    layout: str
+    frequencies: Callable[[int], Tuple[float, ...]]  # PE width D -> rates (h, or h + 1 for a sin tail)
+    embed_scale: Callable[[int], float]  # d_model -> scale of the token embedding
+    pe_scale: Callable[[int], float]  # d_model -> scale of the PE
+    position_rule: str = "offset"  # "offset": start + t; "fairseq": make_positions, no PE at padding
+    odd_width: bool = True  # whether the library itself supports an odd width
+    notes: str = ""
+
+    def kwargs(self, d_model: int) -> Dict:
+        """Arguments of ``sinusoidal_embedding`` / ``SinusoidalEmbedding`` that realise this preset (add mode)."""
+        if d_model % 2 and not self.odd_width:
+            raise ValueError(f"preset {self.name!r} needs an even width, as {self.libraries.split(',')[0]} "
+                             f"does; got d_model={d_model}")
+        return dict(
+            layout=self.layout,
+            frequencies=self.frequencies(d_model),
+            embed_scale=self.embed_scale(d_model),
+            pe_scale=self.pe_scale(d_model),
+            zero_pe_at_padding=self.position_rule == "fairseq",
+        )
+
+
+_REGISTRY: Dict[str, Preset] = {}
+
+
+def _register(preset: Preset) -> None:
+    assert preset.position_rule in POSITION_RULES
+    _REGISTRY[preset.name] = preset
+
+
+_register(Preset(
+    "vaswani", "Annotated Transformer, PyTorch transformer tutorial, ESPnet, NeMo ASR, OpenNMT (default)",
+    "Annotated Transformer PositionalEncoding; ESPnet PositionalEncoding (x * xscale + pe)",
+    "interleaved", _vaswani, _sqrt_width, _one, odd_width=False,
+))
+_register(Preset(
+    "tensor2tensor", "tensor2tensor, OpenNMT SinusoidalConcat",
+    "tensor2tensor common_attention.get_timing_signal_1d (min_timescale 1, max_timescale 1e4)",
+    "split", _tensor2tensor, _sqrt_width, _one,
+    notes="odd width: a zero last column (the library pads with one)",
+))
+_register(Preset(
+    "fairseq", "fairseq, HF FSMT, M2M100/NLLB, Speech2Text",
+    "fairseq SinusoidalPositionalEmbedding.get_embedding + utils.make_positions",
+    "split", _log_spaced_endpoints, _sqrt_width, _one, position_rule="fairseq",
+    notes="first real token at padding_idx + 1, counting only non-padding tokens; padding gets no PE; "
+          "offset= is the past length when decoding; odd width: a zero last column",
+))
+_register(Preset(
+    "whisper", "OpenAI Whisper, HF Whisper (encoder)",
+    "whisper.model.sinusoids(length, channels, max_timescale=10000)",
+    "split", _log_spaced_endpoints, _one, _one, odd_width=False,
+))
+_register(Preset(
+    "marian", "HF Marian, Pegasus",
+    "MarianSinusoidalPositionalEmbedding / PegasusSinusoidalPositionalEmbedding._init_weight",
+    "split", _per_column_pairs, _sqrt_width, _one,
+    notes="ceil(D/2) sin columns then floor(D/2) cos; embed_scale=sqrt(d_model) is config.scale_embedding=True "
+          "(the opus-mt checkpoints); pass embed_scale=1.0 for models without it; offset= is the past length",
+))
+_register(Preset(
+    "xlm", "HF XLM, DistilBERT (sinusoidal_pos_embds=True)",
+    "create_sinusoidal_embeddings(n_pos, dim, out)",
+    "interleaved", _per_column_pairs, _one, _one,
+    notes="odd width: the last column is a sin",
+))
+_register(Preset(
+    "musicgen", "HF MusicGen (decoder)",
+    "MusicgenSinusoidalPositionalEmbedding.get_embedding: cat([cos, sin])",
+    "split_cos_first", _log_spaced_endpoints, _one, _one,
+    notes="embed_scale=1 is config.scale_embedding=False (the default); offset= is the past length",
+))
+_register(Preset(
+    "nemo_nlp", "NVIDIA NeMo NLP TransformerEmbedding",
+    "nemo.collections.nlp.modules.common.transformer FixedPositionalEncoding (pe / sqrt(hidden))",
+    "interleaved", _vaswani, _one, _inverse_sqrt_width, odd_width=False,
+))
+
+PRESETS = types.MappingProxyType(_REGISTRY)
+
+
+def names() -> List[str]:
+    return list(_REGISTRY)
+
+
+def get(name: str) -> Preset:
+    try:
+        return _REGISTRY[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown preset {name!r}; available: {', '.join(_REGISTRY)}") from None
