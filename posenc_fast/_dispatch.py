@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from .backends import torch_backend, triton_backend
+from .backends import cuda_backend, torch_backend, triton_backend
 
-BACKENDS = {"torch": torch_backend, "triton": triton_backend}
-# "auto" tries these in order for each device type.
-_AUTO_ORDER = {"cuda": ("triton", "torch")}
+BACKENDS = {"torch": torch_backend, "triton": triton_backend, "cuda": cuda_backend}
+# "auto" tries these in order for each device type.  On CUDA, Triton comes before the CUDA C++
+# backend until a benchmark on GPUs measures which is faster (docs/cuda_backend.md).
+_AUTO_ORDER = {"cuda": ("triton", "cuda", "torch")}
 _DEFAULT_AUTO = ("torch",)
 
 
@@ -19,25 +20,32 @@ def get_backend(name: str):
 def check_backend_name(requested) -> None:
     if requested == "auto" or (isinstance(requested, str) and requested in BACKENDS):
         return
-    if requested == "cuda":
-        raise ValueError("backend='cuda' (the CUDA C++ backend) is not part of this build yet; use 'triton' or 'torch'")
     raise ValueError(f"unknown backend {requested!r}; expected 'auto' or one of {tuple(BACKENDS)}")
 
 
-def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype) -> str:
+def _float64_ok(module, float64_math: bool) -> bool:
+    return not float64_math or getattr(module, "FLOAT64_MATH", False)
+
+
+def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype, float64_math: bool = False) -> str:
     """Name of the backend that will run, or a clear error why ``requested`` cannot."""
     if requested == "auto":
         for name in _AUTO_ORDER.get(device.type, _DEFAULT_AUTO):
             module = BACKENDS[name]
-            if module.available(device) is None and dtype in module.SUPPORTED_DTYPES:
+            if module.available(device) is None and dtype in module.SUPPORTED_DTYPES and _float64_ok(module, float64_math):
                 return name
         raise TypeError(f"no backend supports weight dtype {dtype} on {device}")
     check_backend_name(requested)
     module = BACKENDS[requested]
+    prepare = getattr(module, "prepare", None)  # a backend asked for by name may get ready first (cuda: build)
+    if prepare is not None:
+        prepare(device)
     reason = module.available(device)
     if reason is not None:
         raise RuntimeError(reason)
     if dtype not in module.SUPPORTED_DTYPES:
         supported = ", ".join(str(d) for d in module.SUPPORTED_DTYPES)
         raise TypeError(f"backend {requested!r} does not support weight dtype {dtype}; supported: {supported}")
+    if not _float64_ok(module, float64_math):
+        raise ValueError(f"backend {requested!r} does not implement precision='float64'; use backend='torch' or 'auto'")
     return requested

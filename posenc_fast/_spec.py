@@ -23,6 +23,8 @@ from typing import List, Optional, Tuple
 import torch
 
 MODES = ("add", "concat")
+# Arithmetic of the PE and the sum before the one rounding to the output dtype.
+PRECISIONS = ("float32", "float64")
 # interleaved: [s0 c0 s1 c1 ...]; split: [s0 s1 ... | c0 c1 ...]; split_cos_first: [c0 c1 ... | s0 s1 ...]
 LAYOUTS = ("interleaved", "split", "split_cos_first")
 
@@ -137,6 +139,7 @@ class PESpec:
     pe_scale: float = 1.0
     padding_idx: Optional[int] = None  # normalised to [0, num_embeddings) or None
     zero_pe_at_padding: bool = False  # tokens equal to padding_idx get no PE (fairseq)
+    precision: str = "float32"  # "float64": correctly rounded fp32 outputs (slower on consumer GPUs)
     # Derived, not compared: R_i for each frequency, the column layout, and device copies of R.
     turns_fixed_point: Tuple[int, ...] = dataclasses.field(init=False, compare=False, repr=False)
     columns: PEColumns = dataclasses.field(init=False, compare=False, repr=False)

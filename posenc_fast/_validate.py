@@ -14,7 +14,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from ._spec import LAYOUTS, MODES, PESpec, default_frequencies, host_cache, is_finite_number
+from ._spec import LAYOUTS, MODES, PRECISIONS, PESpec, default_frequencies, host_cache, is_finite_number
 
 ID_DTYPES = (torch.int32, torch.int64)
 _INTEGER_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
@@ -65,11 +65,13 @@ def make_spec(
     padding_idx: Optional[int],
     frequencies: Optional[Sequence[float]] = None,
     zero_pe_at_padding: bool = False,
+    precision: str = "float32",
 ) -> PESpec:
     """Validate the layer's fixed parameters and build its :class:`PESpec`.
 
     ``frequencies`` (radians per position) replaces the ``base`` recipe: h = D // 2 of
     them, or h + 1 for an odd D whose last column is then the sin of the extra one.
+    ``precision="float64"`` computes the PE and the sum in float64 before rounding once.
     Specs are cached per argument tuple, so a repeated call returns the same object
     (whose device tensors are cached in turn).
     """
@@ -91,15 +93,17 @@ def make_spec(
             raise TypeError(f"frequencies must be a sequence of numbers, got {frequencies!r}") from None
     if not isinstance(zero_pe_at_padding, bool):
         raise TypeError(f"zero_pe_at_padding must be a bool, got {zero_pe_at_padding!r}")
+    if not isinstance(precision, str) or precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; expected one of {PRECISIONS}")
     return _make_spec_cached(
         num_embeddings, token_width, mode, d_pos, float(base), layout, float(embed_scale), float(pe_scale),
-        padding_idx, frequencies, zero_pe_at_padding,
+        padding_idx, frequencies, zero_pe_at_padding, precision,
     )
 
 
 @host_cache
 def _make_spec_cached(num_embeddings, token_width, mode, d_pos, base, layout, embed_scale, pe_scale, padding_idx,
-                      frequencies, zero_pe_at_padding):
+                      frequencies, zero_pe_at_padding, precision):
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
     if layout not in LAYOUTS:
@@ -154,6 +158,7 @@ def _make_spec_cached(num_embeddings, token_width, mode, d_pos, base, layout, em
         pe_scale=pe_scale,
         padding_idx=padding_idx,
         zero_pe_at_padding=zero_pe_at_padding,
+        precision=precision,
     )
 
 

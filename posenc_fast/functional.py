@@ -29,6 +29,7 @@ def sinusoidal_embedding(
     frequencies: Optional[Sequence[float]] = None,
     zero_pe_at_padding: bool = False,
     cu_seqlens: Optional[torch.Tensor] = None,
+    precision: str = "float32",
     backend: str = "auto",
 ) -> torch.Tensor:
     """Token embedding lookup + sinusoidal positional encoding, fused.
@@ -42,12 +43,14 @@ def sinusoidal_embedding(
     ``frequencies`` replaces the ``base`` recipe (radians per position, one per pair);
     ``zero_pe_at_padding`` gives padding tokens no PE (fairseq).  ``cu_seqlens`` packs
     several sequences along the last axis (cumulative lengths ``[0, l0, l0 + l1, ...]``):
-    positions restart at 0 at each start.  Presets for other libraries:
+    positions restart at 0 at each start.  ``precision="float64"`` computes the PE and the
+    sum in float64 (fp32 outputs correctly rounded; slower on GPUs with little fp64 throughput).
+    Presets for other libraries:
     ``posenc_fast.presets``.  See ``posenc_fast.reference`` for the exact definition.
     """
     check_weight(weight)
     spec = make_spec(weight.shape[0], weight.shape[1], mode, d_pos, base, layout, embed_scale, pe_scale, padding_idx,
-                     frequencies, zero_pe_at_padding)
+                     frequencies, zero_pe_at_padding, precision)
     return apply_spec(ids, weight, spec, spec.turns_tensor(weight.device), positions, offset, backend,
                       cu_seqlens=cu_seqlens)
 
@@ -73,10 +76,11 @@ def apply_spec(ids, weight, spec: PESpec, turns: torch.Tensor, positions, offset
     """Run the layer described by ``spec`` (``turns``: its fixed-point frequencies on weight's device)."""
     positions, offset = _positions_by_rule(ids, spec, positions, offset, cu_seqlens, position_rule)
     batch = make_batch(ids, weight, spec, positions, offset)
-    name = resolve_backend(backend, weight.device, weight.dtype)
+    name = resolve_backend(backend, weight.device, weight.dtype, float64_math=spec.precision == "float64")
     out = sinusoidal_embedding_op(
         batch.ids, weight, turns, batch.positions, batch.offsets, batch.offset, batch.seq_len,
         spec.mode == "concat", spec.pe_width, spec.columns.as_list(), spec.embed_scale, spec.pe_scale,
-        -1 if spec.padding_idx is None else spec.padding_idx, spec.zero_pe_at_padding, name,
+        -1 if spec.padding_idx is None else spec.padding_idx, spec.zero_pe_at_padding, spec.precision == "float64",
+        name,
     )
     return out.reshape(batch.out_shape)

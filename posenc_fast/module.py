@@ -42,6 +42,7 @@ class SinusoidalEmbedding(nn.Module):
         frequencies: Optional[Sequence[float]] = None,
         zero_pe_at_padding: bool = False,
         position_rule: str = "offset",
+        precision: str = "float32",
         backend: str = "auto",
         device=None,
         dtype=None,
@@ -59,7 +60,7 @@ class SinusoidalEmbedding(nn.Module):
         token_width = d_model - d_pos if mode == "concat" and isinstance(d_pos, int) else d_model
         # Validates every fixed parameter once, here, and computes the frequencies.
         self.spec = make_spec(num_embeddings, token_width, mode, d_pos, base, layout, embed_scale, pe_scale, padding_idx,
-                              frequencies, zero_pe_at_padding)
+                              frequencies, zero_pe_at_padding, precision)
         self.position_rule = position_rule
         self.preset: Optional[str] = None  # set by from_preset, for the repr
         check_backend_name(backend)  # availability depends on where the tensors are: checked per call
@@ -141,6 +142,8 @@ class SinusoidalEmbedding(nn.Module):
             parts.append(f"padding_idx={s.padding_idx}")
         if s.zero_pe_at_padding:
             parts.append("zero_pe_at_padding=True")
+        if s.precision != "float32":
+            parts.append(f"precision={s.precision!r}")
         if self.position_rule != "offset":
             parts.append(f"position_rule={self.position_rule!r}")
         if self.backend != "auto":

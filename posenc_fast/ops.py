@@ -41,6 +41,7 @@ def sinusoidal_embedding_op(
     pe_scale: float,
     padding_idx: int,
     zero_pe_at_padding: bool,
+    float64_math: bool,
     backend: str,
 ) -> Tensor:
     """Flat forward: ``[N, width]`` for ids ``[N]``.
@@ -53,14 +54,14 @@ def sinusoidal_embedding_op(
     interleaved, sin_base, num_sin, cos_base, num_cos = pe_columns
     params = KernelParams(
         concat, weight.shape[1], pe_width, PEColumns(bool(interleaved), sin_base, num_sin, cos_base, num_cos),
-        embed_scale, pe_scale, padding_idx if zero_pe_at_padding else -1,
+        embed_scale, pe_scale, padding_idx if zero_pe_at_padding else -1, float64_math,
     )
     return get_backend(backend).forward(ids, weight, turns, positions, offsets, offset, seq_len, params)
 
 
 @sinusoidal_embedding_op.register_fake
 def _(ids, weight, turns, positions, offsets, offset, seq_len, concat, pe_width, pe_columns, embed_scale, pe_scale,
-      padding_idx, zero_pe_at_padding, backend):
+      padding_idx, zero_pe_at_padding, float64_math, backend):
     width = weight.shape[1] + pe_width if concat else weight.shape[1]
     return weight.new_empty((ids.shape[0], width))
 
@@ -89,7 +90,7 @@ def _(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weig
 
 def _setup_context(ctx, inputs, output):
     ids, weight = inputs[0], inputs[1]
-    embed_scale, padding_idx, backend = inputs[10], inputs[12], inputs[14]
+    embed_scale, padding_idx, backend = inputs[10], inputs[12], inputs[15]
     ctx.save_for_backward(ids)  # only the ids: nothing of size tokens x width is kept
     ctx.num_embeddings, ctx.token_width = weight.shape
     ctx.weight_dtype = weight.dtype
@@ -106,7 +107,7 @@ def _backward(ctx, grad_out):
             grad_out, ids, ctx.num_embeddings, ctx.token_width, ctx.embed_scale, ctx.padding_idx,
             ctx.weight_dtype, ctx.backend,
         )
-    return (None, grad_weight) + (None,) * 13
+    return (None, grad_weight) + (None,) * 14
 
 
 sinusoidal_embedding_op.register_autograd(_backward, setup_context=_setup_context)

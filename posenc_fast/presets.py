@@ -1,7 +1,10 @@
 """Presets: the sinusoid, scaling and position rule of the libraries users come from.
 
 A preset is host-side data (a frequency recipe, a column layout, scales, a position
-rule); the kernels stay library-agnostic.  Adding a library is one entry in
+rule, a precision); the kernels stay library-agnostic.  Marian and XLM build their
+tables in float64 and round once, so their presets compute in float64 too
+(``precision="float64"``: identical fp32 outputs; pass ``precision="float32"`` for
+speed on GPUs with little fp64 throughput, at ~1e-7).  Adding a library is one entry in
 ``_REGISTRY``.  Each entry names the code it reproduces.  Frequencies are computed
 in float64 from the library's own formula; angles are then exact (docs/design.md),
 so a preset matches the library's float64 math and is more accurate than the
@@ -76,6 +79,7 @@ class Preset:
     pe_scale: Callable[[int], float]  # d_model -> scale of the PE
     position_rule: str = "offset"  # "offset": start + t; "fairseq": make_positions, no PE at padding
     odd_width: bool = True  # whether the library itself supports an odd width
+    precision: str = "float32"  # "float64" where the library builds its table in float64
     notes: str = ""
 
     def kwargs(self, d_model: int) -> Dict:
@@ -89,6 +93,7 @@ class Preset:
             embed_scale=self.embed_scale(d_model),
             pe_scale=self.pe_scale(d_model),
             zero_pe_at_padding=self.position_rule == "fairseq",
+            precision=self.precision,
         )
 
 
@@ -126,14 +131,14 @@ _register(Preset(
 _register(Preset(
     "marian", "HF Marian, Pegasus",
     "MarianSinusoidalPositionalEmbedding / PegasusSinusoidalPositionalEmbedding._init_weight",
-    "split", _per_column_pairs, _sqrt_width, _one,
+    "split", _per_column_pairs, _sqrt_width, _one, precision="float64",
     notes="ceil(D/2) sin columns then floor(D/2) cos; embed_scale=sqrt(d_model) is config.scale_embedding=True "
           "(the opus-mt checkpoints); pass embed_scale=1.0 for models without it; offset= is the past length",
 ))
 _register(Preset(
     "xlm", "HF XLM, DistilBERT (sinusoidal_pos_embds=True)",
     "create_sinusoidal_embeddings(n_pos, dim, out)",
-    "interleaved", _per_column_pairs, _one, _one,
+    "interleaved", _per_column_pairs, _one, _one, precision="float64",
     notes="odd width: the last column is a sin",
 ))
 _register(Preset(

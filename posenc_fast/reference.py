@@ -130,11 +130,15 @@ def sinusoidal_embedding(
     padding_idx: Optional[int] = None,
     frequencies: Optional[Sequence[float]] = None,
     zero_pe_at_padding: bool = False,
+    precision: str = "float32",
 ) -> torch.Tensor:
-    """Reference implementation of :func:`posenc_fast.sinusoidal_embedding` (any float dtype, autograd by PyTorch)."""
+    """Reference implementation of :func:`posenc_fast.sinusoidal_embedding` (any float dtype, autograd by PyTorch).
+
+    It always computes in float64 and rounds once, so ``precision`` (validated) changes nothing here.
+    """
     check_weight(weight)
     spec = make_spec(weight.shape[0], weight.shape[1], mode, d_pos, base, layout, embed_scale, pe_scale, padding_idx,
-                     frequencies, zero_pe_at_padding)
+                     frequencies, zero_pe_at_padding, precision)
     batch = make_batch(ids, weight, spec, positions, offset)
     if config.id_check_enabled():
         check_id_range(batch.ids, weight.shape[0])

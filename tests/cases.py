@@ -48,6 +48,7 @@ class Case:
     hot_id: bool = False  # many tokens share one id: long gradient runs
     frequencies: str = "base"  # "base": base^(-2i/D); "random": h random rates; "random_tail": h + 1 (odd D)
     zero_pe_at_padding: bool = False
+    precision: str = "float32"
 
     @property
     def token_width(self) -> int:
@@ -88,6 +89,12 @@ CASES = [
          hot_id=True, position_rule="positions"),
     Case("zero_pe_at_padding_concat", (3, 12), 15, 10, mode="concat", d_pos=4, padding_idx=0,
          zero_pe_at_padding=True, hot_id=True),
+    Case("float64_math", (2, 9), 37, 16, precision="float64", embed_scale=math.sqrt(24), pe_scale=1 / math.sqrt(3),
+         position_rule="far"),
+    Case("float64_math_concat_split_tail", (3, 7), 20, 15, mode="concat", d_pos=9, layout="split",
+         frequencies="random_tail", precision="float64", position_rule="per_sequence"),
+    Case("float64_math_cos_first", (2, 6), 20, 12, layout="split_cos_first", precision="float64", padding_idx=0,
+         zero_pe_at_padding=True, hot_id=True, position_rule="positions"),
 ]
 
 # Positions the design promises to be exact at (fp32 products fail at these): DESIGN.md section 2.
@@ -107,6 +114,8 @@ def make_inputs(case: Case, device: str, dtype: torch.dtype, seed: int):
                   pe_scale=case.pe_scale, padding_idx=case.padding_idx)
     if case.zero_pe_at_padding:
         kwargs["zero_pe_at_padding"] = True
+    if case.precision != "float32":
+        kwargs["precision"] = case.precision
     pe_width = case.d_pos if case.mode == "concat" else case.d_model
     if case.frequencies != "base":
         count = pe_width // 2 + (1 if case.frequencies == "random_tail" else 0)
@@ -140,7 +149,7 @@ def ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.ldexp(torch.ones_like(x), (exponent - 1 - mantissa_bits).to(x.dtype)).clamp_min(info.tiny * 2.0**-mantissa_bits)
 
 
-def output_bound(exact: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def output_bound(exact: torch.Tensor, dtype: torch.dtype, precision: str = "float32") -> torch.Tensor:
     """Accuracy bar of the issue, per element, against the float64 result ``exact``.
 
     fp32: 1e-6 + 2^-22 |y|.  bf16/fp16: the fp32 result correctly rounded, i.e. half an
@@ -148,9 +157,16 @@ def output_bound(exact: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     (so truncation instead of rounding fails) and, unlike a bare ulp, honest where the
     sum cancels to below ~2^-13 and the ulp is finer than fp32 accumulation resolves
     (docs/design.md).  float64: the reference itself, 1e-12.
+
+    precision="float64" (float64 arithmetic, one rounding): fp32 outputs correctly rounded
+    (half an ulp, plus 2^-20 of it for float64's own error); bf16/fp16 go through fp32,
+    so half an ulp plus half an fp32 ulp.
     """
     if dtype == torch.float64:
         return 1e-12 + 1e-12 * exact.abs()
+    if precision == "float64":
+        fp32_half_ulp = 0.5 * ulp(exact, torch.float32) * (1 + 2.0**-20)
+        return fp32_half_ulp if dtype == torch.float32 else 0.5 * ulp(exact, dtype) + fp32_half_ulp
     fp32_bar = 1e-6 + 2.0**-22 * exact.abs()
     if dtype == torch.float32:
         return fp32_bar

@@ -27,16 +27,19 @@ ALIGNED = ("ids_ptr", "weight_ptr", "out_ptr", "turns_ptr", "positions_ptr", "of
            "order_ptr", "grad_out_ptr", "grad_weight_ptr", "partials_ptr", "weight_row_stride",
            "out_row_stride", "token_width", "pe_width", "num_pairs", "grad_out_row_stride")
 FORWARD_VARIANTS = [
-    # (dtype, concat, split, position_source); tile shapes as triton_backend._forward_blocks picks them
-    ("bf16", False, False, 0), ("bf16", False, True, 0), ("bf16", True, False, 1), ("bf16", True, True, 2),
-    ("fp32", False, False, 2), ("fp16", False, True, 1), ("fp32", True, True, 0), ("fp16", True, False, 0),
+    # (dtype, concat, split, position_source, float64 math); tiles as triton_backend._forward_blocks picks them
+    ("bf16", False, False, 0, False), ("bf16", False, True, 0, False), ("bf16", True, False, 1, False),
+    ("bf16", True, True, 2, False), ("fp32", False, False, 2, False), ("fp16", False, True, 1, False),
+    ("fp32", True, True, 0, False), ("fp16", True, False, 0, False),
+    ("fp32", False, True, 0, True), ("bf16", False, False, 2, True),
 ]
 GRAD_VARIANTS = [(kernel, dtype) for kernel in ("grad_chunk_kernel", "grad_carry_kernel")
                  for dtype in ("fp32", "fp16", "bf16")]
 
 
-def forward_name(dtype, concat, split, position_source):
-    return f"forward-{dtype}-{'concat' if concat else 'add'}-{'split' if split else 'interleaved'}-pos{position_source}"
+def forward_name(dtype, concat, split, position_source, float64):
+    return (f"forward-{dtype}-{'concat' if concat else 'add'}-{'split' if split else 'interleaved'}"
+            f"-pos{position_source}{'-f64math' if float64 else ''}")
 
 
 def _forward_signature(dtype, position_source):
@@ -46,7 +49,7 @@ def _forward_signature(dtype, position_source):
         "offset", "seq_len", "num_tokens", "num_embeddings", "weight_row_stride", "out_row_stride",
         "token_width", "pe_width", "num_pairs", "num_turns", "sin_base", "num_sin", "cos_base", "num_cos",
         "pe_zero_id", "num_copy_blocks")})
-    sig.update({"embed_scale": "fp32", "pe_scale": "fp32"})
+    sig.update({"embed_scale": "fp64", "pe_scale": "fp64"})
     return sig
 
 
@@ -102,14 +105,14 @@ def main() -> int:
         print("run with TRITON_INTERPRET=0", file=sys.stderr)
         return 2
     for arch in ARCHS:
-        for dtype, concat, split, position_source in FORWARD_VARIANTS:
+        for dtype, concat, split, position_source, float64 in FORWARD_VARIANTS:
             constexprs = {"CONCAT": concat, "INTERLEAVED": not split, "POSITION_SOURCE": position_source,
-                          "BLOCK_T": 8, "BLOCK_P": 128 if split else 64, "SOFTWARE_BF16": False}
+                          "BLOCK_T": 8, "BLOCK_P": 128 if split else 64, "SOFTWARE_BF16": False, "FLOAT64": float64}
             if position_source != 2:
                 constexprs["positions_ptr"] = None
             if position_source != 1:
                 constexprs["offsets_ptr"] = None
-            _record(forward_name(dtype, concat, split, position_source), arch, lambda: _compile(
+            _record(forward_name(dtype, concat, split, position_source, float64), arch, lambda: _compile(
                 kernels.forward_kernel, _forward_signature(dtype, position_source), constexprs, arch, 4))
         for kernel, dtype in GRAD_VARIANTS:
             _record(f"{kernel}-{dtype}", arch, lambda: _compile(

@@ -34,7 +34,7 @@ def test_forward_matches_float64(case, dtype, backend, device, seed):
     assert out.dtype == dtype and out.device == weight.device
     assert out.shape == ids.shape + (case.d_model,)
     exact = _exact(ids, weight, kwargs)
-    assert_within(out, exact, output_bound(exact, dtype), f"{case.name} {backend} {dtype}")
+    assert_within(out, exact, output_bound(exact, dtype, case.precision), f"{case.name} {backend} {dtype}")
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)

@@ -40,7 +40,8 @@ def naive_table(positions: torch.Tensor, dim: int, base: float, layout: str, fre
 
 
 def naive_embedding(ids, weight, *, mode, d_pos, positions, offset, layout, embed_scale, pe_scale, padding_idx,
-                    frequencies=None, zero_pe_at_padding=False):
+                    frequencies=None, zero_pe_at_padding=False, precision="float32"):
+    # precision is how a backend may compute; exact math has none.
     ids = ids.cpu()
     if positions is not None:
         pos = positions.cpu().to(torch.int64).expand(ids.shape)

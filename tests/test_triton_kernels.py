@@ -28,7 +28,7 @@ def _sin_cos_probe(turns_ptr, sin_ptr, cos_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     turn_units = tl.load(turns_ptr + offs, mask=mask, other=0)
-    sin, cos = triton_kernels.sin_cos_of_turns(turn_units)
+    sin, cos = triton_kernels.sin_cos_of_turns(turn_units, False)
     tl.store(sin_ptr + offs, sin, mask=mask)
     tl.store(cos_ptr + offs, cos, mask=mask)
 

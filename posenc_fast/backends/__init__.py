@@ -1,6 +1,7 @@
 """Backends: each module computes the same op (``reference`` defines it) and exposes
 
     SUPPORTED_DTYPES: tuple of weight dtypes it handles
+    FLOAT64_MATH: whether it implements precision="float64" (optional, default False)
     available(device) -> Optional[str]: None if usable on that device, else why not
     forward(ids, weight, turns, positions, offsets, offset, seq_len, params) -> Tensor[N, width]
     backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype)
@@ -39,6 +40,7 @@ class KernelParams(NamedTuple):
     embed_scale: float
     pe_scale: float
     pe_zero_id: int  # tokens with this id get no PE (fairseq padding); -1: none
+    float64_math: bool = False  # PE and sum in float64, one rounding (backends declare FLOAT64_MATH)
 
     @property
     def width(self) -> int:

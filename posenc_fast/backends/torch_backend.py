@@ -15,6 +15,7 @@ from .._validate import Batch
 from . import KernelParams
 
 SUPPORTED_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+FLOAT64_MATH = True  # it always computes in float64
 
 
 def available(device: torch.device) -> Optional[str]:

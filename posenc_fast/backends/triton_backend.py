@@ -17,6 +17,7 @@ import torch
 from . import KernelParams, new_buffer
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FLOAT64_MATH = True
 
 # Sorted tokens per stage-1 program of the weight gradient; small values are useful in tests
 # to make runs cross many chunk boundaries.
@@ -106,7 +107,8 @@ def forward(ids, weight, turns, positions, offsets, offset, seq_len, params: Ker
         columns.sin_base, columns.num_sin, columns.cos_base, columns.num_cos, params.pe_zero_id,
         num_copy_blocks, params.embed_scale, params.pe_scale,
         CONCAT=params.concat, INTERLEAVED=columns.interleaved, POSITION_SOURCE=position_source,
-        BLOCK_T=block_t, BLOCK_P=block_p, SOFTWARE_BF16=_kernels_interpreted, num_warps=FORWARD_WARPS,
+        BLOCK_T=block_t, BLOCK_P=block_p, SOFTWARE_BF16=_kernels_interpreted, FLOAT64=params.float64_math,
+        num_warps=FORWARD_WARPS,
     )
     return out
 

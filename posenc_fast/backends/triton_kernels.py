@@ -28,19 +28,37 @@ COS_4: tl.constexpr = tl.constexpr(1.0 / 24.0)
 COS_6: tl.constexpr = tl.constexpr(-1.0 / 720.0)
 COS_8: tl.constexpr = tl.constexpr(1.0 / 40320.0)
 COS_10: tl.constexpr = tl.constexpr(-1.0 / 3628800.0)
+# float64 mode: Taylor terms up to x^17 / x^18 (truncation < 1e-19 for |x| <= pi/4).
+SIN_11: tl.constexpr = tl.constexpr(-1.0 / 39916800.0)
+SIN_13: tl.constexpr = tl.constexpr(1.0 / 6227020800.0)
+SIN_15: tl.constexpr = tl.constexpr(-1.0 / 1307674368000.0)
+SIN_17: tl.constexpr = tl.constexpr(1.0 / 355687428096000.0)
+COS_12: tl.constexpr = tl.constexpr(1.0 / 479001600.0)
+COS_14: tl.constexpr = tl.constexpr(-1.0 / 87178291200.0)
+COS_16: tl.constexpr = tl.constexpr(1.0 / 20922789888000.0)
+COS_18: tl.constexpr = tl.constexpr(-1.0 / 6402373705728000.0)
 
 
 @triton.jit
-def sin_cos_of_turns(turn_units):
-    """(sin, cos) in fp32 of the angle 2*pi * turn_units / 2**64, for int64 turn_units of any value."""
+def sin_cos_of_turns(turn_units, FLOAT64: tl.constexpr):
+    """(sin, cos) of the angle 2*pi * turn_units / 2**64, for int64 turn_units of any value,
+    in fp32 (or float64 when FLOAT64)."""
     # Wrapping add: shifted's top two bits are the nearest quarter turn (mod 4).
     shifted = turn_units + EIGHTH_TURN
     quadrant = (shifted >> 62) & 3
     remainder = (shifted & QUARTER_TURN_MASK) - EIGHTH_TURN  # in [-2**61, 2**61): |a| <= pi/4
-    a = remainder.to(tl.float32) * RADIANS_PER_UNIT
-    z = a * a
-    sin_a = a + a * z * (SIN_3 + z * (SIN_5 + z * (SIN_7 + z * SIN_9)))
-    cos_a = 1.0 + z * (COS_2 + z * (COS_4 + z * (COS_6 + z * (COS_8 + z * COS_10))))
+    if FLOAT64:
+        a = remainder.to(tl.float64) * RADIANS_PER_UNIT
+        z = a * a
+        sin_a = a + a * z * (SIN_3 + z * (SIN_5 + z * (SIN_7 + z * (SIN_9 + z * (
+            SIN_11 + z * (SIN_13 + z * (SIN_15 + z * SIN_17)))))))
+        cos_a = 1.0 + z * (COS_2 + z * (COS_4 + z * (COS_6 + z * (COS_8 + z * (COS_10 + z * (
+            COS_12 + z * (COS_14 + z * (COS_16 + z * COS_18))))))))
+    else:
+        a = remainder.to(tl.float32) * RADIANS_PER_UNIT
+        z = a * a
+        sin_a = a + a * z * (SIN_3 + z * (SIN_5 + z * (SIN_7 + z * SIN_9)))
+        cos_a = 1.0 + z * (COS_2 + z * (COS_4 + z * (COS_6 + z * (COS_8 + z * COS_10))))
     # Rotate by quadrant * 90 degrees: (sin, cos) -> (cos, -sin) -> (-sin, -cos) -> (-cos, sin).
     odd = (quadrant & 1) == 1
     sin_unsigned = tl.where(odd, cos_a, sin_a)
@@ -52,11 +70,15 @@ def sin_cos_of_turns(turn_units):
 
 @triton.jit
 def round_for_store(value, ptr, SOFTWARE_BF16: tl.constexpr):
-    """fp32 ``value`` rounded to nearest even in the element type of ``ptr``.
+    """fp32 or float64 ``value`` rounded to nearest even in the element type of ``ptr``.
 
     GPUs convert to bf16 with round-to-nearest-even in hardware; Triton's interpreter
-    truncates, so there (SOFTWARE_BF16) the rounding is done on the bits.
+    truncates, so there (SOFTWARE_BF16) the rounding is done on the bits.  float64 goes
+    to 16-bit types through fp32 (two roundings, as Triton converts anyway).
     """
+    if value.dtype == tl.float64 and ptr.dtype.element_ty != tl.float64:
+        if ptr.dtype.element_ty != tl.float32:
+            value = value.to(tl.float32)
     if SOFTWARE_BF16 and ptr.dtype.element_ty == tl.bfloat16:
         bits = value.to(tl.uint32, bitcast=True)
         bits = bits + 0x7FFF + ((bits >> 16) & 1)
@@ -80,11 +102,12 @@ def _token_positions(tokens, token_ok, positions_ptr, offsets_ptr, offset, seq_l
 @triton.jit
 def _store_columns(out_rows, weight_rows, id_ok, out_cols, weight_cols, pe, mask, embed_scale, ADD_TOKENS: tl.constexpr,
                    SOFTWARE_BF16: tl.constexpr):
-    """out[:, out_cols] = embed_scale * W[:, weight_cols] + pe (add) or pe (concat), rounded once."""
+    """out[:, out_cols] = embed_scale * W[:, weight_cols] + pe (add) or pe (concat), rounded once.
+    ``embed_scale`` and ``pe`` are in the compute dtype (fp32, or float64)."""
     value = pe
     if ADD_TOKENS:
         w = tl.load(weight_rows[:, None] + weight_cols[None, :], mask=mask & id_ok[:, None], other=0.0)
-        value = w.to(tl.float32) * embed_scale + pe
+        value = w.to(pe.dtype) * embed_scale + pe
     tl.store(out_rows[:, None] + out_cols[None, :], round_for_store(value, out_rows, SOFTWARE_BF16), mask=mask)
 
 
@@ -93,7 +116,7 @@ def _pe_block(
     out_rows, weight_rows, id_ok, token_ok, pe_on, pos, turns_ptr, pair_block, num_turns, num_pairs, pe_width,
     pe_col0, sin_base, num_sin, cos_base, num_cos, embed_scale, pe_scale,
     ADD_TOKENS: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr,
-    SOFTWARE_BF16: tl.constexpr,
+    SOFTWARE_BF16: tl.constexpr, FLOAT64: tl.constexpr,
 ):
     """The PE columns of BLOCK_P pair slots for BLOCK_T tokens (plus the token columns they share in add mode).
 
@@ -102,7 +125,7 @@ def _pe_block(
     """
     pairs = pair_block * BLOCK_P + tl.arange(0, BLOCK_P)
     turns = tl.load(turns_ptr + pairs, mask=pairs < num_turns, other=0)
-    sin, cos = sin_cos_of_turns(pos[:, None] * turns[None, :])  # one sin/cos per pair
+    sin, cos = sin_cos_of_turns(pos[:, None] * turns[None, :], FLOAT64)  # one sin/cos per pair
     scale = tl.where(pe_on, pe_scale, 0.0)[:, None]  # tokens with the pe_zero_id get no PE
     sin = sin * scale
     cos = tl.where((pairs < num_pairs)[None, :], cos * scale, 0.0)
@@ -127,12 +150,19 @@ def forward_kernel(
     ids_ptr, weight_ptr, out_ptr, turns_ptr, positions_ptr, offsets_ptr,
     offset, seq_len, num_tokens, num_embeddings, weight_row_stride, out_row_stride,
     token_width, pe_width, num_pairs, num_turns, sin_base, num_sin, cos_base, num_cos, pe_zero_id,
-    num_copy_blocks, embed_scale, pe_scale,
+    num_copy_blocks, embed_scale: tl.float64, pe_scale: tl.float64,
     CONCAT: tl.constexpr, INTERLEAVED: tl.constexpr, POSITION_SOURCE: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, SOFTWARE_BF16: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, SOFTWARE_BF16: tl.constexpr, FLOAT64: tl.constexpr,
 ):
     """Grid: (token blocks, column blocks).  A column block is BLOCK_P pair slots;
-    in concat mode the first ``num_copy_blocks`` column blocks copy 2*BLOCK_P token columns each."""
+    in concat mode the first ``num_copy_blocks`` column blocks copy 2*BLOCK_P token columns each.
+    Arithmetic in fp32, or float64 when FLOAT64 (the scales arrive as float64 either way)."""
+    if FLOAT64:
+        embed_scale = tl.full([], embed_scale, tl.float64)
+        pe_scale = tl.full([], pe_scale, tl.float64)
+    else:
+        embed_scale = tl.full([], embed_scale, tl.float32)
+        pe_scale = tl.full([], pe_scale, tl.float32)
     pid_t = tl.program_id(0)
     pid_c = tl.program_id(1)
     tokens = pid_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -148,18 +178,18 @@ def forward_kernel(
             cols = pid_c * (2 * BLOCK_P) + tl.arange(0, 2 * BLOCK_P)
             mask = token_ok[:, None] & (cols < token_width)[None, :]
             w = tl.load(weight_rows[:, None] + cols[None, :], mask=mask & id_ok[:, None], other=0.0)
-            tl.store(out_rows[:, None] + cols[None, :], round_for_store(w.to(tl.float32) * embed_scale, out_rows,
-                                                                         SOFTWARE_BF16), mask=mask)
+            tl.store(out_rows[:, None] + cols[None, :], round_for_store(w.to(embed_scale.dtype) * embed_scale,
+                                                                         out_rows, SOFTWARE_BF16), mask=mask)
         else:
             pos = _token_positions(tokens, token_ok, positions_ptr, offsets_ptr, offset, seq_len, POSITION_SOURCE)
             _pe_block(out_rows, weight_rows, id_ok, token_ok, pe_on, pos, turns_ptr, pid_c - num_copy_blocks,
                       num_turns, num_pairs, pe_width, token_width, sin_base, num_sin, cos_base, num_cos,
-                      embed_scale, pe_scale, False, INTERLEAVED, BLOCK_T, BLOCK_P, SOFTWARE_BF16)
+                      embed_scale, pe_scale, False, INTERLEAVED, BLOCK_T, BLOCK_P, SOFTWARE_BF16, FLOAT64)
     else:
         pos = _token_positions(tokens, token_ok, positions_ptr, offsets_ptr, offset, seq_len, POSITION_SOURCE)
         _pe_block(out_rows, weight_rows, id_ok, token_ok, pe_on, pos, turns_ptr, pid_c,
                   num_turns, num_pairs, pe_width, 0, sin_base, num_sin, cos_base, num_cos,
-                  embed_scale, pe_scale, True, INTERLEAVED, BLOCK_T, BLOCK_P, SOFTWARE_BF16)
+                  embed_scale, pe_scale, True, INTERLEAVED, BLOCK_T, BLOCK_P, SOFTWARE_BF16, FLOAT64)
 
 
 @triton.jit

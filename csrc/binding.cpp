@@ -1,0 +1,227 @@
+// posenc_fast._C: the pybind11 binding of the CUDA core (posenc.h).
+//
+// It deliberately does not link libtorch or include ATen: arguments are device pointers (Python
+// ints), sizes, strides, dtype codes, a device index and a CUDA stream handle
+// (torch.cuda.current_stream().cuda_stream).  So one build works with any torch version, and the
+// module imports on a machine without a GPU or driver (the CUDA runtime is linked statically and
+// loads the driver only when first used).  Input validation happens in Python before the call;
+// here only the codes are checked, and every CUDA error becomes a Python RuntimeError.
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include <cuda_runtime_api.h>
+
+#include "posenc.h"
+
+namespace py = pybind11;
+
+namespace {
+
+#ifndef POSENC_FAST_CUDA_ARCHS
+#define POSENC_FAST_CUDA_ARCHS "unknown"
+#endif
+
+[[noreturn]] void throw_cuda_error(cudaError_t status, const std::string& what) {
+  cudaGetLastError();  // clear a non-sticky error so later calls start clean
+  throw std::runtime_error("posenc_fast CUDA " + what + " failed: " + cudaGetErrorName(status) + " (" +
+                           cudaGetErrorString(status) + ")");
+}
+
+void check_cuda(cudaError_t status, const std::string& what) {
+  if (status != cudaSuccess) throw_cuda_error(status, what);
+}
+
+posenc::DType float_code(int code, const char* name) {
+  switch (code) {
+    case static_cast<int>(posenc::DType::kFloat32):
+    case static_cast<int>(posenc::DType::kFloat16):
+    case static_cast<int>(posenc::DType::kBFloat16):
+      return static_cast<posenc::DType>(code);
+    default:
+      throw py::value_error(std::string(name) + ": dtype code " + std::to_string(code) +
+                            " is not FLOAT32, FLOAT16 or BFLOAT16");
+  }
+}
+
+posenc::DType id_code(int code) {
+  if (code == static_cast<int>(posenc::DType::kInt32) || code == static_cast<int>(posenc::DType::kInt64)) {
+    return static_cast<posenc::DType>(code);
+  }
+  throw py::value_error("ids: dtype code " + std::to_string(code) + " is not INT32 or INT64");
+}
+
+template <typename T>
+T* pointer(uintptr_t address) {
+  return reinterpret_cast<T*>(address);
+}
+
+// Makes `device` current for the launch and restores the previous device afterwards, as
+// torch's device guards do: tensors on cuda:1 launch on cuda:1 whatever the current device.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    check_cuda(cudaGetDevice(&previous_), "cudaGetDevice");
+    if (previous_ != device) {
+      check_cuda(cudaSetDevice(device), "cudaSetDevice(" + std::to_string(device) + ")");
+      switched_ = true;
+    }
+  }
+  ~DeviceGuard() {
+    if (switched_) cudaSetDevice(previous_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = 0;
+  bool switched_ = false;
+};
+
+void forward(uintptr_t ids, int ids_dtype, uintptr_t weight, int64_t weight_row_stride, int dtype, uintptr_t out,
+             uintptr_t turns, int64_t num_turns, uintptr_t positions, uintptr_t offsets, int64_t offset,
+             int64_t seq_len, int64_t num_tokens, int64_t num_embeddings, int64_t token_width, int64_t pe_width,
+             bool concat, bool interleaved, int64_t sin_base, int64_t num_sin, int64_t cos_base, int64_t num_cos,
+             int64_t pe_zero_id, double embed_scale, double pe_scale, bool float64_math, uintptr_t stream,
+             int device) {
+  posenc::ForwardArgs args;
+  args.ids = pointer<const void>(ids);
+  args.ids_dtype = id_code(ids_dtype);
+  args.weight = pointer<const void>(weight);
+  args.weight_row_stride = weight_row_stride;
+  args.dtype = float_code(dtype, "weight");
+  args.out = pointer<void>(out);
+  args.turns = pointer<const int64_t>(turns);
+  args.num_turns = num_turns;
+  args.positions = pointer<const int64_t>(positions);
+  args.offsets = pointer<const int64_t>(offsets);
+  args.offset = offset;
+  args.seq_len = seq_len;
+  args.num_tokens = num_tokens;
+  args.num_embeddings = num_embeddings;
+  args.token_width = token_width;
+  args.pe_width = pe_width;
+  args.concat = concat;
+  args.columns = posenc::PEColumns{interleaved, sin_base, num_sin, cos_base, num_cos};
+  args.pe_zero_id = pe_zero_id;
+  args.embed_scale = embed_scale;
+  args.pe_scale = pe_scale;
+  args.float64_math = float64_math;
+  if (num_tokens == 0) return;  // nothing to launch; no device needed
+  py::gil_scoped_release no_gil;
+  DeviceGuard guard(device);
+  check_cuda(posenc::launch_forward(args, pointer<CUstream_st>(stream)), "forward launch");
+}
+
+void weight_grad(uintptr_t sorted_ids, uintptr_t order, uintptr_t grad_out, int64_t grad_out_row_stride,
+                 int grad_dtype, uintptr_t grad_weight, int weight_dtype, uintptr_t partials, int64_t num_tokens,
+                 int64_t num_embeddings, int64_t token_width, int64_t padding_idx, double embed_scale, int64_t chunk,
+                 uintptr_t stream, int device) {
+  posenc::WeightGradArgs args;
+  args.sorted_ids = pointer<const int64_t>(sorted_ids);
+  args.order = pointer<const int64_t>(order);
+  args.grad_out = pointer<const void>(grad_out);
+  args.grad_out_row_stride = grad_out_row_stride;
+  args.grad_dtype = float_code(grad_dtype, "grad_out");
+  args.grad_weight = pointer<void>(grad_weight);
+  args.weight_dtype = float_code(weight_dtype, "grad_weight");
+  args.partials = pointer<float>(partials);
+  args.num_tokens = num_tokens;
+  args.num_embeddings = num_embeddings;
+  args.token_width = token_width;
+  args.padding_idx = padding_idx;
+  args.embed_scale = static_cast<float>(embed_scale);
+  args.chunk = chunk;
+  if (args.grad_dtype != args.weight_dtype && args.grad_dtype != posenc::DType::kFloat32) {
+    throw py::value_error("grad_out must have the weight's dtype or FLOAT32");
+  }
+  if (chunk < 1) throw py::value_error("chunk must be >= 1, got " + std::to_string(chunk));
+  if (num_tokens == 0 || num_embeddings == 0 || token_width == 0) return;
+  py::gil_scoped_release no_gil;
+  DeviceGuard guard(device);
+  check_cuda(posenc::launch_weight_grad(args, pointer<CUstream_st>(stream)), "weight gradient launch");
+}
+
+// Visible CUDA devices; 0 (not an error) when there is no GPU or no driver.
+int device_count() {
+  int count = 0;
+  const cudaError_t status = cudaGetDeviceCount(&count);
+  if (status != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return count;
+}
+
+// (device count, message): why there is no usable device, in words, or "" when there is one.
+py::tuple device_status() {
+  int count = 0;
+  const cudaError_t status = cudaGetDeviceCount(&count);
+  if (status == cudaSuccess && count > 0) return py::make_tuple(count, std::string());
+  cudaGetLastError();
+  int driver = 0;
+  if (cudaDriverGetVersion(&driver) != cudaSuccess || driver == 0) {
+    cudaGetLastError();
+    return py::make_tuple(0, std::string("no NVIDIA driver is installed (libcuda.so.1 not found): no GPU here"));
+  }
+  if (status == cudaErrorInsufficientDriver) {
+    return py::make_tuple(0, "the NVIDIA driver supports CUDA " + std::to_string(driver / 1000) + "." +
+                                 std::to_string(driver % 1000 / 10) + ", older than the CUDA " +
+                                 std::to_string(CUDART_VERSION / 1000) + "." +
+                                 std::to_string(CUDART_VERSION % 1000 / 10) +
+                                 " runtime this extension was built with: update the driver, or rebuild "
+                                 "with an older CUDA toolkit");
+  }
+  if (status != cudaSuccess) {
+    return py::make_tuple(0, std::string(cudaGetErrorName(status)) + ": " + cudaGetErrorString(status));
+  }
+  return py::make_tuple(0, std::string("no CUDA device is visible (check CUDA_VISIBLE_DEVICES)"));
+}
+
+// CUDA driver version as an int (e.g. 13000), 0 when no driver is installed.
+int driver_version() {
+  int version = 0;
+  if (cudaDriverGetVersion(&version) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return version;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() =
+      "posenc_fast CUDA kernels (fused embedding + exact sinusoidal PE, forward and deterministic weight "
+      "gradient).  Framework-free: device pointers as ints, dtype codes, a stream handle.  Called by "
+      "posenc_fast.backends.cuda_backend; not a public API.";
+  m.attr("FLOAT32") = static_cast<int>(posenc::DType::kFloat32);
+  m.attr("FLOAT16") = static_cast<int>(posenc::DType::kFloat16);
+  m.attr("BFLOAT16") = static_cast<int>(posenc::DType::kBFloat16);
+  m.attr("INT32") = static_cast<int>(posenc::DType::kInt32);
+  m.attr("INT64") = static_cast<int>(posenc::DType::kInt64);
+  m.attr("CUDA_RUNTIME_VERSION") = CUDART_VERSION;  // the statically linked runtime
+  m.attr("CUDA_ARCHS") = POSENC_FAST_CUDA_ARCHS;  // what the build compiled for (nvcc -gencode list)
+
+  m.def("forward", &forward,
+        "Launch the forward kernel: out[N, width] = embed_scale * W[ids] (+) pe_scale * PE(pos), in fp32 "
+        "arithmetic (or float64 with float64_math), rounded once.",
+        py::arg("ids"), py::arg("ids_dtype"), py::arg("weight"), py::arg("weight_row_stride"), py::arg("dtype"),
+        py::arg("out"), py::arg("turns"), py::arg("num_turns"), py::arg("positions"), py::arg("offsets"),
+        py::arg("offset"), py::arg("seq_len"), py::arg("num_tokens"), py::arg("num_embeddings"),
+        py::arg("token_width"), py::arg("pe_width"), py::arg("concat"), py::arg("interleaved"),
+        py::arg("sin_base"), py::arg("num_sin"), py::arg("cos_base"), py::arg("num_cos"), py::arg("pe_zero_id"),
+        py::arg("embed_scale"), py::arg("pe_scale"), py::arg("float64_math"), py::arg("stream"), py::arg("device"));
+  m.def("weight_grad", &weight_grad,
+        "Launch both stages of the deterministic weight gradient (ids sorted by the caller).",
+        py::arg("sorted_ids"), py::arg("order"), py::arg("grad_out"), py::arg("grad_out_row_stride"),
+        py::arg("grad_dtype"), py::arg("grad_weight"), py::arg("weight_dtype"), py::arg("partials"),
+        py::arg("num_tokens"), py::arg("num_embeddings"), py::arg("token_width"), py::arg("padding_idx"),
+        py::arg("embed_scale"), py::arg("chunk"), py::arg("stream"), py::arg("device"));
+  m.def("device_count", &device_count, "Visible CUDA devices (0 without a GPU or driver; never raises).");
+  m.def("device_status", &device_status,
+        "(count, reason): reason says why no CUDA device is usable, '' when count > 0.");
+  m.def("driver_version", &driver_version, "CUDA driver version (e.g. 13000), 0 without a driver.");
+}

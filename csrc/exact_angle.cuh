@@ -1,0 +1,76 @@
+// Exact-angle sin and cos from a fixed-point turn (docs/design.md, "Numerics: exact angles").
+//
+// The phase of pair i at position p is the wrapping 64-bit product p * R_i: the fractional turn
+// scaled by 2^64, exact for every int64 position.  Its top two bits (after adding 1/8 turn) give
+// the nearest quarter turn exactly; the remainder, at most 1/8 turn, becomes an angle |a| <= pi/4
+// whose sin and cos come from short Taylor polynomials, followed by an exact rotation by the
+// quadrant.  Same reduction and polynomials as triton_kernels.sin_cos_of_turns, in fp32 (terms to
+// x^9 / x^10, truncation < 2e-9) or float64 (to x^17 / x^18, truncation < 1e-19).  No sin/cos
+// library call, so results do not depend on a math library's implementation.
+#pragma once
+
+#include <cstdint>
+
+namespace posenc {
+
+// 2*pi radians per 2^64 units of turn.
+constexpr double kRadiansPerUnit = 2.0 * 3.14159265358979323846 / 18446744073709551616.0;
+constexpr uint64_t kEighthTurn = uint64_t(1) << 61;
+constexpr uint64_t kQuarterTurnMask = (uint64_t(1) << 62) - 1;
+
+// Phase of `position` at rate `turn_rate` (R_i): the product mod 2^64.  Unsigned, because the
+// wrap is the point and signed overflow would be undefined behaviour.
+__device__ __forceinline__ uint64_t phase_of(int64_t position, int64_t turn_rate) {
+  return static_cast<uint64_t>(position) * static_cast<uint64_t>(turn_rate);
+}
+
+// The angle of `turn_units` reduced to |a| <= pi/4 (in Math), and its quadrant (0..3).
+template <typename Math>
+__device__ __forceinline__ Math reduced_angle(uint64_t turn_units, unsigned& quadrant) {
+  const uint64_t shifted = turn_units + kEighthTurn;  // wraps: top two bits = nearest quarter turn
+  quadrant = static_cast<unsigned>(shifted >> 62);
+  // In [-2^61, 2^61).  Both operands fit in int64, so the subtraction is exact.
+  const int64_t remainder = static_cast<int64_t>(shifted & kQuarterTurnMask) - static_cast<int64_t>(kEighthTurn);
+  // Round-to-nearest conversion, then one multiply by the constant rounded to Math (as Triton does).
+  return static_cast<Math>(remainder) * static_cast<Math>(kRadiansPerUnit);
+}
+
+__device__ __forceinline__ void taylor_sin_cos(float a, float& sin_a, float& cos_a) {
+  // Coefficients: the double values rounded to fp32.
+  constexpr float s3 = static_cast<float>(-1.0 / 6.0), s5 = static_cast<float>(1.0 / 120.0),
+                  s7 = static_cast<float>(-1.0 / 5040.0), s9 = static_cast<float>(1.0 / 362880.0);
+  constexpr float c2 = -0.5f, c4 = static_cast<float>(1.0 / 24.0), c6 = static_cast<float>(-1.0 / 720.0),
+                  c8 = static_cast<float>(1.0 / 40320.0), c10 = static_cast<float>(-1.0 / 3628800.0);
+  const float z = a * a;
+  sin_a = a + a * z * (s3 + z * (s5 + z * (s7 + z * s9)));
+  cos_a = 1.0f + z * (c2 + z * (c4 + z * (c6 + z * (c8 + z * c10))));
+}
+
+__device__ __forceinline__ void taylor_sin_cos(double a, double& sin_a, double& cos_a) {
+  constexpr double s3 = -1.0 / 6.0, s5 = 1.0 / 120.0, s7 = -1.0 / 5040.0, s9 = 1.0 / 362880.0,
+                   s11 = -1.0 / 39916800.0, s13 = 1.0 / 6227020800.0, s15 = -1.0 / 1307674368000.0,
+                   s17 = 1.0 / 355687428096000.0;
+  constexpr double c2 = -0.5, c4 = 1.0 / 24.0, c6 = -1.0 / 720.0, c8 = 1.0 / 40320.0, c10 = -1.0 / 3628800.0,
+                   c12 = 1.0 / 479001600.0, c14 = -1.0 / 87178291200.0, c16 = 1.0 / 20922789888000.0,
+                   c18 = -1.0 / 6402373705728000.0;
+  const double z = a * a;
+  sin_a = a + a * z * (s3 + z * (s5 + z * (s7 + z * (s9 + z * (s11 + z * (s13 + z * (s15 + z * s17)))))));
+  cos_a = 1.0 + z * (c2 + z * (c4 + z * (c6 + z * (c8 + z * (c10 + z * (c12 + z * (c14 + z * (c16 + z * c18))))))));
+}
+
+// sin and cos (in Math: float or double) of the angle 2*pi * turn_units / 2^64, for any turn_units.
+template <typename Math>
+__device__ __forceinline__ void sin_cos_of_turns(uint64_t turn_units, Math& sin_out, Math& cos_out) {
+  unsigned quadrant;
+  const Math a = reduced_angle<Math>(turn_units, quadrant);
+  Math sin_a, cos_a;
+  taylor_sin_cos(a, sin_a, cos_a);
+  // Rotate by quadrant * 90 degrees: (sin, cos) -> (cos, -sin) -> (-sin, -cos) -> (-cos, sin).
+  const bool odd = (quadrant & 1u) != 0;
+  const Math sin_unsigned = odd ? cos_a : sin_a;
+  const Math cos_unsigned = odd ? sin_a : cos_a;
+  sin_out = quadrant >= 2 ? -sin_unsigned : sin_unsigned;
+  cos_out = (quadrant == 1 || quadrant == 2) ? -cos_unsigned : cos_unsigned;
+}
+
+}  // namespace posenc

@@ -1,0 +1,10 @@
+// The forward kernels for bf16 weights (a translation unit of its own, to compile in parallel).
+#include "forward_kernels.cuh"
+
+namespace posenc {
+namespace forward_detail {
+
+cudaError_t launch_bf16(const ForwardArgs& args, cudaStream_t stream) { return launch_for_dtype<__nv_bfloat16>(args, stream); }
+
+}  // namespace forward_detail
+}  // namespace posenc

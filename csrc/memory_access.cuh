@@ -1,0 +1,147 @@
+// Element types and row-segment memory access shared by the kernels.
+//
+// A "span" is N consecutive elements of one row.  It moves as 16-byte vectors when its address is
+// 16-byte aligned and all N elements are inside the row; otherwise element by element, touching
+// only the elements inside the row.  The test is made per access, so any pointer, row stride and
+// column offset is correct, and aligned rows (the common case) take the vector path.
+//
+// Loads go into raw storage (Span) and are converted to fp32 only later, so that a thread can have
+// several independent loads in flight before it first waits on one.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "posenc.h"
+
+namespace posenc {
+
+// ---- element types: widen to fp32 (exact); narrow from fp32 or float64, round to nearest even ----
+
+template <typename T>
+struct Element;
+
+template <>
+struct Element<float> {
+  __device__ static float widen(float x) { return x; }
+  __device__ static float narrow(float x) { return x; }
+  __device__ static float narrow(double x) { return __double2float_rn(x); }
+};
+
+template <>
+struct Element<__half> {
+  __device__ static float widen(__half x) { return __half2float(x); }
+  __device__ static __half narrow(float x) { return __float2half_rn(x); }
+  __device__ static __half narrow(double x) { return __double2half(x); }  // one rounding, not via fp32
+};
+
+template <>
+struct Element<__nv_bfloat16> {
+  __device__ static float widen(__nv_bfloat16 x) { return __bfloat162float(x); }
+  __device__ static __nv_bfloat16 narrow(float x) { return __float2bfloat16_rn(x); }
+  __device__ static __nv_bfloat16 narrow(double x) { return __double2bfloat16(x); }  // one rounding
+};
+
+// ---- spans ----
+
+constexpr int kVectorBytes = 16;
+
+// Elements of T in one 16-byte vector.
+template <typename T>
+__host__ __device__ constexpr int vector_elems() { return kVectorBytes / static_cast<int>(sizeof(T)); }
+
+template <typename T, int N>
+struct alignas(kVectorBytes) Span {
+  // Whole 16-byte vectors in the span; 0 if it is not a multiple of 16 bytes (then it always
+  // moves element by element).
+  static constexpr int kVectors = (N * sizeof(T)) % kVectorBytes == 0 ? static_cast<int>(N * sizeof(T)) / kVectorBytes : 0;
+  T elems[N];
+};
+
+__device__ __forceinline__ bool is_vector_aligned(const void* p) {
+  return (reinterpret_cast<uintptr_t>(p) % kVectorBytes) == 0;
+}
+
+// Number of the N elements starting at column `col` that lie below `limit` (0..N).
+template <int N>
+__device__ __forceinline__ int elems_inside(int64_t col, int64_t limit) {
+  const int64_t left = limit - col;
+  return left >= N ? N : (left > 0 ? static_cast<int>(left) : 0);
+}
+
+// Raw load of `count` (0..N) elements at p; elements past `count` become zero.  Read-only path
+// (__ldg): the kernels never write what they read.
+template <typename T, int N>
+__device__ __forceinline__ void load_span(Span<T, N>& span, const T* __restrict__ p, int count) {
+  if constexpr (Span<T, N>::kVectors > 0) {
+    if (count == N && is_vector_aligned(p)) {
+      const uint4* vectors = reinterpret_cast<const uint4*>(p);
+#pragma unroll
+      for (int v = 0; v < Span<T, N>::kVectors; ++v) {
+        const uint4 raw = __ldg(vectors + v);
+        memcpy(&span.elems[v * vector_elems<T>()], &raw, kVectorBytes);
+      }
+      return;
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < N; ++e) {
+    span.elems[e] = e < count ? p[e] : Element<T>::narrow(0.0f);
+  }
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void zero_span(Span<T, N>& span) {
+#pragma unroll
+  for (int e = 0; e < N; ++e) span.elems[e] = Element<T>::narrow(0.0f);
+}
+
+// The span's values in Math (float or double; widening is exact).
+template <typename Math, typename T, int N>
+__device__ __forceinline__ void widen_span(const Span<T, N>& span, Math (&values)[N]) {
+#pragma unroll
+  for (int e = 0; e < N; ++e) values[e] = static_cast<Math>(Element<T>::widen(span.elems[e]));
+}
+
+// Rounds `values` (float or double) to T, to nearest even, once, and stores the first `count`
+// (0..N) of them at p.
+template <typename T, typename Math, int N>
+__device__ __forceinline__ void store_span(T* __restrict__ p, const Math (&values)[N], int count) {
+  Span<T, N> span;
+#pragma unroll
+  for (int e = 0; e < N; ++e) span.elems[e] = Element<T>::narrow(values[e]);
+  if constexpr (Span<T, N>::kVectors > 0) {
+    if (count == N && is_vector_aligned(p)) {
+      uint4* vectors = reinterpret_cast<uint4*>(p);
+#pragma unroll
+      for (int v = 0; v < Span<T, N>::kVectors; ++v) {
+        uint4 raw;
+        memcpy(&raw, &span.elems[v * vector_elems<T>()], kVectorBytes);
+        vectors[v] = raw;
+      }
+      return;
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < N; ++e) {
+    if (e < count) p[e] = span.elems[e];
+  }
+}
+
+// ---- dtype dispatch ----
+
+// Calls fn(T{}) with T the element type of a floating-point code; false for any other code.
+template <typename Fn>
+bool dispatch_float(DType dtype, Fn&& fn) {
+  switch (dtype) {
+    case DType::kFloat32: fn(float{}); return true;
+    case DType::kFloat16: fn(__half{}); return true;
+    case DType::kBFloat16: fn(__nv_bfloat16{}); return true;
+    default: return false;
+  }
+}
+
+}  // namespace posenc

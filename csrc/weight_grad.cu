@@ -1,0 +1,200 @@
+// Weight gradient: deterministic, sort-based, no atomics (docs/design.md, "Backward").
+//
+// The caller sorts the ids (stably; out-of-range ids become the sentinel num_embeddings).
+// Stage 1 (grad_chunk_kernel): each work item takes `chunk` consecutive sorted tokens and a span
+//   of columns, and walks them in order summing runs of equal ids in fp32.  A run wholly inside
+//   the chunk is final and written once (times embed_scale, rounded to the weight dtype).  A run
+//   crossing the chunk's start leaves its partial sum in slot 0; one that starts here and crosses
+//   the end leaves it in slot 1.
+// Stage 2 (grad_carry_kernel): the chunk where a crossing run starts owns it and adds its slot 1
+//   and slot 0 of each following chunk the run covers, in order.
+// The order of every sum is fixed by the sorted order, so results are bitwise reproducible, and
+// the work per item is bounded even for a hot id.  Same scheme as the Triton backend.
+//
+// A thread owns 16 bytes of gradient columns; the rows of several tokens are loaded before the
+// first is added, so that their loads overlap.
+#include <cstdint>
+
+#include "memory_access.cuh"
+#include "posenc.h"
+
+namespace posenc {
+namespace {
+
+constexpr int kGradThreads = 128;
+constexpr int kRowsInFlight = 8;  // grad_out rows loaded per thread before they are summed
+
+struct GradKernelArgs {
+  const int64_t* sorted_ids;
+  const int64_t* order;
+  const void* grad_out;
+  int64_t grad_out_row_stride;
+  void* grad_weight;
+  float* partials;
+  int64_t num_tokens;
+  int64_t num_embeddings;
+  int64_t token_width;
+  int64_t padding_idx;
+  int64_t chunk;
+  int64_t num_chunks;
+  float embed_scale;
+};
+
+__device__ __forceinline__ bool writable(const GradKernelArgs& a, int64_t id) {
+  return id != a.padding_idx && id < a.num_embeddings;  // never the padding row or the sentinel
+}
+
+template <typename W, int N>
+__device__ __forceinline__ void store_gradient(const GradKernelArgs& a, int64_t id, int64_t col, int count,
+                                               const float (&sum)[N]) {
+  float scaled[N];
+#pragma unroll
+  for (int e = 0; e < N; ++e) scaled[e] = sum[e] * a.embed_scale;
+  store_span(static_cast<W*>(a.grad_weight) + id * a.token_width + col, scaled, count);
+}
+
+__device__ __forceinline__ float* partial_row(const GradKernelArgs& a, int64_t chunk, int slot) {
+  return a.partials + (chunk * 2 + slot) * a.token_width;
+}
+
+// Block: (column spans, chunks); grid: (chunk groups, column blocks).
+template <typename G, typename W>
+__global__ void __launch_bounds__(kGradThreads) grad_chunk_kernel(const GradKernelArgs a) {
+  constexpr int V = vector_elems<G>();
+  const int64_t col = (static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x) * V;
+  const int64_t chunk = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
+  if (col >= a.token_width || chunk >= a.num_chunks) return;
+  const int count = elems_inside<V>(col, a.token_width);
+  const G* grad_out = static_cast<const G*>(a.grad_out) + col;
+  const int64_t start = chunk * a.chunk;
+  const int64_t end = start + a.chunk < a.num_tokens ? start + a.chunk : a.num_tokens;
+
+  int64_t current = __ldg(a.sorted_ids + start);
+  bool started_here = start == 0 || __ldg(a.sorted_ids + start - 1) != current;
+  float sum[V];
+#pragma unroll
+  for (int e = 0; e < V; ++e) sum[e] = 0.0f;
+
+  for (int64_t group = start; group < end; group += kRowsInFlight) {
+    Span<G, V> rows[kRowsInFlight];
+#pragma unroll
+    for (int g = 0; g < kRowsInFlight; ++g) {
+      if (group + g < end) load_span(rows[g], grad_out + __ldg(a.order + group + g) * a.grad_out_row_stride, count);
+    }
+#pragma unroll
+    for (int g = 0; g < kRowsInFlight; ++g) {
+      const int64_t i = group + g;
+      if (i >= end) break;
+      float row[V];
+      widen_span(rows[g], row);
+#pragma unroll
+      for (int e = 0; e < V; ++e) sum[e] += row[e];
+      const bool is_last = i == end - 1;
+      const int64_t next = i + 1 < a.num_tokens ? __ldg(a.sorted_ids + i + 1) : -1;
+      if (next != current || is_last) {  // the run of `current` ends here (in this chunk)
+        const bool continues_after = is_last && next == current;
+        if (started_here && !continues_after) {
+          if (writable(a, current)) store_gradient<W>(a, current, col, count, sum);
+        } else {
+          store_span(partial_row(a, chunk, started_here ? 1 : 0) + col, sum, count);
+        }
+#pragma unroll
+        for (int e = 0; e < V; ++e) sum[e] = 0.0f;
+        started_here = true;
+        current = next;
+      }
+    }
+  }
+}
+
+template <typename W>
+__global__ void __launch_bounds__(kGradThreads) grad_carry_kernel(const GradKernelArgs a) {
+  constexpr int V = vector_elems<W>();
+  const int64_t col = (static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x) * V;
+  const int64_t chunk = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
+  if (col >= a.token_width || chunk >= a.num_chunks) return;
+  const int count = elems_inside<V>(col, a.token_width);
+  const int64_t start = chunk * a.chunk;
+  const int64_t end = start + a.chunk < a.num_tokens ? start + a.chunk : a.num_tokens;
+  if (end >= a.num_tokens) return;  // nothing crosses the last chunk's end
+  const int64_t run_id = __ldg(a.sorted_ids + end - 1);
+  if (__ldg(a.sorted_ids + end) != run_id) return;  // no run crosses this chunk's end
+  const bool started_before = start > 0 && __ldg(a.sorted_ids + start) == run_id &&
+                              __ldg(a.sorted_ids + start - 1) == run_id;
+  if (started_before || !writable(a, run_id)) return;  // owned by an earlier chunk, or never written
+
+  Span<float, V> partial;
+  float sum[V], more[V];
+  load_span(partial, partial_row(a, chunk, 1) + col, count);
+  widen_span(partial, sum);
+  for (int64_t later = chunk + 1;; ++later) {
+    load_span(partial, partial_row(a, later, 0) + col, count);
+    widen_span(partial, more);
+#pragma unroll
+    for (int e = 0; e < V; ++e) sum[e] += more[e];
+    const int64_t later_end = (later + 1) * a.chunk;
+    if (later_end >= a.num_tokens || __ldg(a.sorted_ids + later_end) != run_id) break;
+  }
+  store_gradient<W>(a, run_id, col, count, sum);
+}
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Column spans of `span_elems` across x (a power of two up to the block), chunks across y.
+template <typename Kernel>
+cudaError_t launch_over_chunks(Kernel kernel, const GradKernelArgs& a, int span_elems, cudaStream_t stream) {
+  const int64_t spans = ceil_div(a.token_width, span_elems);
+  int64_t spans_x = 1;
+  while (spans_x < spans && spans_x < kGradThreads) spans_x *= 2;
+  const int64_t chunks_y = kGradThreads / spans_x;
+  const int64_t grid_x = ceil_div(a.num_chunks, chunks_y);
+  const int64_t grid_y = ceil_div(spans, spans_x);
+  if (grid_x > INT32_MAX || grid_y > 65535) return cudaErrorInvalidConfiguration;
+  kernel<<<dim3(static_cast<unsigned>(grid_x), static_cast<unsigned>(grid_y)),
+           dim3(static_cast<unsigned>(spans_x), static_cast<unsigned>(chunks_y)), 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+template <typename G, typename W>
+cudaError_t launch_typed(const GradKernelArgs& a, cudaStream_t stream) {
+  cudaError_t status = launch_over_chunks(grad_chunk_kernel<G, W>, a, vector_elems<G>(), stream);
+  if (status != cudaSuccess) return status;
+  return launch_over_chunks(grad_carry_kernel<W>, a, vector_elems<W>(), stream);
+}
+
+}  // namespace
+
+cudaError_t launch_weight_grad(const WeightGradArgs& args, cudaStream_t stream) {
+  if (args.num_tokens < 0 || args.num_embeddings < 0 || args.token_width < 0 || args.chunk < 1) {
+    return cudaErrorInvalidValue;
+  }
+  if (args.num_tokens == 0 || args.num_embeddings == 0 || args.token_width == 0) return cudaSuccess;
+  GradKernelArgs a;
+  a.sorted_ids = args.sorted_ids;
+  a.order = args.order;
+  a.grad_out = args.grad_out;
+  a.grad_out_row_stride = args.grad_out_row_stride;
+  a.grad_weight = args.grad_weight;
+  a.partials = args.partials;
+  a.num_tokens = args.num_tokens;
+  a.num_embeddings = args.num_embeddings;
+  a.token_width = args.token_width;
+  a.padding_idx = args.padding_idx;
+  a.chunk = args.chunk;
+  a.num_chunks = ceil_div(args.num_tokens, args.chunk);
+  a.embed_scale = args.embed_scale;
+
+  // The gradient arrives in the weight's dtype, or (converted by the caller) in fp32.
+  cudaError_t status = cudaErrorInvalidValue;
+  const bool known = dispatch_float(args.weight_dtype, [&](auto element) {
+    using W = decltype(element);
+    if (args.grad_dtype == args.weight_dtype) {
+      status = launch_typed<W, W>(a, stream);
+    } else if (args.grad_dtype == DType::kFloat32) {
+      status = launch_typed<float, W>(a, stream);
+    }
+  });
+  return known ? status : cudaErrorInvalidValue;
+}
+
+}  // namespace posenc

@@ -1,0 +1,345 @@
+"""Building the CUDA extension ``posenc_fast._C`` from ``csrc/``: shared by setup.py and the on-demand build.
+
+Standard library only: setup.py loads this file by path inside pip's isolated build
+environment, where neither torch nor posenc_fast is importable.  What it owns:
+
+- the environment knobs: ``POSENC_FAST_BUILD_CUDA`` (0: skip, 1: required, unset: if nvcc is
+  found), ``POSENC_FAST_CUDA_ARCHS`` (e.g. ``"80;90"``), ``CUDA_HOME`` / ``CUDA_PATH``;
+- finding nvcc, parsing the architecture list into ``-gencode`` flags;
+- the compile and link commands, run through ninja when it is installed (parallel,
+  incremental, ``[3/5]`` progress) and one by one otherwise;
+- the on-demand build into a per-user cache (``build_in_cache``), used when an installed
+  package has no extension but nvcc is present at run time:
+
+      python -m posenc_fast._build            # build (or find) the cached extension, print its path
+
+No libtorch and no ATen headers are involved: the extension takes raw device pointers, so
+one build serves every torch version.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import sysconfig
+from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence
+
+# sm_80 (A100), sm_86 (RTX 30xx, A40), sm_89 (L4, RTX 40xx), sm_90 (H100/H200), and PTX of
+# sm_90 that the driver JIT-compiles for newer GPUs (Blackwell and later).
+DEFAULT_CUDA_ARCHS = "80;86;89;90+PTX"
+SOURCES = ("forward.cu", "forward_fp32.cu", "forward_fp16.cu", "forward_bf16.cu", "weight_grad.cu", "binding.cpp")
+HEADERS = ("posenc.h", "exact_angle.cuh", "memory_access.cuh", "forward_kernels.cuh")
+EXTENSION_NAME = "_C"
+
+
+class CudaArch(NamedTuple):
+    """One entry of the architecture list: compute capability "90", "90a", "100f", ...; ptx: also embed PTX."""
+
+    name: str
+    ptx: bool
+
+    def gencode(self) -> str:
+        codes = [f"sm_{self.name}"] + ([f"compute_{self.name}"] if self.ptx else [])
+        return f"arch=compute_{self.name},code=[{','.join(codes)}]"
+
+
+_ARCH_ENTRY = re.compile(r"^(?:sm_|compute_)?(\d+)(?:\.(\d))?([af]?)(\+ptx)?$", re.IGNORECASE)
+
+
+def parse_cuda_archs(spec: Optional[str]) -> List[CudaArch]:
+    """Parse an architecture list such as ``"80;90"``, ``"8.0 8.6 9.0+PTX"``, ``"sm_90a,100"``.
+
+    Entries are separated by ``;``, ``,`` or spaces; each is a compute capability written as
+    ``80``, ``8.0`` or ``sm_80``, optionally with an arch-specific suffix (``90a``, ``100f``)
+    and ``+PTX`` to also embed PTX for GPUs newer than the list.  ``None`` or an empty or
+    blank string gives the default, ``DEFAULT_CUDA_ARCHS``.  Raises ValueError naming a bad entry.
+    """
+    if spec is None or not spec.strip():
+        spec = DEFAULT_CUDA_ARCHS
+    archs: List[CudaArch] = []
+    for entry in re.split(r"[;,\s]+", spec.strip()):
+        if not entry:
+            continue
+        match = _ARCH_ENTRY.match(entry)
+        if match is None:
+            raise ValueError(
+                f"POSENC_FAST_CUDA_ARCHS: cannot read {entry!r}; expected compute capabilities such as "
+                f"'80;86;90', '8.0 9.0', 'sm_90a' or '90+PTX'"
+            )
+        major_or_all, minor, suffix, ptx = match.groups()
+        name = (major_or_all + minor if minor is not None else major_or_all) + suffix.lower()
+        if int(re.match(r"\d+", name).group()) < 50:
+            raise ValueError(f"POSENC_FAST_CUDA_ARCHS: {entry!r} is not a CUDA compute capability (too small)")
+        existing = next((a for a in archs if a.name == name), None)
+        if existing is not None:
+            archs[archs.index(existing)] = CudaArch(name, existing.ptx or bool(ptx))
+        else:
+            archs.append(CudaArch(name, bool(ptx)))
+    return archs
+
+
+def gencode_flags(archs: Sequence[CudaArch]) -> List[str]:
+    return [flag for arch in archs for flag in ("-gencode", arch.gencode())]
+
+
+def build_mode(env: Mapping[str, str] = os.environ) -> str:
+    """``POSENC_FAST_BUILD_CUDA``: "skip" (0), "require" (1) or "auto" (unset: build if nvcc is found)."""
+    value = env.get("POSENC_FAST_BUILD_CUDA", "").strip().lower()
+    if value in ("", "auto"):
+        return "auto"
+    if value in ("0", "false", "no", "off"):
+        return "skip"
+    if value in ("1", "true", "yes", "on"):
+        return "require"
+    raise ValueError(f"POSENC_FAST_BUILD_CUDA={value!r}: expected 0 (skip the CUDA build) or 1 (require it)")
+
+
+def find_nvcc(env: Mapping[str, str] = os.environ) -> Optional[str]:
+    """nvcc from CUDA_HOME or CUDA_PATH when set, else from PATH, else from /usr/local/cuda; None if absent."""
+    for variable in ("CUDA_HOME", "CUDA_PATH"):
+        root = env.get(variable)
+        if root:
+            candidate = os.path.join(root, "bin", "nvcc")
+            if os.access(candidate, os.X_OK):
+                return candidate
+    on_path = shutil.which("nvcc", path=env.get("PATH"))
+    if on_path:
+        return on_path
+    candidate = "/usr/local/cuda/bin/nvcc"
+    return candidate if os.access(candidate, os.X_OK) else None
+
+
+def nvcc_version(nvcc: str) -> str:
+    """The "release X.Y" line of ``nvcc --version`` (for messages and the cache key)."""
+    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
+    match = re.search(r"release [\d.]+, V[\d.]+", out)
+    return match.group(0) if match else out.strip().splitlines()[-1]
+
+
+def extension_filename() -> str:
+    """``_C.cpython-311-x86_64-linux-gnu.so`` for the running interpreter."""
+    return EXTENSION_NAME + sysconfig.get_config_var("EXT_SUFFIX")
+
+
+def _include_dirs() -> List[str]:
+    try:
+        import pybind11
+    except ImportError as error:
+        raise RuntimeError("building posenc_fast._C needs pybind11: pip install pybind11") from error
+    return [pybind11.get_include(), sysconfig.get_paths()["include"]]
+
+
+class BuildPlan(NamedTuple):
+    """The commands that build the extension: one compile per source, then a link."""
+
+    compiles: List[List[str]]  # each: the nvcc command writing objects[i]
+    objects: List[str]
+    link: List[str]
+    output: str
+
+
+def plan_build(source_dir: str, build_dir: str, output: str, nvcc: str, archs: Sequence[CudaArch],
+               debug: bool = False) -> BuildPlan:
+    """Commands to compile ``SOURCES`` from ``source_dir`` in ``build_dir`` and link ``output``."""
+    arch_list = ";".join(a.name + ("+PTX" if a.ptx else "") for a in archs)
+    common = [
+        "-std=c++17", "-O3", "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden",
+        f"-DPOSENC_FAST_CUDA_ARCHS=\"{arch_list}\"", f"-I{source_dir}",
+    ] + [f"-I{d}" for d in _include_dirs()]
+    device = gencode_flags(archs) + ["-lineinfo"]  # line tables for profilers and compute-sanitizer; no speed cost
+    if debug:
+        common += ["-g"]
+    compiles, objects = [], []
+    for source in SOURCES:
+        obj = os.path.join(build_dir, source + ".o")
+        flags = common + (device if source.endswith(".cu") else [])
+        compiles.append([nvcc, "-c", os.path.join(source_dir, source), "-o", obj] + flags)
+        objects.append(obj)
+    # nvcc links the CUDA runtime statically by default (-cudart static): the module needs only
+    # the driver at run time, and does not depend on which libcudart torch ships.
+    link = [nvcc, "-shared", "-cudart", "static", "-o", output] + objects
+    return BuildPlan(compiles, objects, link, output)
+
+
+def _ninja_escape(path: str) -> str:
+    return path.replace("$", "$$").replace(" ", "$ ").replace(":", "$:")
+
+
+def _write_ninja(plan: BuildPlan, source_dir: str, build_dir: str) -> str:
+    depends = " ".join(_ninja_escape(os.path.join(source_dir, h)) for h in HEADERS)
+    lines = ["ninja_required_version = 1.3", "", "rule run", "  command = $cmd", "  description = $desc", ""]
+    for cmd, obj in zip(plan.compiles, plan.objects):
+        source = cmd[2]
+        lines += [f"build {_ninja_escape(obj)}: run {_ninja_escape(source)} | {depends}",
+                  f"  cmd = {shlex.join(cmd).replace('$', '$$')}",
+                  f"  desc = nvcc {os.path.basename(source)}", ""]
+    lines += [f"build {_ninja_escape(plan.output)}: run {' '.join(_ninja_escape(o) for o in plan.objects)}",
+              f"  cmd = {shlex.join(plan.link).replace('$', '$$')}",
+              f"  desc = link {os.path.basename(plan.output)}", ""]
+    path = os.path.join(build_dir, "build.ninja")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(lines))
+    return path
+
+
+def _find_ninja() -> Optional[str]:
+    found = shutil.which("ninja")
+    if found:
+        return found
+    try:
+        import ninja  # the PyPI package ships the binary
+    except ImportError:
+        return None
+    candidate = os.path.join(ninja.BIN_DIR, "ninja")
+    return candidate if os.access(candidate, os.X_OK) else None
+
+
+def run_build(plan: BuildPlan, source_dir: str, build_dir: str, log=sys.stderr) -> None:
+    """Run the plan: through ninja if available (parallel, incremental), else command by command.
+
+    Progress goes to ``log``; a failing command raises RuntimeError with its output.
+    """
+    os.makedirs(build_dir, exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.abspath(plan.output)), exist_ok=True)
+    ninja = _find_ninja()
+    if ninja is not None:
+        _write_ninja(plan, source_dir, build_dir)
+        command = [ninja, "-C", build_dir]
+        jobs = os.environ.get("MAX_JOBS")
+        if jobs:
+            command += ["-j", jobs]
+        _run(command, log, what="ninja")
+        return
+    steps = plan.compiles + [plan.link]
+    for number, cmd in enumerate(steps, 1):
+        print(f"[{number}/{len(steps)}] {os.path.basename(cmd[2]) if cmd in plan.compiles else 'link'}",
+              file=log, flush=True)
+        _run(cmd, log, what=os.path.basename(cmd[0]))
+
+
+def _run(command: List[str], log, what: str) -> None:
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output = []
+    for line in process.stdout:
+        output.append(line)
+        print(line, end="", file=log, flush=True)
+    if process.wait() != 0:
+        raise RuntimeError(f"building posenc_fast._C failed ({what} exited with {process.returncode}):\n"
+                           + "".join(output[-60:]))
+
+
+def build_extension(source_dir: str, build_dir: str, output: str, nvcc: Optional[str] = None,
+                    archs: Optional[Sequence[CudaArch]] = None, env: Mapping[str, str] = os.environ,
+                    log=sys.stderr) -> str:
+    """Compile csrc/ into the extension file ``output``; returns it.  nvcc and archs default to the environment's."""
+    nvcc = nvcc or find_nvcc(env)
+    if nvcc is None:
+        raise RuntimeError(no_nvcc_message())
+    archs = list(archs) if archs is not None else parse_cuda_archs(env.get("POSENC_FAST_CUDA_ARCHS"))
+    plan = plan_build(os.path.abspath(source_dir), os.path.abspath(build_dir), os.path.abspath(output), nvcc, archs)
+    print(f"posenc_fast: building the CUDA extension with {nvcc} for "
+          f"{', '.join(a.name + ('+PTX' if a.ptx else '') for a in archs)}", file=log, flush=True)
+    run_build(plan, os.path.abspath(source_dir), os.path.abspath(build_dir), log=log)
+    return output
+
+
+def no_nvcc_message() -> str:
+    return ("nvcc (the CUDA compiler) was not found: install the CUDA toolkit and put nvcc on PATH, "
+            "or set CUDA_HOME to the toolkit directory")
+
+
+# ---- on-demand build into a per-user cache ----
+
+def package_source_dir() -> Optional[str]:
+    """csrc/ as shipped: ``posenc_fast/_csrc`` in an installed wheel, ``<repo>/csrc`` in a source checkout."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for candidate in (os.path.join(here, "_csrc"), os.path.join(os.path.dirname(here), "csrc")):
+        if all(os.path.exists(os.path.join(candidate, name)) for name in SOURCES + HEADERS):
+            return candidate
+    return None
+
+
+def cache_root(env: Mapping[str, str] = os.environ) -> str:
+    """``$POSENC_FAST_CACHE_DIR``, else ``$XDG_CACHE_HOME/posenc_fast``, else ``~/.cache/posenc_fast``."""
+    explicit = env.get("POSENC_FAST_CACHE_DIR")
+    if explicit:
+        return explicit
+    base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "posenc_fast")
+
+
+def cache_key(source_dir: str, nvcc: str, archs: Sequence[CudaArch]) -> str:
+    """Changes whenever the sources, the compiler, the archs or the Python ABI change."""
+    digest = hashlib.sha256()
+    for name in SOURCES + HEADERS:
+        with open(os.path.join(source_dir, name), "rb") as f:
+            digest.update(name.encode() + b"\0" + f.read())
+    digest.update(repr((nvcc_version(nvcc), [tuple(a) for a in archs], extension_filename())).encode())
+    return digest.hexdigest()[:16]
+
+
+def cached_extension(env: Mapping[str, str] = os.environ) -> Optional[str]:
+    """Path of an extension already built on demand for these sources and this interpreter, or None.
+
+    Never runs the compiler beyond ``nvcc --version`` (needed for the cache key)."""
+    source_dir = package_source_dir()
+    nvcc = find_nvcc(env)
+    if source_dir is None or nvcc is None:
+        return None
+    archs = parse_cuda_archs(env.get("POSENC_FAST_CUDA_ARCHS"))
+    path = os.path.join(cache_root(env), cache_key(source_dir, nvcc, archs), extension_filename())
+    return path if os.path.exists(path) else None
+
+
+def build_in_cache(env: Mapping[str, str] = os.environ, log=sys.stderr) -> str:
+    """Build the extension into the per-user cache (once per sources/compiler/archs/Python) and return its path.
+
+    Concurrent processes (e.g. one per rank) wait on a file lock and reuse the first one's build.
+    """
+    source_dir = package_source_dir()
+    if source_dir is None:
+        raise RuntimeError("the CUDA sources (csrc/) are not part of this installation of posenc_fast; "
+                           "reinstall it from a source checkout or an sdist with nvcc on PATH")
+    nvcc = find_nvcc(env)
+    if nvcc is None:
+        raise RuntimeError(no_nvcc_message())
+    archs = parse_cuda_archs(env.get("POSENC_FAST_CUDA_ARCHS"))
+    directory = os.path.join(cache_root(env), cache_key(source_dir, nvcc, archs))
+    output = os.path.join(directory, extension_filename())
+    os.makedirs(directory, exist_ok=True)
+    import fcntl
+
+    with open(os.path.join(directory, ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.exists(output):
+            print(f"posenc_fast: the CUDA extension is not built; compiling it once into {directory} "
+                  f"(a few minutes; set POSENC_FAST_CUDA_ARCHS=<your GPU, e.g. 90> to make it faster)",
+                  file=log, flush=True)
+            partial = output + ".partial"
+            build_extension(source_dir, os.path.join(directory, "build"), partial, nvcc, archs, env, log)
+            os.replace(partial, output)  # atomic: a reader never sees a half-written module
+            print(f"posenc_fast: built {output}", file=log, flush=True)
+    return output
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
+    try:
+        path = build_in_cache()
+    except RuntimeError as error:
+        print(f"posenc_fast: {error}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,224 @@
+"""CUDA C++ backend: the kernels of csrc/ launched through ``posenc_fast._C``.
+
+``_C`` is a pybind11 module that takes device pointers (as ints), sizes, strides, dtype
+codes, a device index and the current CUDA stream handle; it does not link libtorch, so one
+build works with any torch version.  This module turns tensors into those arguments.  Same
+semantics and algorithms as the Triton backend; the weight gradient's stable sort stays in
+PyTorch (``torch.sort``), and the kernels receive the sorted ids and the permutation.
+
+The extension is looked for at the first use, never by ``import posenc_fast``:
+
+1. ``posenc_fast._C``, built by ``pip install .`` when nvcc was found;
+2. an earlier on-demand build in the per-user cache (``posenc_fast._build``);
+3. on the first explicit ``backend="cuda"`` call on CUDA tensors, if nvcc is present, an
+   on-demand build into that cache, with progress on stderr (``prepare``;
+   ``POSENC_FAST_BUILD_ON_DEMAND=0`` turns it off).  ``backend="auto"`` never builds.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from typing import NamedTuple, Optional
+
+import torch
+
+from .. import _build
+from . import KernelParams, new_buffer
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FLOAT64_MATH = True  # precision="float64": the kernels' float64 variant (longer polynomials, one rounding)
+
+# Sorted tokens per stage-1 work item of the weight gradient; tests set small values so that
+# runs of equal ids cross many chunk boundaries.
+GRAD_CHUNK = 32
+
+_BUILD_HINT = (
+    "Build it: reinstall posenc_fast where the CUDA toolkit is installed (`pip install .` compiles csrc/ when "
+    "nvcc is on PATH or CUDA_HOME is set; POSENC_FAST_BUILD_CUDA=1 makes a missing nvcc an error), or run "
+    "`python -m posenc_fast._build` to compile it into the per-user cache. Or use backend='triton' or 'auto'."
+)
+
+
+class _Extension(NamedTuple):
+    module: object  # posenc_fast._C, or None
+    problem: Optional[str]  # why it is unusable, for the error message; None when loaded
+
+
+_state: Optional[_Extension] = None  # None until the first lookup
+
+
+def _load_file(path: str):
+    spec = importlib.util.spec_from_file_location("posenc_fast._C", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules["posenc_fast._C"] = module
+    return module
+
+
+def _lookup() -> _Extension:
+    """Import posenc_fast._C, else a cached on-demand build; remember the outcome."""
+    global _state
+    if _state is not None:
+        return _state
+    try:
+        from .. import _C
+
+        _state = _Extension(_C, None)
+        return _state
+    except ImportError as error:
+        import_error = str(error) or type(error).__name__
+    cached = None
+    try:
+        cached = _build.cached_extension()
+        if cached is not None:
+            _state = _Extension(_load_file(cached), None)
+            return _state
+    except (ImportError, OSError, RuntimeError, ValueError) as error:
+        import_error += f"; the cached build {cached} did not load either: {error}"
+    _state = _Extension(None, f"backend='cuda' needs the compiled CUDA extension posenc_fast._C, which this "
+                              f"installation does not have ({import_error}). {_BUILD_HINT}")
+    return _state
+
+
+def extension():
+    """The loaded ``posenc_fast._C`` module, or None (``extension_problem()`` says why)."""
+    return _lookup().module
+
+
+def extension_problem() -> Optional[str]:
+    """Why the extension cannot be used, or None when it is loaded."""
+    return _lookup().problem
+
+
+@torch.compiler.assume_constant_result  # torch.compile runs this at trace time and keeps the answer
+def _unusable_reason() -> Optional[str]:
+    problem = extension_problem()
+    if problem is not None:
+        return problem
+    count, why = _lookup().module.device_status()
+    if count == 0 or not torch.cuda.is_available():
+        return f"backend='cuda' needs an NVIDIA GPU, and none is usable here ({why or 'torch sees no CUDA device'})"
+    return None
+
+
+def available(device: torch.device) -> Optional[str]:
+    """None if this backend can run on ``device``, else the reason it cannot and how to fix it."""
+    if device.type != "cuda":
+        return (f"backend='cuda' runs on CUDA tensors, but these are on {device.type!r}: move them to a GPU "
+                f"(.cuda()), or use backend='torch' (or 'auto') for {device.type} tensors")
+    return _unusable_reason()
+
+
+def prepare(device: torch.device) -> None:
+    """Called before ``available`` when a user asks for backend='cuda' by name: if the extension is
+    missing and nvcc is present, build it once into the per-user cache (progress on stderr)."""
+    global _state
+    if torch.compiler.is_compiling() or device.type != "cuda" or extension() is not None:
+        return
+    if os.environ.get("POSENC_FAST_BUILD_ON_DEMAND", "1").strip() == "0":
+        return
+    if _build.find_nvcc() is None or _build.package_source_dir() is None:
+        return
+    try:
+        path = _build.build_in_cache()
+        _state = _Extension(_load_file(path), None)
+    except (RuntimeError, ImportError, OSError, ValueError) as error:
+        _state = _Extension(None, f"backend='cuda': the CUDA extension is not installed and building it on demand "
+                                  f"failed: {error}")
+
+
+def _require():
+    module = extension()
+    if module is None:
+        raise RuntimeError(extension_problem())
+    return module
+
+
+def _dtype_code(module, dtype: torch.dtype) -> int:
+    codes = {torch.float32: module.FLOAT32, torch.float16: module.FLOAT16, torch.bfloat16: module.BFLOAT16,
+             torch.int32: module.INT32, torch.int64: module.INT64}
+    if dtype not in codes:
+        raise TypeError(f"backend='cuda' does not support dtype {dtype}")
+    return codes[dtype]
+
+
+def _pointer(t: Optional[torch.Tensor]) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _int64_vector(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    if t is None:
+        return None
+    if t.dtype != torch.int64:
+        t = t.to(torch.int64)
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _launch_forward(module, ids, weight, out, turns, positions, offsets, offset, seq_len, params: KernelParams,
+                    stream: int, device: int) -> None:
+    """One call into ``_C.forward`` with every argument in the binding's order (tests call this with
+    0 tokens on CPU tensors to check the signature without a GPU: nothing is launched then)."""
+    columns = params.columns
+    module.forward(
+        _pointer(ids), _dtype_code(module, ids.dtype), _pointer(weight), weight.stride(0),
+        _dtype_code(module, weight.dtype), _pointer(out), _pointer(turns), turns.numel(), _pointer(positions),
+        _pointer(offsets), int(offset), max(int(seq_len), 1), ids.numel(), weight.shape[0], params.token_width,
+        params.pe_width, bool(params.concat), bool(columns.interleaved), columns.sin_base, columns.num_sin,
+        columns.cos_base, columns.num_cos, int(params.pe_zero_id), float(params.embed_scale),
+        float(params.pe_scale), bool(params.float64_math), stream, device,
+    )
+
+
+def _launch_weight_grad(module, sorted_ids, order, grad_out, grad_weight, partials, num_embeddings, token_width,
+                        padding_idx, embed_scale, chunk, stream: int, device: int) -> None:
+    """One call into ``_C.weight_grad`` (see ``_launch_forward``)."""
+    module.weight_grad(
+        _pointer(sorted_ids), _pointer(order), _pointer(grad_out), grad_out.stride(0),
+        _dtype_code(module, grad_out.dtype), _pointer(grad_weight), _dtype_code(module, grad_weight.dtype),
+        _pointer(partials), sorted_ids.numel(), num_embeddings, token_width, int(padding_idx), float(embed_scale),
+        int(chunk), stream, device,
+    )
+
+
+def _stream_and_device(t: torch.Tensor):
+    return torch.cuda.current_stream(t.device).cuda_stream, t.device.index
+
+
+def forward(ids, weight, turns, positions, offsets, offset, seq_len, params: KernelParams):
+    num_tokens = ids.numel()
+    out = new_buffer((num_tokens, params.width), weight.dtype, weight.device)
+    if num_tokens == 0:
+        return out
+    module = _require()
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
+    if not ids.is_contiguous():
+        ids = ids.contiguous()
+    stream, device = _stream_and_device(weight)
+    _launch_forward(module, ids, weight, out, _int64_vector(turns), _int64_vector(positions), _int64_vector(offsets),
+                    offset, seq_len, params, stream, device)
+    return out
+
+
+def backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype):
+    grad_weight = torch.zeros((num_embeddings, token_width), dtype=weight_dtype, device=grad_out.device)
+    num_tokens = ids.numel()
+    if num_tokens == 0 or num_embeddings == 0 or token_width == 0:
+        return grad_weight
+    module = _require()
+    if grad_out.dtype != weight_dtype:
+        grad_out = grad_out.float()  # the kernels take the gradient in the weight's dtype or in fp32
+    if grad_out.stride(1) != 1:
+        grad_out = grad_out.contiguous()
+    keys = ids.to(torch.int64)
+    # Out-of-range ids (range check off) sort to the end under the sentinel id V and are dropped.
+    keys = torch.where((keys >= 0) & (keys < num_embeddings), keys, num_embeddings)
+    sorted_ids, order = torch.sort(keys, stable=True)
+    chunk = max(int(GRAD_CHUNK), 1)
+    partials = new_buffer(((num_tokens + chunk - 1) // chunk, 2, token_width), torch.float32, grad_out.device)
+    stream, device = _stream_and_device(grad_out)
+    _launch_weight_grad(module, sorted_ids, order, grad_out, grad_weight, partials, num_embeddings, token_width,
+                        padding_idx, embed_scale, chunk, stream, device)
+    return grad_weight
