@@ -189,16 +189,18 @@ def test_preset_at_least_as_accurate_as_the_library_table(name, backend, device,
 
 
 @pytest.mark.parametrize("backend,device", TARGETS)
-@pytest.mark.parametrize("name", list(LIBRARY))
-def test_preset_gradient(name, backend, device, seed):
+@pytest.mark.parametrize("name,d", CASES, ids=[f"{n}-{d}" for n, d in CASES])
+def test_preset_gradient(name, d, backend, device, seed):
     _, scale_of, _, _ = LIBRARY[name]
-    d, vocab = 12, 9
+    vocab = 9
     padding_idx = 1 if name == "fairseq" else None
     layer = pf.SinusoidalEmbedding.from_preset(name, vocab, d, padding_idx=padding_idx, backend=backend).to(device)
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (3, 20), generator=g)
     grad_out = torch.randn(3, 20, d, generator=g)
-    (grad,) = torch.autograd.grad(layer(ids.to(device)), layer.weight, grad_out.to(device))
+    positions = torch.randint(0, MAX_POSITION + 1, (3, 20), generator=g)
+    out = layer(ids.to(device), positions=positions.to(device))
+    (grad,) = torch.autograd.grad(out, layer.weight, grad_out.to(device))
     exact = torch.zeros(vocab, d, dtype=torch.float64).index_add_(0, ids.reshape(-1), grad_out.reshape(-1, d).double())
     exact *= scale_of(d)
     magnitude = torch.zeros(vocab, d, dtype=torch.float64).index_add_(0, ids.reshape(-1),
@@ -253,6 +255,27 @@ def test_swap_into_a_library_style_encoder(name, backend, device):
     expected_grad = torch.autograd.grad(expected.square().sum(), library.embed.weight)[0]
     got_grad = torch.autograd.grad(got.square().sum(), ours.weight)[0].cpu()
     torch.testing.assert_close(got_grad, expected_grad, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("backend,device", TARGETS)
+@pytest.mark.parametrize("name", ["fairseq", "marian", "musicgen"])
+def test_incremental_decoding_matches_the_full_sequence(name, backend, device):
+    """Decoding one token at a time with offset=past length gives the full sequence's rows."""
+    torch.manual_seed(0)
+    padding_idx = 1
+    layer = pf.SinusoidalEmbedding.from_preset(name, 30, 12, padding_idx=padding_idx, backend=backend).to(device)
+    ids = torch.randint(2, 30, (3, 9))
+    ids[1, :4] = padding_idx  # left padding
+    ids[2, :] = padding_idx  # an all-padding row
+    full = layer(ids.to(device))
+    if name == "fairseq":  # fairseq's past length counts only real tokens
+        past_of = lambda t: (ids[:, :t] != padding_idx).sum(-1).to(device)  # noqa: E731
+    else:
+        past_of = lambda t: t  # noqa: E731
+    steps = [layer(ids[:, t:t + 1].to(device), offset=past_of(t)) for t in range(ids.shape[1])]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=0)
+    if name == "fairseq":
+        assert torch.count_nonzero(full[2]) == 0, "padding rows carry neither embedding nor PE"
 
 
 def test_from_pretrained_shares_storage_and_freezes():
