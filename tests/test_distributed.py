@@ -1,0 +1,138 @@
+"""The layer under data and sequence parallelism, on CPU (gloo), as issue "Training integration" asks.
+
+DDP and FSDP2 (fully_shard): two processes, each with half the batch, end a few SGD steps with the same weights
+as one process on the whole batch.  Context parallel: each rank holds a slice of the
+sequence and passes its start as ``offset``; the slices concatenate to the unsharded output.
+"""
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import posenc_fast as pf
+
+STEPS, BATCH, SEQ, VOCAB, D = 3, 4, 10, 50, 12
+
+
+class TinyModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = pf.SinusoidalEmbedding(VOCAB, D, mode="concat", d_pos=4, embed_scale=2.0, padding_idx=0)
+        self.head = nn.Linear(D, VOCAB)
+
+    def forward(self, ids):
+        return self.head(self.embed(ids))
+
+
+def _data():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (STEPS, BATCH, SEQ), generator=g)
+    targets = torch.randint(0, VOCAB, (STEPS, BATCH, SEQ), generator=g)
+    return ids, targets
+
+
+def _train(model, ids, targets, rank_slice=slice(None)):
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for step in range(STEPS):
+        logits = model(ids[step, rank_slice])
+        loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets[step, rank_slice].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ddp_worker(rank, world, port, initial, result_path):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        model = TinyModel()
+        model.load_state_dict(initial)
+        ddp = nn.parallel.DistributedDataParallel(model)
+        ids, targets = _data()
+        per_rank = BATCH // world
+        final = _train(ddp, ids, targets, slice(rank * per_rank, (rank + 1) * per_rank))
+        if rank == 0:
+            torch.save({k.removeprefix("module."): v for k, v in final.items()}, result_path)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_two_processes_match_one_process_on_the_whole_batch(tmp_path):
+    torch.manual_seed(0)
+    reference_model = TinyModel()
+    initial = {k: v.clone() for k, v in reference_model.state_dict().items()}
+    ids, targets = _data()
+    expected = _train(reference_model, ids, targets)
+    result_path = str(tmp_path / "ddp.pt")
+    mp.spawn(_ddp_worker, args=(2, _free_port(), initial, result_path), nprocs=2, join=True)
+    got = torch.load(result_path)
+    assert set(got) == set(expected)
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _fsdp2_worker(rank, world, port, initial, result_path):
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        model = TinyModel()
+        model.load_state_dict(initial)
+        fully_shard(model.embed)
+        fully_shard(model)
+        ids, targets = _data()
+        per_rank = BATCH // world
+        _train(model, ids, targets, slice(rank * per_rank, (rank + 1) * per_rank))
+        full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+        if rank == 0:
+            torch.save(full, result_path)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.filterwarnings("ignore:FSDP2-wrapped module")
+def test_fsdp2_two_processes_match_one_process_on_the_whole_batch(tmp_path):
+    pytest.importorskip("torch.distributed.fsdp", reason="FSDP2 (fully_shard) not in this torch")
+    from torch.distributed import fsdp
+
+    if not hasattr(fsdp, "fully_shard"):
+        pytest.skip("FSDP2 (fully_shard) not in this torch")
+    torch.manual_seed(0)
+    reference_model = TinyModel()
+    initial = {k: v.clone() for k, v in reference_model.state_dict().items()}
+    ids, targets = _data()
+    expected = _train(reference_model, ids, targets)
+    result_path = str(tmp_path / "fsdp2.pt")
+    mp.spawn(_fsdp2_worker, args=(2, _free_port(), initial, result_path), nprocs=2, join=True)
+    got = torch.load(result_path)
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_context_parallel_slices_concatenate_to_the_unsharded_output(ranks):
+    """Rank r holds tokens [start_r, end_r) of every sequence and passes start_r (or one start
+    per sequence when the sequences themselves start at different positions)."""
+    torch.manual_seed(0)
+    layer = pf.SinusoidalEmbedding(VOCAB, D, layout="split", embed_scale=3.0)
+    ids = torch.randint(0, VOCAB, (BATCH, 12))
+    sequence_starts = torch.tensor([0, 7, 100, 2**20])
+    whole = layer(ids, offset=sequence_starts)
+    bounds = torch.linspace(0, 12, ranks + 1).long().tolist()
+    pieces = [layer(ids[:, a:b], offset=sequence_starts + a) for a, b in zip(bounds[:-1], bounds[1:])]
+    assert torch.equal(torch.cat(pieces, dim=1), whole)
+    plain_pieces = [layer(ids[:, a:b], offset=a) for a, b in zip(bounds[:-1], bounds[1:])]
+    assert torch.equal(torch.cat(plain_pieces, dim=1), layer(ids))
