@@ -100,3 +100,44 @@ def test_compile_fullgraph_matches_eager(kwargs, compiler):
     torch.testing.assert_close(loss, eager_loss, rtol=1e-6, atol=1e-6)
     for g, e in zip(grads, eager_grads):
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend,device", TARGETS)
+def test_autocast_keeps_the_weight_dtype_like_nn_embedding(backend, device):
+    layer = pf.SinusoidalEmbedding(20, 8, backend=backend).to(device)
+    reference = nn.Embedding(20, 8).to(device)
+    ids = torch.randint(0, 20, (2, 5), device=device)
+    autocast_dtype = torch.bfloat16 if device == "cpu" else torch.float16
+    with torch.autocast(device_type=device, dtype=autocast_dtype):
+        out = layer(ids)
+        assert out.dtype == reference(ids).dtype == torch.float32
+    torch.testing.assert_close(out, layer(ids))
+
+
+class TinyTransformer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = pf.SinusoidalEmbedding(64, 16, embed_scale=4.0, padding_idx=0)
+        self.encoder = nn.TransformerEncoderLayer(16, nhead=2, dim_feedforward=32, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(16, 64)
+
+    def forward(self, ids, offset):
+        return self.head(self.encoder(self.embed(ids, offset=offset)))
+
+
+def test_compile_fullgraph_small_transformer():
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    ids = torch.randint(0, 64, (3, 10))
+    offsets = torch.tensor([0, 5, 1000])
+    targets = torch.randint(0, 64, (3, 10))
+    loss_fn = lambda m: nn.functional.cross_entropy(m(ids, offsets).reshape(-1, 64), targets.reshape(-1))  # noqa: E731
+    eager_loss = loss_fn(model)
+    eager_grads = torch.autograd.grad(eager_loss, list(model.parameters()))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    loss = loss_fn(compiled)
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    torch.testing.assert_close(loss, eager_loss)
+    for g, e in zip(grads, eager_grads):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
