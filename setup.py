@@ -104,7 +104,7 @@ setup(
     extras_require={
         "triton": ["triton>=3.0"],
         "plot": ["matplotlib"],
-        "test": ["pytest", "pytest-benchmark", "matplotlib"],
+        "test": ["pytest", "pytest-benchmark", "matplotlib", "pybind11"],  # pybind11: the CUDA kernels host-emulated in tests
     },
     entry_points={"console_scripts": ["posenc-fast=posenc_fast.cli:main"]},
     license="BSD-3-Clause",

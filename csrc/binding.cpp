@@ -58,6 +58,13 @@ T* pointer(uintptr_t address) {
   return reinterpret_cast<T*>(address);
 }
 
+#ifdef POSENC_FAST_HOST_EMULATION
+// Test build (csrc/emulation/): the kernels run on the host and the pointers are host memory.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int) {}
+};
+#else
 // Makes `device` current for the launch and restores the previous device afterwards, as
 // torch's device guards do: tensors on cuda:1 launch on cuda:1 whatever the current device.
 class DeviceGuard {
@@ -79,6 +86,7 @@ class DeviceGuard {
   int previous_ = 0;
   bool switched_ = false;
 };
+#endif
 
 void forward(uintptr_t ids, int ids_dtype, uintptr_t weight, int64_t weight_row_stride, int dtype, uintptr_t out,
              uintptr_t turns, int64_t num_turns, uintptr_t positions, uintptr_t offsets, int64_t offset,
@@ -204,6 +212,11 @@ PYBIND11_MODULE(_C, m) {
   m.attr("INT64") = static_cast<int>(posenc::DType::kInt64);
   m.attr("CUDA_RUNTIME_VERSION") = CUDART_VERSION;  // the statically linked runtime
   m.attr("CUDA_ARCHS") = POSENC_FAST_CUDA_ARCHS;  // what the build compiled for (nvcc -gencode list)
+#ifdef POSENC_FAST_HOST_EMULATION
+  m.attr("HOST_EMULATION") = true;  // test build: kernels run on the CPU, pointers are host memory
+#else
+  m.attr("HOST_EMULATION") = false;
+#endif
 
   m.def("forward", &forward,
         "Launch the forward kernel: out[N, width] = embed_scale * W[ids] (+) pe_scale * PE(pos), in fp32 "

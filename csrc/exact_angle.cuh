@@ -11,6 +11,8 @@
 
 #include <cstdint>
 
+#include "platform.cuh"
+
 namespace posenc {
 
 // 2*pi radians per 2^64 units of turn.

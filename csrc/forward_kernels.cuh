@@ -22,6 +22,7 @@
 
 #include "exact_angle.cuh"
 #include "memory_access.cuh"
+#include "platform.cuh"
 #include "posenc.h"
 
 namespace posenc {
@@ -298,17 +299,16 @@ cudaError_t launch_kernel(const ForwardArgs& args, cudaStream_t stream) {
   a.pe_scale = static_cast<Math>(args.pe_scale);
   a.add_tokens = !args.concat;
 
-  // Units of a row across x (a power of two up to the whole block), tokens across y.
-  int64_t units_x = 1;
-  while (units_x < a.num_units && units_x < kThreads) units_x *= 2;
+  // All units of a row across x (up to the block size; no idle lanes for widths like 768), as many
+  // tokens across y as fill the block.
+  const int64_t units_x = a.num_units < kThreads ? a.num_units : kThreads;
   const int64_t tokens_y = kThreads / units_x;
   const int64_t grid_x = ceil_div(args.num_tokens, tokens_y * K);
   const int64_t grid_y = ceil_div(a.num_units, units_x);
   if (grid_x > INT32_MAX || grid_y > 65535) return cudaErrorInvalidConfiguration;
   const dim3 grid(static_cast<unsigned>(grid_x), static_cast<unsigned>(grid_y));
   const dim3 block(static_cast<unsigned>(units_x), static_cast<unsigned>(tokens_y));
-  forward_kernel<T, Math, IdT, kInterleaved><<<grid, block, 0, stream>>>(a);
-  return cudaGetLastError();
+  return launch(forward_kernel<T, Math, IdT, kInterleaved>, grid, block, stream, a);
 }
 
 // Dispatch on the runtime choices that change the generated code: math, ids dtype, layout.

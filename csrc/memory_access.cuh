@@ -15,6 +15,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "platform.cuh"
 #include "posenc.h"
 
 namespace posenc {
@@ -82,7 +83,7 @@ __device__ __forceinline__ void load_span(Span<T, N>& span, const T* __restrict_
 #pragma unroll
       for (int v = 0; v < Span<T, N>::kVectors; ++v) {
         const uint4 raw = __ldg(vectors + v);
-        memcpy(&span.elems[v * vector_elems<T>()], &raw, kVectorBytes);
+        memcpy(static_cast<void*>(&span.elems[v * vector_elems<T>()]), &raw, kVectorBytes);
       }
       return;
     }

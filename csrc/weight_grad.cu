@@ -7,7 +7,9 @@
 //   crossing the chunk's start leaves its partial sum in slot 0; one that starts here and crosses
 //   the end leaves it in slot 1.
 // Stage 2 (grad_carry_kernel): the chunk where a crossing run starts owns it and adds its slot 1
-//   and slot 0 of each following chunk the run covers, in order.
+//   and slot 0 of each following chunk the run covers, in order.  It finds the run's end by a
+//   galloping search and keeps several partial loads in flight, so a hot id (a frequent token's
+//   run over thousands of chunks) costs a few round trips to memory, not one per chunk.
 // The order of every sum is fixed by the sorted order, so results are bitwise reproducible, and
 // the work per item is bounded even for a hot id.  Same scheme as the Triton backend.
 //
@@ -16,6 +18,7 @@
 #include <cstdint>
 
 #include "memory_access.cuh"
+#include "platform.cuh"
 #include "posenc.h"
 
 namespace posenc {
@@ -123,36 +126,66 @@ __global__ void __launch_bounds__(kGradThreads) grad_carry_kernel(const GradKern
                               __ldg(a.sorted_ids + start - 1) == run_id;
   if (started_before || !writable(a, run_id)) return;  // owned by an earlier chunk, or never written
 
-  Span<float, V> partial;
+  // The run's last token: gallop from this chunk's end, then bisect, so a hot id costs
+  // O(log run length) dependent loads rather than one per chunk (ids are sorted, so "== run_id"
+  // holds on one contiguous range).
+  int64_t inside = end;  // sorted_ids[inside] == run_id
+  int64_t outside = a.num_tokens;  // first index known past the run
+  for (int64_t step = a.chunk;; step *= 2) {
+    const int64_t probe = inside + step;
+    if (probe >= a.num_tokens) break;
+    if (__ldg(a.sorted_ids + probe) != run_id) {
+      outside = probe;
+      break;
+    }
+    inside = probe;
+  }
+  while (outside - inside > 1) {
+    const int64_t middle = inside + (outside - inside) / 2;
+    if (__ldg(a.sorted_ids + middle) == run_id) {
+      inside = middle;
+    } else {
+      outside = middle;
+    }
+  }
+  const int64_t last_chunk = inside / a.chunk;
+
+  // slot 1 of this chunk, then slot 0 of each later chunk the run reaches, added in chunk order;
+  // the loads of kInFlight partials are issued before the first of them is added.
+  constexpr int kInFlight = 32 / V;
+  Span<float, V> partial[kInFlight];
   float sum[V], more[V];
-  load_span(partial, partial_row(a, chunk, 1) + col, count);
-  widen_span(partial, sum);
-  for (int64_t later = chunk + 1;; ++later) {
-    load_span(partial, partial_row(a, later, 0) + col, count);
-    widen_span(partial, more);
+  load_span(partial[0], partial_row(a, chunk, 1) + col, count);
+  widen_span(partial[0], sum);
+  for (int64_t base = chunk + 1; base <= last_chunk; base += kInFlight) {
 #pragma unroll
-    for (int e = 0; e < V; ++e) sum[e] += more[e];
-    const int64_t later_end = (later + 1) * a.chunk;
-    if (later_end >= a.num_tokens || __ldg(a.sorted_ids + later_end) != run_id) break;
+    for (int g = 0; g < kInFlight; ++g) {
+      if (base + g <= last_chunk) load_span(partial[g], partial_row(a, base + g, 0) + col, count);
+    }
+#pragma unroll
+    for (int g = 0; g < kInFlight; ++g) {
+      if (base + g > last_chunk) break;
+      widen_span(partial[g], more);
+#pragma unroll
+      for (int e = 0; e < V; ++e) sum[e] += more[e];
+    }
   }
   store_gradient<W>(a, run_id, col, count, sum);
 }
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// Column spans of `span_elems` across x (a power of two up to the block), chunks across y.
-template <typename Kernel>
-cudaError_t launch_over_chunks(Kernel kernel, const GradKernelArgs& a, int span_elems, cudaStream_t stream) {
+// Column spans of `span_elems` across x (all of a row's, up to the block size), chunks across y.
+cudaError_t launch_over_chunks(void (*kernel)(GradKernelArgs), const GradKernelArgs& a, int span_elems,
+                               cudaStream_t stream) {
   const int64_t spans = ceil_div(a.token_width, span_elems);
-  int64_t spans_x = 1;
-  while (spans_x < spans && spans_x < kGradThreads) spans_x *= 2;
+  const int64_t spans_x = spans < kGradThreads ? spans : kGradThreads;
   const int64_t chunks_y = kGradThreads / spans_x;
   const int64_t grid_x = ceil_div(a.num_chunks, chunks_y);
   const int64_t grid_y = ceil_div(spans, spans_x);
   if (grid_x > INT32_MAX || grid_y > 65535) return cudaErrorInvalidConfiguration;
-  kernel<<<dim3(static_cast<unsigned>(grid_x), static_cast<unsigned>(grid_y)),
-           dim3(static_cast<unsigned>(spans_x), static_cast<unsigned>(chunks_y)), 0, stream>>>(a);
-  return cudaGetLastError();
+  return launch(kernel, dim3(static_cast<unsigned>(grid_x), static_cast<unsigned>(grid_y)),
+                dim3(static_cast<unsigned>(spans_x), static_cast<unsigned>(chunks_y)), stream, a);
 }
 
 template <typename G, typename W>

@@ -33,7 +33,7 @@ from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence
 # sm_90 that the driver JIT-compiles for newer GPUs (Blackwell and later).
 DEFAULT_CUDA_ARCHS = "80;86;89;90+PTX"
 SOURCES = ("forward.cu", "forward_fp32.cu", "forward_fp16.cu", "forward_bf16.cu", "weight_grad.cu", "binding.cpp")
-HEADERS = ("posenc.h", "exact_angle.cuh", "memory_access.cuh", "forward_kernels.cuh")
+HEADERS = ("posenc.h", "platform.cuh", "exact_angle.cuh", "memory_access.cuh", "forward_kernels.cuh")
 EXTENSION_NAME = "_C"
 
 
@@ -248,6 +248,19 @@ def build_extension(source_dir: str, build_dir: str, output: str, nvcc: Optional
     return output
 
 
+def cuda_root(env: Mapping[str, str] = os.environ) -> Optional[str]:
+    """The CUDA toolkit directory (with include/cuda_runtime_api.h), or None."""
+    candidates = [env.get("CUDA_HOME"), env.get("CUDA_PATH")]
+    nvcc = find_nvcc(env)
+    if nvcc is not None:
+        candidates.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
+    candidates.append("/usr/local/cuda")
+    for root in candidates:
+        if root and os.path.exists(os.path.join(root, "include", "cuda_runtime_api.h")):
+            return root
+    return None
+
+
 def no_nvcc_message() -> str:
     return ("nvcc (the CUDA compiler) was not found: install the CUDA toolkit and put nvcc on PATH, "
             "or set CUDA_HOME to the toolkit directory")
@@ -343,3 +356,60 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+# ---- test support: the kernels compiled for the host (csrc/platform.cuh, POSENC_FAST_HOST_EMULATION) ----
+
+EMULATION_HEADERS = ("emulation/host_platform.h",)
+
+
+def build_host_emulation(env: Mapping[str, str] = os.environ, log=sys.stderr) -> str:
+    """Compile csrc/ with the host C++ compiler into a CPU-only ``_C`` whose kernels run thread by
+    thread on host memory (cached like ``build_in_cache``); returns its path.
+
+    For tests on machines without a GPU: the same kernel source as the real extension, so their
+    indexing, layouts and numerics are checked against the reference.  Needs a C++17 compiler
+    (``$CXX``, else ``c++``), the CUDA headers and static runtime, and pybind11.
+    """
+    source_dir = package_source_dir()
+    root = cuda_root(env)
+    if source_dir is None or root is None:
+        raise RuntimeError("host emulation needs csrc/ and the CUDA toolkit headers")
+    compiler = env.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        raise RuntimeError("host emulation needs a C++ compiler (c++ or $CXX)")
+    digest = hashlib.sha256()
+    for name in SOURCES + HEADERS + EMULATION_HEADERS:
+        with open(os.path.join(source_dir, name), "rb") as f:
+            digest.update(name.encode() + b"\0" + f.read())
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    digest.update(repr((version, root, extension_filename())).encode())
+    directory = os.path.join(cache_root(env), "host-emulation-" + digest.hexdigest()[:16])
+    output = os.path.join(directory, extension_filename())
+    os.makedirs(directory, exist_ok=True)
+    import fcntl
+
+    with open(os.path.join(directory, ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.exists(output):
+            return output
+        print(f"posenc_fast: compiling the CUDA kernels for host emulation into {directory}", file=log, flush=True)
+        flags = ["-std=c++17", "-O1", "-fPIC", "-DPOSENC_FAST_HOST_EMULATION", f"-I{source_dir}",
+                 f"-I{os.path.join(root, 'include')}"] + [f"-I{d}" for d in _include_dirs()]
+        jobs = []
+        for source in SOURCES:
+            obj = os.path.join(directory, source + ".o")
+            cmd = [compiler, "-x", "c++", "-c", os.path.join(source_dir, source), "-o", obj] + flags
+            jobs.append((obj, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
+        for obj, process in jobs:
+            out, _ = process.communicate()
+            if process.returncode != 0:
+                raise RuntimeError(f"host emulation: compiling {os.path.basename(obj)} failed:\n{out[-4000:]}")
+        libdirs = [os.path.join(root, d) for d in ("lib64", "lib", os.path.join("targets", "x86_64-linux", "lib"))]
+        link = [compiler, "-shared", "-o", output + ".partial"] + [obj for obj, _ in jobs]
+        link += [f"-L{d}" for d in libdirs if os.path.isdir(d)] + ["-l:libcudart_static.a", "-ldl", "-lpthread", "-lrt"]
+        result = subprocess.run(link, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"host emulation: linking failed:\n{(result.stdout + result.stderr)[-4000:]}")
+        os.replace(output + ".partial", output)
+    return output

@@ -1,7 +1,7 @@
-"""Command line: ``python -m posenc_fast {check,plot,experiment} ...``.
+"""Command line: ``python -m posenc_fast {check,bench,plot,experiment} ...``.
 
 Each command lives in its own module and registers itself through an
-``add_subcommand(subparsers)`` function listed in ``_COMMAND_MODULES``.
+``add_subcommand(subparsers)`` function; the modules are listed in ``_COMMAND_MODULES``.
 """
 
 from __future__ import annotations
@@ -10,21 +10,17 @@ import argparse
 import importlib
 from typing import List, Optional
 
-# Modules that define ``add_subcommand(subparsers)``; each sets ``func`` on its parser.
-_COMMAND_MODULES = ("posenc_fast.check", "posenc_fast.explore.cli")
+# Modules that define ``add_subcommand(subparsers)``; each sets ``func`` on its parser(s).
+_COMMAND_MODULES = ("posenc_fast.check", "posenc_fast.benchmark", "posenc_fast.explore.cli")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m posenc_fast", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m posenc_fast",
+        description="posenc_fast: check accuracy and speed, benchmark, and explore positional encodings.")
     subparsers = parser.add_subparsers(dest="command", required=True)
     for name in _COMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name == name:  # command not present in this build
-                continue
-            raise
-        module.add_subcommand(subparsers)
+        importlib.import_module(name).add_subcommand(subparsers)
     return parser
 
 

@@ -82,6 +82,8 @@ class SinusoidalEmbedding(nn.Module):
         return self.spec.padding_idx
 
     def reset_parameters(self) -> None:
+        if self.weight.is_meta:
+            return
         nn.init.normal_(self.weight)
         if self.spec.padding_idx is not None:
             with torch.no_grad():
@@ -116,13 +118,15 @@ class SinusoidalEmbedding(nn.Module):
             raise ValueError(f"weight must be a 2-D tensor, got {getattr(weight, 'shape', weight)!r}")
         concat_width = kwargs.get("d_pos") or 0 if kwargs.get("mode") == "concat" else 0
         d_model = weight.shape[1] + concat_width
-        kwargs.setdefault("device", weight.device)
+        # Build on the meta device: no table is allocated or randomly initialised only to be replaced.
+        kwargs["device"] = "meta"
         kwargs.setdefault("dtype", weight.dtype)
         if preset is not None:
             module = cls.from_preset(preset, weight.shape[0], d_model, padding_idx=padding_idx, **kwargs)
         else:
             module = cls(weight.shape[0], d_model, padding_idx=padding_idx, **kwargs)
         module.weight = nn.Parameter(weight, requires_grad=not freeze)
+        module.register_buffer("turns_fixed_point", module.spec.turns_tensor(weight.device).clone(), persistent=False)
         return module
 
     def extra_repr(self) -> str:

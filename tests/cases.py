@@ -14,7 +14,12 @@ import torch
 
 
 def backend_targets():
-    """(backend, device) pairs that can run here, as pytest params."""
+    """(backend, device) pairs that can run here, as pytest params.
+
+    Without a GPU, the CUDA backend's kernels run compiled for the host ("cuda-host-emulation",
+    built once per user by ``posenc_fast._build.build_host_emulation``; needs nvcc's headers and a
+    C++ compiler; POSENC_FAST_TEST_CUDA_EMULATION=0 leaves it out), as Triton's run in its interpreter.
+    """
     targets = [pytest.param("torch", "cpu", id="torch-cpu")]
     triton_ok = True
     try:
@@ -25,9 +30,45 @@ def backend_targets():
         targets.append(pytest.param("torch", "cuda", id="torch-cuda"))
         if triton_ok:
             targets.append(pytest.param("triton", "cuda", id="triton-cuda"))
-    elif triton_ok:
-        targets.append(pytest.param("triton", "cpu", id="triton-interpreter"))
+        if cuda_extension_problem() is None:
+            targets.append(pytest.param("cuda", "cuda", id="cuda"))
+    else:
+        if triton_ok:
+            targets.append(pytest.param("triton", "cpu", id="triton-interpreter"))
+        if cuda_host_emulation_problem() is None:
+            targets.append(pytest.param("cuda", "cpu", id="cuda-host-emulation"))
     return targets
+
+
+def cuda_extension_problem():
+    """None if the built CUDA extension (posenc_fast._C) loads, else why not."""
+    from posenc_fast.backends import cuda_backend
+
+    return cuda_backend.extension_problem()
+
+
+_host_emulation = []  # [problem or None], once per session
+
+
+def cuda_host_emulation_problem():
+    """Build (or find cached) and load the host-emulation build of the CUDA kernels into the cuda
+    backend; None on success, else why it is unavailable."""
+    if not _host_emulation:
+        import os
+
+        from posenc_fast import _build
+        from posenc_fast.backends import cuda_backend
+
+        problem = None
+        if os.environ.get("POSENC_FAST_TEST_CUDA_EMULATION", "1") == "0":
+            problem = "POSENC_FAST_TEST_CUDA_EMULATION=0"
+        else:
+            try:
+                cuda_backend.use_host_emulation(_build.build_host_emulation())
+            except Exception as error:  # no compiler, no CUDA headers, no pybind11: the target is left out
+                problem = f"{type(error).__name__}: {error}"
+        _host_emulation.append(problem)
+    return _host_emulation[0]
 
 
 @dataclasses.dataclass(frozen=True)

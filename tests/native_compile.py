@@ -55,11 +55,11 @@ def _forward_signature(dtype, position_source):
 
 def _grad_signature(kernel, dtype):
     if kernel == "grad_chunk_kernel":
-        return {"sorted_ids_ptr": "*i64", "order_ptr": "*i64", "grad_out_ptr": f"*{dtype}",
+        return {"sorted_ids_ptr": "*i32", "order_ptr": "*i64", "grad_out_ptr": f"*{dtype}",
                 "grad_weight_ptr": f"*{dtype}", "partials_ptr": "*fp32", "num_tokens": "i32",
                 "num_embeddings": "i32", "token_width": "i32", "grad_out_row_stride": "i32",
                 "padding_idx": "i32", "embed_scale": "fp32"}
-    return {"sorted_ids_ptr": "*i64", "grad_weight_ptr": f"*{dtype}", "partials_ptr": "*fp32",
+    return {"sorted_ids_ptr": "*i32", "grad_weight_ptr": f"*{dtype}", "partials_ptr": "*fp32",
             "num_tokens": "i32", "num_embeddings": "i32", "token_width": "i32", "padding_idx": "i32",
             "embed_scale": "fp32"}
 

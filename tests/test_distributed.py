@@ -53,49 +53,29 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _ddp_worker(rank, world, port, initial, result_path):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        model = TinyModel()
-        model.load_state_dict(initial)
-        ddp = nn.parallel.DistributedDataParallel(model)
-        ids, targets = _data()
-        per_rank = BATCH // world
-        final = _train(ddp, ids, targets, slice(rank * per_rank, (rank + 1) * per_rank))
-        if rank == 0:
-            torch.save({k.removeprefix("module."): v for k, v in final.items()}, result_path)
-    finally:
-        dist.destroy_process_group()
+def _wrap_ddp(model):
+    return nn.parallel.DistributedDataParallel(model)
 
 
-def test_ddp_two_processes_match_one_process_on_the_whole_batch(tmp_path):
-    torch.manual_seed(0)
-    reference_model = TinyModel()
-    initial = {k: v.clone() for k, v in reference_model.state_dict().items()}
-    ids, targets = _data()
-    expected = _train(reference_model, ids, targets)
-    result_path = str(tmp_path / "ddp.pt")
-    mp.spawn(_ddp_worker, args=(2, _free_port(), initial, result_path), nprocs=2, join=True)
-    got = torch.load(result_path)
-    assert set(got) == set(expected)
-    for name in expected:
-        torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-6, msg=name)
-
-
-def _fsdp2_worker(rank, world, port, initial, result_path):
+def _wrap_fsdp2(model):
     from torch.distributed.fsdp import fully_shard
 
+    fully_shard(model.embed)
+    fully_shard(model)
+    return model
+
+
+def _worker(rank, world, port, wrap, initial, result_path):
+    """One rank: its share of each batch, through the wrapper; rank 0 saves the full final weights."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         model = TinyModel()
         model.load_state_dict(initial)
-        fully_shard(model.embed)
-        fully_shard(model)
+        wrapped = wrap(model)
         ids, targets = _data()
         per_rank = BATCH // world
-        _train(model, ids, targets, slice(rank * per_rank, (rank + 1) * per_rank))
+        _train(wrapped, ids, targets, slice(rank * per_rank, (rank + 1) * per_rank))
         full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
         if rank == 0:
             torch.save(full, result_path)
@@ -103,23 +83,31 @@ def _fsdp2_worker(rank, world, port, initial, result_path):
         dist.destroy_process_group()
 
 
-@pytest.mark.filterwarnings("ignore:FSDP2-wrapped module")
-def test_fsdp2_two_processes_match_one_process_on_the_whole_batch(tmp_path):
-    pytest.importorskip("torch.distributed.fsdp", reason="FSDP2 (fully_shard) not in this torch")
-    from torch.distributed import fsdp
-
-    if not hasattr(fsdp, "fully_shard"):
-        pytest.skip("FSDP2 (fully_shard) not in this torch")
+def _assert_two_ranks_match_one_process(wrap, tmp_path):
     torch.manual_seed(0)
     reference_model = TinyModel()
     initial = {k: v.clone() for k, v in reference_model.state_dict().items()}
     ids, targets = _data()
     expected = _train(reference_model, ids, targets)
-    result_path = str(tmp_path / "fsdp2.pt")
-    mp.spawn(_fsdp2_worker, args=(2, _free_port(), initial, result_path), nprocs=2, join=True)
+    result_path = str(tmp_path / "final.pt")
+    mp.spawn(_worker, args=(2, _free_port(), wrap, initial, result_path), nprocs=2, join=True)
     got = torch.load(result_path)
+    assert set(got) == set(expected)
     for name in expected:
         torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_ddp_two_processes_match_one_process_on_the_whole_batch(tmp_path):
+    _assert_two_ranks_match_one_process(_wrap_ddp, tmp_path)
+
+
+@pytest.mark.filterwarnings("ignore:FSDP2-wrapped module")
+def test_fsdp2_two_processes_match_one_process_on_the_whole_batch(tmp_path):
+    from torch.distributed import fsdp
+
+    if not hasattr(fsdp, "fully_shard"):
+        pytest.skip("FSDP2 (fully_shard) is not in this torch")
+    _assert_two_ranks_match_one_process(_wrap_fsdp2, tmp_path)
 
 
 @pytest.mark.parametrize("ranks", [2, 3])

@@ -134,15 +134,20 @@ def test_fp32_table_would_fail_the_bar():
     assert bool((err > output_bound(exact, torch.float32)).any())
 
 
+GPU_KERNEL_BACKENDS = [p.values[0] for p in TARGETS if p.values[1] == "cuda" and p.values[0] != "torch"]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU with ~10 GB free")
-def test_output_larger_than_2_pow_31_elements():
-    """int64 index arithmetic: 2^31 + 2^20 output elements, every one checked (in row chunks)."""
+@pytest.mark.parametrize("backend", GPU_KERNEL_BACKENDS or [pytest.param(None, marks=pytest.mark.skip(
+    reason="no GPU kernel backend here"))])
+def test_output_larger_than_2_pow_31_elements(backend):
+    """int64 index arithmetic: 2^31 + 2^20 output elements, every one checked (in row chunks), per GPU backend."""
     d = 1024
     tokens = (2**31 + 2**20) // d
     g = torch.Generator(device="cuda").manual_seed(0)
     ids = torch.randint(0, 4096, (tokens,), device="cuda", generator=g)
     weight = torch.randn(4096, d, device="cuda", dtype=torch.bfloat16, generator=g)
-    out = pf.sinusoidal_embedding(ids, weight, offset=2**24 - tokens // 2, backend="triton")
+    out = pf.sinusoidal_embedding(ids, weight, offset=2**24 - tokens // 2, backend=backend)
     assert out.numel() > 2**31
     step = 2**18
     for start in range(0, tokens, step):

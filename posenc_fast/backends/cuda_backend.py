@@ -13,6 +13,9 @@ The extension is looked for at the first use, never by ``import posenc_fast``:
 3. on the first explicit ``backend="cuda"`` call on CUDA tensors, if nvcc is present, an
    on-demand build into that cache, with progress on stderr (``prepare``;
    ``POSENC_FAST_BUILD_ON_DEMAND=0`` turns it off).  ``backend="auto"`` never builds.
+
+Tests without a GPU load a host-emulation build instead (``use_host_emulation``): the same
+kernel source compiled for the CPU, so that backend="cuda" runs on CPU tensors there.
 """
 
 from __future__ import annotations
@@ -47,6 +50,9 @@ class _Extension(NamedTuple):
 
 
 _state: Optional[_Extension] = None  # None until the first lookup
+# True while a host-emulation build of the kernels is loaded (tests without a GPU, see
+# use_host_emulation): the backend then runs on CPU tensors, and only on them.
+_host_emulation = False
 
 
 def _load_file(path: str):
@@ -92,7 +98,15 @@ def extension_problem() -> Optional[str]:
     return _lookup().problem
 
 
-@torch.compiler.assume_constant_result  # torch.compile runs this at trace time and keeps the answer
+def _constant_under_compile(fn):
+    """Mark ``fn`` as torch.compiler.assume_constant_result does (torch.compile calls it once while
+    tracing and keeps the answer, instead of tracing the import machinery inside), without
+    importing torch._dynamo, which would add about a second to ``import posenc_fast``."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@_constant_under_compile
 def _unusable_reason() -> Optional[str]:
     problem = extension_problem()
     if problem is not None:
@@ -105,6 +119,8 @@ def _unusable_reason() -> Optional[str]:
 
 def available(device: torch.device) -> Optional[str]:
     """None if this backend can run on ``device``, else the reason it cannot and how to fix it."""
+    if _host_emulation:
+        return None if device.type == "cpu" else "backend='cuda' is in host-emulation mode (a test setting)"
     if device.type != "cuda":
         return (f"backend='cuda' runs on CUDA tensors, but these are on {device.type!r}: move them to a GPU "
                 f"(.cuda()), or use backend='torch' (or 'auto') for {device.type} tensors")
@@ -117,6 +133,8 @@ def prepare(device: torch.device) -> None:
     global _state
     if torch.compiler.is_compiling() or device.type != "cuda" or extension() is not None:
         return
+    if not torch.cuda.is_available():
+        return  # nothing could run it; available() explains
     if os.environ.get("POSENC_FAST_BUILD_ON_DEMAND", "1").strip() == "0":
         return
     if _build.find_nvcc() is None or _build.package_source_dir() is None:
@@ -127,6 +145,21 @@ def prepare(device: torch.device) -> None:
     except (RuntimeError, ImportError, OSError, ValueError) as error:
         _state = _Extension(None, f"backend='cuda': the CUDA extension is not installed and building it on demand "
                                   f"failed: {error}")
+
+
+def use_host_emulation(path: Optional[str]) -> None:
+    """Tests only: load the host-emulation build at ``path`` (``_build.build_host_emulation``), so
+    that backend='cuda' runs the kernels' own code on CPU tensors; ``None`` switches back."""
+    global _state, _host_emulation
+    if path is None:
+        _state, _host_emulation = None, False
+        return
+    spec = importlib.util.spec_from_file_location("posenc_fast_host_emulation._C", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not module.HOST_EMULATION:
+        raise ValueError(f"{path} is not a host-emulation build")
+    _state, _host_emulation = _Extension(module, None), True
 
 
 def _require():
@@ -183,6 +216,8 @@ def _launch_weight_grad(module, sorted_ids, order, grad_out, grad_weight, partia
 
 
 def _stream_and_device(t: torch.Tensor):
+    if t.device.type != "cuda":  # host emulation: no stream, no device
+        return 0, 0
     return torch.cuda.current_stream(t.device).cuda_stream, t.device.index
 
 

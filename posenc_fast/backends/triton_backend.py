@@ -121,9 +121,10 @@ def backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_id
     kernels = _load_kernels()
     if grad_out.stride(1) != 1:
         grad_out = grad_out.contiguous()
-    keys = ids.to(torch.int64)
     # Out-of-range ids (range check off) sort to the end under the sentinel id V and are dropped.
-    keys = torch.where((keys >= 0) & (keys < num_embeddings), keys, num_embeddings)
+    # int32 keys whenever V allows: a radix sort's passes, and its traffic, scale with the key width.
+    key_dtype = torch.int32 if num_embeddings < 2**31 - 1 else torch.int64
+    keys = torch.where((ids >= 0) & (ids < num_embeddings), ids, num_embeddings).to(key_dtype)
     sorted_ids, order = torch.sort(keys, stable=True)
     num_chunks = triton.cdiv(num_tokens, GRAD_CHUNK)
     partials = new_buffer((num_chunks, 2, token_width), torch.float32, grad_out.device)

@@ -210,8 +210,9 @@ def grad_chunk_kernel(
     col_ok = cols < token_width
     start = chunk * CHUNK
     end = tl.minimum(start + CHUNK, num_tokens)
-    previous_id = tl.load(sorted_ids_ptr + start - 1, mask=start > 0, other=-1)
-    current_id = tl.load(sorted_ids_ptr + start)
+    # Sorted ids may be int32 or int64; widen them: id * token_width can pass 2**31.
+    previous_id = tl.load(sorted_ids_ptr + start - 1, mask=start > 0, other=-1).to(tl.int64)
+    current_id = tl.load(sorted_ids_ptr + start).to(tl.int64)
     started_here = previous_id != current_id
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     for j in range(CHUNK):
@@ -220,7 +221,7 @@ def grad_chunk_kernel(
         token = tl.load(order_ptr + i, mask=valid, other=0)
         row = tl.load(grad_out_ptr + token * grad_out_row_stride + cols, mask=col_ok & valid, other=0.0)
         acc += row.to(tl.float32)
-        next_id = tl.load(sorted_ids_ptr + i + 1, mask=i + 1 < num_tokens, other=-1)
+        next_id = tl.load(sorted_ids_ptr + i + 1, mask=i + 1 < num_tokens, other=-1).to(tl.int64)
         is_last = i == end - 1
         run_ends = valid & ((next_id != current_id) | is_last)
         continues_after = is_last & (next_id == current_id)
@@ -248,10 +249,10 @@ def grad_carry_kernel(
     col_ok = cols < token_width
     start = chunk * CHUNK
     end = tl.minimum(start + CHUNK, num_tokens)
-    run_id = tl.load(sorted_ids_ptr + end - 1)
-    next_id = tl.load(sorted_ids_ptr + end, mask=end < num_tokens, other=-1)
-    first_id = tl.load(sorted_ids_ptr + start)
-    previous_id = tl.load(sorted_ids_ptr + start - 1, mask=start > 0, other=-1)
+    run_id = tl.load(sorted_ids_ptr + end - 1).to(tl.int64)  # widened: run_id * token_width can pass 2**31
+    next_id = tl.load(sorted_ids_ptr + end, mask=end < num_tokens, other=-1).to(tl.int64)
+    first_id = tl.load(sorted_ids_ptr + start).to(tl.int64)
+    previous_id = tl.load(sorted_ids_ptr + start - 1, mask=start > 0, other=-1).to(tl.int64)
     started_before = (first_id == run_id) & (previous_id == run_id)
     owner = (next_id == run_id) & ~started_before
     acc = tl.load(partials_ptr + (chunk * 2 + 1) * token_width + cols, mask=col_ok & owner, other=0.0)
@@ -260,7 +261,7 @@ def grad_carry_kernel(
     while going:
         acc += tl.load(partials_ptr + (later * 2) * token_width + cols, mask=col_ok, other=0.0)
         later_end = tl.minimum((later + 1) * CHUNK, num_tokens)
-        after = tl.load(sorted_ids_ptr + later_end, mask=later_end < num_tokens, other=-1)
+        after = tl.load(sorted_ids_ptr + later_end, mask=later_end < num_tokens, other=-1).to(tl.int64)
         going = after == run_id
         later += 1
     writable = owner & (run_id != padding_idx) & (run_id < num_embeddings)

@@ -24,7 +24,7 @@ import torch
 from .geometry import pe_table
 
 # Share of the squared Frobenius norm kept when a spanning set is ill-conditioned.
-# PE(0..L-1) has condition numbers of 1e9..1e19 (slow pairs collapse onto
+# PE(0..L-1) has condition numbers of ~1e9..1e20 (slow pairs collapse onto
 # 1, t, t^2, ...), so its "span" is only meaningful up to a tolerance.
 DEFAULT_ENERGY = 0.999
 

@@ -1,0 +1,284 @@
+"""The benchmark harness (posenc_fast.benchmark) on CPU: byte model, case selection, JSON schema,
+table, targets, device slug, and ``python -m posenc_fast bench`` end to end on tiny sizes.
+
+No timing is checked here (CPU numbers mean nothing); the GPU measurements are bench/'s.
+"""
+
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from posenc_fast import benchmark as bench
+from posenc_fast import cli
+
+# The results schema of the benchmark issue, written out independently of the module under test.
+DOCUMENT_TYPES = {"device": str, "torch": str, "triton": str, "cuda": str, "date": str, "copy_GBps": float,
+                  "cases": list}
+ROW_TYPES = {"op": str, "impl": str, "dtype": str, "mode": str, "tokens": int, "d_model": int, "vocab": int,
+             "median_ms": float, "bytes": int, "GBps": float, "peak_mem_bytes": (int, type(None))}
+ROW_ENUMS = {"op": {"forward", "backward", "step"},
+             "impl": {"eager", "compile", "compile-max-autotune", "triton", "cuda"},
+             "mode": {"add", "concat"}}
+
+N_HEADLINE = 64 * 8192  # 2^19 tokens
+
+
+def check_schema(doc):
+    assert set(doc) == set(DOCUMENT_TYPES)
+    for key, kind in DOCUMENT_TYPES.items():
+        assert isinstance(doc[key], kind), key
+    assert len(doc["date"]) == 10 and doc["date"][4] == "-" and doc["date"][7] == "-"
+    for row in doc["cases"]:
+        assert set(row) == set(ROW_TYPES)
+        for key, kind in ROW_TYPES.items():
+            assert isinstance(row[key], kind) and not isinstance(row[key], bool), (key, row[key])
+        for key, allowed in ROW_ENUMS.items():
+            assert row[key] in allowed, (key, row[key])
+
+
+# ---- byte model, against numbers worked out by hand --------------------------------------------
+
+def test_bytes_headline_bf16_add():
+    case = bench.CASE_BY_NAME["headline"]
+    assert (case.tokens, case.d_model, case.vocab, case.dtype, case.mode) == (N_HEADLINE, 1024, 32768,
+                                                                               torch.bfloat16, "add")
+    ids = 8 * 2**19                      # 4 MiB of int64 ids
+    rows = 2**19 * 1024 * 2              # one bf16 row of 1024 per token: 1 GiB
+    out = 2**19 * 1024 * 2               # 1 GiB
+    grad_weight = 32768 * 1024 * 2       # the dense gradient, written once (zero rows included): 64 MiB
+    assert bench.bytes_moved("forward", case) == ids + rows + out == 2_151_677_952
+    assert bench.bytes_moved("backward", case) == rows + ids + grad_weight == 1_145_044_992
+    assert bench.bytes_moved("step", case) == 2_151_677_952 + 1_145_044_992
+
+
+def test_bytes_concat_reads_only_token_columns():
+    case = bench.CASE_BY_NAME["headline-concat"]
+    assert case.token_width == 1024 - 64 and case.d_pos == 64
+    # forward: ids + 960-wide rows + 1024-wide output; backward: grad_out's 960 token columns + ids + [V, 960]
+    assert bench.bytes_moved("forward", case) == 4_194_304 + 1_006_632_960 + 1_073_741_824
+    assert bench.bytes_moved("backward", case) == 1_006_632_960 + 4_194_304 + 62_914_560
+
+
+def test_bytes_wide_and_fp32():
+    wide = bench.CASE_BY_NAME["wide"]
+    assert wide.tokens == 65536 and wide.vocab == 262144
+    # the large-vocabulary backward is dominated by the 2 GiB gradient
+    expected = 65536 * 4096 * 2 + 65536 * 8 + 262144 * 4096 * 2
+    assert bench.bytes_moved("backward", wide) == expected == 2_684_878_848
+    fp32 = bench.CASE_BY_NAME["headline-fp32"]
+    assert bench.bytes_moved("forward", fp32) == 4_194_304 + 2 * 2**31
+    with pytest.raises(ValueError):
+        bench.bytes_moved("inference", fp32)
+
+
+def test_floor_ms_uses_the_copy_bandwidth():
+    case = bench.CASE_BY_NAME["headline"]
+    # 3000 GB/s is 3e12 B/s: 0.717 ms
+    assert math.isclose(bench.floor_ms("forward", case, 3000.0), 2_151_677_952 / 3e12 * 1e3)
+
+
+# ---- cases ---------------------------------------------------------------------------------------
+
+def test_case_selection():
+    assert [c.name for c in bench.select_cases(quick=True)] == ["headline", "decode"]
+    default = bench.select_cases()
+    assert default[0].name == "headline" and not any(c.full_only for c in default)
+    assert {c.name for c in default} >= {"headline", "wide", "decode", "headline-concat", "headline-fp32"}
+    sweep = [c.tokens for c in bench.select_cases(["sweep"])]
+    assert sweep == sorted(sweep) and sweep[0] == 4096 and sweep[-1] == 1 << 20
+    assert [c.name for c in bench.select_cases(["decode", "wide*"])] == ["decode", "wide", "wide-concat", "wide-fp32"]
+    assert [c.name for c in bench.select_cases(["headline"])] == ["headline"], "a case name wins over its group"
+    assert len(bench.select_cases(["headline*"])) == 4
+    assert all(c.autotune and (c.latency or c.ops == bench.OPS) for c in bench.select_cases(full=True))
+    with pytest.raises(ValueError, match="no case matches"):
+        bench.select_cases(["nonsense"])
+
+
+def test_decode_is_a_latency_case():
+    decode = bench.CASE_BY_NAME["decode"]
+    assert decode.tokens == 64 and decode.d_model == 4096 and decode.latency and decode.ops == ("forward",)
+
+
+def test_cpu_sizes_are_tiny_and_keep_the_shape_of_the_case():
+    cpu = torch.device("cpu")
+    for case in bench.CASES:
+        small = bench.for_device(case, cpu)
+        assert small.tokens <= 4096 and small.d_model <= 128 and small.token_width >= 1
+        assert (small.mode, small.dtype, small.ops) == (case.mode, case.dtype, case.ops)
+    assert bench.for_device(bench.CASE_BY_NAME["decode"], cpu).tokens == 64
+
+
+def test_device_slug():
+    assert bench.device_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+    assert bench.device_slug("NVIDIA H200") == "nvidia-h200"
+    assert bench.device_slug("  NVIDIA A100-SXM4-40GB ") == "nvidia-a100-sxm4-40gb"
+    assert bench.device_slug("cpu") == "cpu"
+
+
+# ---- results: schema, table, targets -------------------------------------------------------------
+
+def _measurement(case, op, impl, ms, peak=None):
+    return bench.Measurement(case, op, impl, ms, 5.0, peak)
+
+
+def _synthetic(copy_GBps=3000.0):
+    """Headline and decode rows where triton meets every target and cuda misses some."""
+    h, d = bench.CASE_BY_NAME["headline"], bench.CASE_BY_NAME["decode"]
+    floor = {op: bench.floor_ms(op, h, copy_GBps) for op in bench.OPS}
+    ms = {  # op: (eager, compile, compile-max-autotune, triton, cuda)
+        "forward": (4 * floor["forward"], 1.3 * floor["forward"], 1.25 * floor["forward"], 1.1 * floor["forward"],
+                    2.0 * floor["forward"]),
+        "backward": (3.0, 2.0, 2.5, 1.0, 1.9),
+        "step": (7.0, 3.0, 2.9, 2.0, 2.8),
+    }
+    rows = []
+    for op, times in ms.items():
+        for impl, t in zip(("eager", "compile", "compile-max-autotune", "triton", "cuda"), times):
+            peak = {"eager": 4 << 30, "triton": 1 << 30, "cuda": 5 << 30}.get(impl, 2 << 30) if op == "step" else None
+            rows.append(_measurement(h, op, impl, t, peak))
+    rows += [_measurement(d, "forward", "eager", 0.060), _measurement(d, "forward", "triton", 0.025),
+             _measurement(d, "forward", "cuda", 0.040)]
+    return rows
+
+
+def test_measurement_json_and_validation():
+    copy = 3000.0
+    doc = bench.make_document(torch.device("cpu"), copy, _synthetic(copy) + [
+        _measurement(bench.CASE_BY_NAME["decode"], "forward", "torch", 1.0)])
+    check_schema(doc)
+    assert bench.validate_document(doc) == []
+    assert all(r["impl"] != "torch" for r in doc["cases"]), "torch is not in the schema's impl enum"
+    row = doc["cases"][0]
+    assert row["bytes"] == 2_151_677_952 and math.isclose(row["GBps"], row["bytes"] / (row["median_ms"] * 1e6))
+    bad = json.loads(json.dumps(doc))
+    bad["cases"][0]["impl"] = "torch"
+    bad["cases"][1]["extra"] = 1
+    bad["cases"][2]["tokens"] = 1.5
+    bad["date"] = "21/11/2026"
+    problems = bench.validate_document(bad)
+    assert len(problems) == 4, problems
+
+
+def test_speedups_and_targets():
+    copy = 3000.0
+    rows = [m.as_json() for m in _synthetic(copy)]
+    x = bench.speedups(rows)
+    fwd = next(r for r in rows if r["op"] == "forward" and r["impl"] == "triton")
+    x_eager, x_compile = x[bench._key(fwd) + ("triton",)]
+    assert math.isclose(x_eager, 4 / 1.1) and math.isclose(x_compile, 1.25 / 1.1), "over the faster compile mode"
+    lines = bench.target_report(rows, copy, bench.CASE_BY_NAME["headline"], bench.CASE_BY_NAME["decode"],
+                                {"triton": True, "cuda": False})
+    text = "\n".join(lines)
+    triton_part, cuda_part = text.split("  cuda:")
+    assert "MISSED" not in triton_part and triton_part.count(" ok") == 10, triton_part
+    assert "forward 50.00% of copy (>= 85%) MISSED" in cuda_part
+    assert "backward deterministic: MISSED" in cuda_part
+    assert "step peak memory 5120 MiB vs eager 4096 MiB MISSED" in cuda_part
+
+
+def test_table_prints_every_row(capsys):
+    copy = 3000.0
+    measurements = _synthetic(copy)
+    table = bench.format_table(measurements, copy, device="test GPU", notes=["a note"])
+    lines = table.splitlines()
+    assert "id range check OFF" in lines[0] and "test GPU" in lines[0]
+    header = next(line for line in lines if line.startswith("case"))
+    for column in ("median ms", "MB", "GB/s", "%copy", "x eager", "x compile", "peak MiB"):
+        assert column in header
+    assert sum(line.startswith("headline ") for line in lines) == 15 and lines[-1] == "a note"
+    fwd_triton = next(line for line in lines if "forward" in line and "triton" in line and line.startswith("headline"))
+    assert " 91 " in fwd_triton  # 1 / 1.1 of the copy bandwidth, in %
+
+
+def test_summarize_reads_a_results_file(tmp_path, capsys):
+    copy = 3000.0
+    path = tmp_path / "nvidia-test.json"
+    bench.write_document(str(path), bench.make_document(torch.device("cpu"), copy, _synthetic(copy)))
+    assert cli.main(["bench", "--summarize", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "targets" in out and "triton:" in out and "not checked here" in out
+
+
+# ---- the command, end to end on CPU ----------------------------------------------------------------
+
+def test_bench_command_end_to_end_on_cpu(tmp_path, capsys):
+    out_dir = tmp_path / "results"
+    code = cli.main(["bench", "--device", "cpu", "--quick", "--impls", "eager,torch", "--out", str(out_dir)])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    with open(out_dir / "cpu.json", encoding="utf-8") as f:
+        doc = json.load(f)
+    check_schema(doc)
+    assert doc["device"] == "cpu" and doc["cuda"] == (torch.version.cuda or "none") and doc["copy_GBps"] > 0
+    cpu = torch.device("cpu")
+    headline, decode = (bench.for_device(bench.CASE_BY_NAME[n], cpu) for n in ("headline", "decode"))
+    got = {(r["op"], r["tokens"]) for r in doc["cases"]}
+    assert got == {("forward", headline.tokens), ("backward", headline.tokens), ("step", headline.tokens),
+                   ("forward", decode.tokens)}
+    assert all(r["impl"] == "eager" and r["median_ms"] > 0 and r["peak_mem_bytes"] is None for r in doc["cases"])
+    for r in doc["cases"]:
+        case = headline if r["tokens"] == headline.tokens else decode
+        assert r["bytes"] == bench.bytes_moved(r["op"], case)
+    assert "id range check OFF" in printed and "median ms" in printed
+    assert printed.count("torch ") >= 4, "torch rows are printed though not written"
+    assert "backward deterministic (two runs bitwise equal), torch: yes" in printed
+    assert "id range check ON" in printed
+    if _has_matplotlib():
+        assert os.path.getsize(out_dir / "cpu.png") > 1000
+    else:
+        assert "no plot" in printed
+
+
+def test_bench_command_rejects_unknown_names(capsys):
+    assert cli.main(["bench", "--device", "cpu", "--impls", "eager,fast"]) == 2
+    assert cli.main(["bench", "--device", "cpu", "--cases", "nonsense"]) == 2
+    assert "unknown implementation fast" in capsys.readouterr().err
+
+
+def test_cuda_impl_is_skipped_cleanly_without_a_gpu():
+    reason = bench.impl_unavailable("cuda", torch.device("cpu"))
+    assert reason is not None and "cuda" in reason.lower()
+    assert bench.impl_unavailable("triton", torch.device("cpu")) is not None
+    assert bench.impl_unavailable("eager", torch.device("cpu")) is None
+
+
+def _has_matplotlib():
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def test_merge_keeps_rows_not_measured_again(tmp_path):
+    copy = 3000.0
+    cpu = torch.device("cpu")
+    h, d = bench.CASE_BY_NAME["headline"], bench.CASE_BY_NAME["decode"]
+    earlier = bench.make_document(cpu, copy, [_measurement(h, "forward", "eager", 4.0),
+                                              _measurement(d, "forward", "eager", 0.05)])
+    path = tmp_path / "cpu.json"
+    bench.write_document(str(path), earlier)
+    kept, note = bench.rows_to_merge(str(path), cpu)
+    assert len(kept) == 2 and "merged with" in note
+    doc = bench.make_document(cpu, copy, [_measurement(h, "forward", "eager", 3.0)], kept)
+    assert sorted((r["tokens"], r["median_ms"]) for r in doc["cases"]) == [(64, 0.05), (h.tokens, 3.0)]
+    earlier["device"] = "NVIDIA Other"
+    bench.write_document(str(path), earlier)
+    with pytest.raises(bench.MergeError, match="measured on"):
+        bench.rows_to_merge(str(path), cpu)
+
+
+def test_a_failing_implementation_keeps_what_was_measured(tmp_path, monkeypatch):
+    def broken_step(runner, inputs):
+        raise RuntimeError("step exploded")
+
+    monkeypatch.setattr(bench, "step_fn", broken_step)
+    report = bench.run_benchmark([bench.CASE_BY_NAME["headline"]], ["eager"], torch.device("cpu"), str(tmp_path),
+                                 log=lambda line: None)
+    assert [m.op for m in report.measurements] == ["forward", "backward"]
+    assert report.failures == ["headline eager: RuntimeError: step exploded"]
+    with open(report.json_path, encoding="utf-8") as f:
+        assert len(json.load(f)["cases"]) == 2

@@ -1,0 +1,335 @@
+"""The CUDA C++ backend without a GPU: build, import, error messages, architecture list, ptxas report.
+
+Runs in CI (no GPU, nvcc present).  What needs the *installed* extension runs in a subprocess
+started outside the source tree, because ``python -m pytest`` puts the checkout first on
+``sys.path`` and a non-editable install keeps ``_C`` in site-packages.  With
+POSENC_FAST_BUILD_CUDA=1 in the environment (CI sets it) a missing extension fails instead of
+skipping.  The kernels' results are checked by the accuracy suites through ``cases.backend_targets``
+(on a GPU, or compiled for the host without one); the chunked-gradient and stride tests at the end
+run on that same target.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import posenc_fast as pf
+from posenc_fast import _build, reference
+from posenc_fast._dispatch import resolve_backend
+from posenc_fast.backends import cuda_backend
+
+from cases import Case, assert_within, backend_targets, make_inputs, output_bound
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+EXTENSION_REQUIRED = os.environ.get("POSENC_FAST_BUILD_CUDA", "").strip() == "1"
+CUDA_TARGETS = [p for p in backend_targets() if p.values[0] == "cuda"]
+
+
+def _run_installed(script: str, tmp_path, **env_overrides) -> subprocess.CompletedProcess:
+    """Run ``script`` in a fresh interpreter whose cwd is not the checkout (so it imports the installed package)."""
+    env = dict(os.environ, **env_overrides)
+    env.pop("PYTHONPATH", None)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(script)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture
+def real_extension_state(monkeypatch):
+    """The backend as users have it: no host emulation, a fresh lookup of the extension."""
+    monkeypatch.setattr(cuda_backend, "_host_emulation", False)
+    monkeypatch.setattr(cuda_backend, "_state", None)
+    monkeypatch.setenv("POSENC_FAST_BUILD_ON_DEMAND", "0")
+
+
+# ---- the installed extension ----
+
+_PROBE = """
+    import json, sys
+    import posenc_fast
+    assert "posenc_fast._C" not in sys.modules, "import posenc_fast must not import the extension"
+    try:
+        import posenc_fast._C as C
+    except ImportError as error:
+        print(json.dumps({"missing": str(error)}))
+        sys.exit(0)
+    import torch
+    from posenc_fast.backends import KernelParams, cuda_backend
+    from posenc_fast._spec import PEColumns
+    count, why = C.device_status()
+    report = dict(file=C.__file__, device_count=C.device_count(), status_count=count, why=why,
+                  driver=C.driver_version(), runtime=C.CUDA_RUNTIME_VERSION, archs=C.CUDA_ARCHS,
+                  emulation=C.HOST_EMULATION)
+    # The Python side's argument list matches the binding's: 0 tokens launch nothing and need no GPU.
+    params = KernelParams(True, 6, 5, PEColumns(False, 0, 3, 3, 2), 1.5, 0.5, -1, False)
+    empty = torch.empty(0, dtype=torch.int64)
+    cuda_backend._launch_forward(C, empty, torch.zeros(4, 6), torch.empty(0, 11), torch.zeros(3, dtype=torch.int64),
+                                 None, None, 7, 1, params, 0, 0)
+    cuda_backend._launch_weight_grad(C, empty, empty, torch.empty(0, 11), torch.zeros(4, 6), torch.empty(0),
+                                     4, 6, -1, 1.5, 32, 0, 0)
+    try:
+        C.forward(0, C.INT64, 0, 6, 99, 0, 0, 3, 0, 0, 0, 1, 0, 4, 6, 5, True, False, 0, 3, 3, 2, -1, 1.0, 1.0,
+                  False, 0, 0)
+    except ValueError as error:
+        report["bad_code"] = str(error)
+    if count == 0:
+        # One token on a machine without a GPU: a clean RuntimeError before anything touches memory.
+        try:
+            C.forward(0, C.INT64, 0, 6, C.FLOAT32, 0, 0, 3, 0, 0, 0, 1, 1, 4, 6, 5, True, False, 0, 3, 3, 2, -1,
+                      1.0, 1.0, False, 0, 0)
+        except RuntimeError as error:
+            report["launch_error"] = str(error)
+    print(json.dumps(report))
+"""
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory):
+    result = _run_installed(_PROBE, tmp_path_factory.mktemp("probe"))
+    assert result.returncode == 0, f"the extension probe crashed (rc {result.returncode}):\n{result.stderr[-4000:]}"
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    if "missing" in report:
+        message = (f"posenc_fast was installed without the CUDA extension ({report['missing']}); "
+                   "install with nvcc on PATH (POSENC_FAST_BUILD_CUDA=1 makes that an error)")
+        if EXTENSION_REQUIRED:
+            pytest.fail(message)
+        pytest.skip(message)
+    return report
+
+
+def test_extension_imports_and_reports_devices(installed):
+    assert installed["emulation"] is False
+    assert installed["runtime"] >= 12000
+    assert installed["archs"] and installed["archs"] != "unknown"
+    assert installed["device_count"] == installed["status_count"]
+    if installed["device_count"] == 0:
+        assert installed["why"], "no device, but no reason given"
+    else:
+        assert installed["why"] == ""
+    assert "dtype code 99" in installed["bad_code"]
+
+
+def test_extension_without_gpu_raises_cleanly(installed):
+    if installed["device_count"] > 0:
+        pytest.skip("a GPU is present")
+    assert installed["launch_error"].startswith("posenc_fast CUDA"), installed["launch_error"]
+
+
+def test_import_without_extension(tmp_path):
+    """``import posenc_fast`` works with no extension, and backend='cuda' then says how to build it."""
+    script = """
+        import sys
+        sys.modules["posenc_fast._C"] = None  # as if it had not been built
+        import torch
+        import posenc_fast as pf
+        from posenc_fast.backends import cuda_backend
+        out = pf.sinusoidal_embedding(torch.tensor([[1, 2]]), torch.randn(4, 8))  # auto still works
+        assert out.shape == (1, 2, 8)
+        print(cuda_backend.available(torch.device("cuda")))
+    """
+    result = _run_installed(script, tmp_path, POSENC_FAST_CACHE_DIR=str(tmp_path / "cache"),
+                            POSENC_FAST_BUILD_ON_DEMAND="0")
+    assert result.returncode == 0, result.stderr[-4000:]
+    message = result.stdout.strip().splitlines()[-1]
+    assert "posenc_fast._C" in message and "pip install" in message and "python -m posenc_fast._build" in message
+
+
+# ---- error messages in this process ----
+
+def test_cuda_backend_on_cpu_tensors_raises(real_extension_state):
+    ids, weight = torch.tensor([[1, 2, 3]]), torch.randn(5, 8)
+    with pytest.raises(RuntimeError, match=r"CUDA tensors.*backend='torch'"):
+        pf.sinusoidal_embedding(ids, weight, backend="cuda")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
+def test_cuda_backend_without_gpu_raises(real_extension_state):
+    reason = cuda_backend.available(torch.device("cuda"))
+    assert reason is not None
+    assert ("NVIDIA GPU" in reason) or ("posenc_fast._C" in reason and "pip install" in reason), reason
+    with pytest.raises(RuntimeError, match="backend='cuda'"):
+        resolve_backend("cuda", torch.device("cuda"), torch.float32)
+    assert resolve_backend("auto", torch.device("cpu"), torch.float32) == "torch"
+
+
+def test_availability_traces_under_compile(real_extension_state):
+    """torch.compile(fullgraph=True) of code that asks for the cuda backend, before anything loaded the
+    extension: the lookup runs once at trace time instead of breaking the graph."""
+    torch._dynamo.reset()
+
+    def step(x):
+        return x + (1 if cuda_backend.available(torch.device("cuda")) is None else 2)
+
+    expected = 1 if cuda_backend.available(torch.device("cuda")) is None else 2
+    cuda_backend._state = None
+    assert torch.equal(torch.compile(step, fullgraph=True, backend="aot_eager")(torch.zeros(2)),
+                       torch.full((2,), float(expected)))
+
+
+# ---- POSENC_FAST_CUDA_ARCHS and the other build knobs ----
+
+@pytest.mark.parametrize("spec,expected", [
+    (None, [("80", False), ("86", False), ("89", False), ("90", True)]),
+    ("", [("80", False), ("86", False), ("89", False), ("90", True)]),
+    ("80;90", [("80", False), ("90", False)]),
+    ("8.0 8.6 9.0+PTX", [("80", False), ("86", False), ("90", True)]),
+    ("sm_90a, 100+ptx", [("90a", False), ("100", True)]),
+    ("90;90+PTX", [("90", True)]),
+    ("compute_120f", [("120f", False)]),
+])
+def test_arch_list_parsing(spec, expected):
+    assert [tuple(a) for a in _build.parse_cuda_archs(spec)] == expected
+
+
+@pytest.mark.parametrize("bad", ["ampere", "8.x", "30", "90;;sm_", "90+SASS"])
+def test_arch_list_rejects_nonsense(bad):
+    with pytest.raises(ValueError, match="POSENC_FAST_CUDA_ARCHS"):
+        _build.parse_cuda_archs(bad)
+
+
+def test_gencode_flags():
+    assert _build.gencode_flags(_build.parse_cuda_archs("80;90+PTX")) == [
+        "-gencode", "arch=compute_80,code=[sm_80]", "-gencode", "arch=compute_90,code=[sm_90,compute_90]"]
+
+
+@pytest.mark.parametrize("value,mode", [("", "auto"), ("0", "skip"), ("1", "require"), ("auto", "auto")])
+def test_build_mode(value, mode):
+    assert _build.build_mode({"POSENC_FAST_BUILD_CUDA": value}) == mode
+
+
+def test_build_mode_rejects_nonsense():
+    with pytest.raises(ValueError, match="POSENC_FAST_BUILD_CUDA"):
+        _build.build_mode({"POSENC_FAST_BUILD_CUDA": "maybe"})
+
+
+def test_find_nvcc_prefers_cuda_home(tmp_path):
+    nvcc = tmp_path / "bin" / "nvcc"
+    nvcc.parent.mkdir()
+    nvcc.write_text("#!/bin/sh\n")
+    nvcc.chmod(0o755)
+    assert _build.find_nvcc({"CUDA_HOME": str(tmp_path), "PATH": ""}) == str(nvcc)
+
+
+def test_sources_are_complete():
+    """Every file in csrc/ the build needs is listed (and so compiled, shipped and hashed for the cache)."""
+    listed = set(_build.SOURCES + _build.HEADERS + _build.EMULATION_HEADERS)
+    present = {os.path.relpath(os.path.join(d, f), os.path.join(REPO, "csrc"))
+               for d, _, files in os.walk(os.path.join(REPO, "csrc")) for f in files}
+    assert present == listed
+
+
+# ---- ptxas: registers and spills of every kernel (compiles csrc/ for sm_80 and sm_90, no GPU needed) ----
+
+@pytest.fixture(scope="module")
+def ptxas_report(tmp_path_factory):
+    nvcc = _build.find_nvcc()
+    if nvcc is None:
+        if EXTENSION_REQUIRED:
+            pytest.fail(_build.no_nvcc_message())
+        pytest.skip(_build.no_nvcc_message())
+    out = tmp_path_factory.mktemp("ptxas")
+    processes = []
+    for source in (s for s in _build.SOURCES if s.endswith(".cu") and s != "forward.cu"):  # forward.cu: no kernels
+        cmd = [nvcc, "-c", os.path.join(REPO, "csrc", source), "-o", str(out / f"{source}.o"), "-std=c++17", "-O3",
+               f"-I{os.path.join(REPO, 'csrc')}", "-Xptxas", "-v"]
+        cmd += _build.gencode_flags(_build.parse_cuda_archs("80;90"))
+        processes.append((source, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
+    kernels = []
+    for source, process in processes:
+        text, _ = process.communicate(timeout=600)
+        assert process.returncode == 0, text[-4000:]
+        entries = re.findall(r"Compiling entry function '(\w+)' for 'sm_(\d+)'\n(.*?)(?=ptxas info\s+: Compiling|\Z)",
+                             text, re.S)
+        for name, arch, body in entries:
+            registers = re.search(r"Used (\d+) registers", body)
+            spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", body)
+            stack = re.search(r"(\d+) bytes stack frame", body)
+            kernels.append(dict(arch=arch, source=source, kernel=name, registers=int(registers.group(1)),
+                                spill_stores=int(spills.group(1)), spill_loads=int(spills.group(2)),
+                                stack=int(stack.group(1))))
+    return kernels
+
+
+def test_kernels_compile_without_spills(ptxas_report):
+    assert len(ptxas_report) == 2 * (3 * 8 + 5 + 3), "expected 24 forward, 5 chunk and 3 carry kernels per arch"
+    for k in ptxas_report:
+        print(f"sm_{k['arch']} {k['kernel']}: {k['registers']} registers, {k['stack']} bytes stack")
+    spilled = [k for k in ptxas_report if k["spill_stores"] or k["spill_loads"] or k["stack"]]
+    assert not spilled, spilled
+
+
+# ---- kernel behaviour on the cuda target (a GPU, or the host emulation) ----
+
+def _gradients(fn, weight, grad_out):
+    w = weight.detach().clone().requires_grad_()
+    (grad,) = torch.autograd.grad(fn(w), w, grad_out)
+    return grad
+
+
+@pytest.mark.parametrize("backend,device", CUDA_TARGETS or [pytest.param(None, None, marks=pytest.mark.skip(
+    reason="no cuda target here (no GPU, and no host emulation)"))])
+@pytest.mark.parametrize("chunk", [1, 3, 32])
+def test_cuda_gradient_runs_across_chunks(chunk, backend, device, seed, monkeypatch):
+    """Runs of equal ids crossing 1, several and many stage-1 chunks combine exactly once."""
+    monkeypatch.setattr(cuda_backend, "GRAD_CHUNK", chunk)
+    case = Case("runs", (2, 45), 6, 10, mode="concat", d_pos=3, padding_idx=2, hot_id=True)
+    ids, weight, kwargs = make_inputs(case, device, torch.float32, seed)
+    ids.view(-1)[:20] = 4  # one long run, one padding run, short runs
+    ids.view(-1)[-7:] = 5
+    grad_out = torch.randn(ids.shape + (10,), dtype=torch.float64).float().to(device)
+    grad = _gradients(lambda w: pf.sinusoidal_embedding(ids, w, backend="cuda", **kwargs), weight, grad_out)
+    exact_fn = lambda w: reference.sinusoidal_embedding(ids, w, **kwargs)  # noqa: E731
+    exact = _gradients(exact_fn, weight.double(), grad_out.double())
+    magnitude = _gradients(exact_fn, weight.double(), grad_out.double().abs())
+    assert_within(grad, exact, 1e-5 * magnitude + 1e-30, f"chunk={chunk}")
+    assert torch.count_nonzero(grad[2]) == 0
+
+    # Few ids, many tokens: runs over hundreds of chunks (stage 2's galloping search and batched sums).
+    ids = torch.randint(0, 5, (4, 500), generator=torch.Generator().manual_seed(seed)).to(device)
+    grad_out = torch.randn(ids.shape + (10,), dtype=torch.float64).float().to(device)
+    grad = _gradients(lambda w: pf.sinusoidal_embedding(ids, w, backend="cuda", **kwargs), weight, grad_out)
+    exact = _gradients(exact_fn, weight.double(), grad_out.double())
+    magnitude = _gradients(exact_fn, weight.double(), grad_out.double().abs())
+    assert_within(grad, exact, 1e-5 * magnitude + 1e-30, f"long runs, chunk={chunk}")
+    again = _gradients(lambda w: pf.sinusoidal_embedding(ids, w, backend="cuda", **kwargs), weight, grad_out)
+    assert torch.equal(grad, again)
+
+
+@pytest.mark.parametrize("backend,device", CUDA_TARGETS or [pytest.param(None, None, marks=pytest.mark.skip(
+    reason="no cuda target here (no GPU, and no host emulation)"))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("mode,layout", [("add", "interleaved"), ("add", "split"), ("concat", "interleaved"),
+                                         ("concat", "split_cos_first")])
+def test_cuda_unaligned_strided_weight(mode, layout, dtype, backend, device, seed):
+    """Weight rows that are not 16-byte aligned (a column slice): the scalar path, same results;
+    and a wide aligned table: the vector path, with a partial last vector."""
+    g = torch.Generator().manual_seed(seed)
+    table = lambda width: torch.randn(50, width, generator=g, dtype=torch.float64).to(dtype).to(device)  # noqa: E731
+    big = table(77)
+    ids = torch.randint(0, 50, (3, 13), generator=g).to(device)
+    for weight in (big[:, 1:40], big[::2, 3:70], table(72), table(76)):
+        kwargs = dict(mode=mode, layout=layout, d_pos=9 if mode == "concat" else None, offset=2**24 - 5,
+                      embed_scale=1.5)
+        ids_w = ids % weight.shape[0]
+        out = pf.sinusoidal_embedding(ids_w, weight, backend="cuda", **kwargs)
+        exact = reference.sinusoidal_embedding(ids_w, weight.double(), **kwargs)
+        assert_within(out, exact, output_bound(exact, dtype), f"weight stride {weight.stride()}")
+
+
+@pytest.mark.parametrize("backend,device", CUDA_TARGETS or [pytest.param(None, None, marks=pytest.mark.skip(
+    reason="no cuda target here (no GPU, and no host emulation)"))])
+def test_cuda_id_minus_one_keeps_its_pe(backend, device):
+    """With the range check off, id -1 is out of range (zero token vector) but still gets its PE
+    unless zero_pe_at_padding names it: -1 is never confused with 'no pe_zero_id'."""
+    weight = torch.randn(6, 8, device=device)
+    ids = torch.tensor([[0, -1, 3]], device=device)
+    with pf.id_check(False):
+        out = pf.sinusoidal_embedding(ids, weight, backend="cuda")
+    pe = reference.sinusoidal_table(torch.arange(3), 8, dtype=torch.float32).to(device)
+    torch.testing.assert_close(out[0, 1], pe[1], rtol=0, atol=1e-6)
