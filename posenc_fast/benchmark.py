@@ -50,7 +50,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 
 from . import config
-from ._timing import median_ms
+from ._timing import cuda_event_times, median_ms
 from .baselines import EagerSinusoidalEmbedding
 from .module import SinusoidalEmbedding
 
@@ -389,18 +389,8 @@ def _do_bench_times(fn: Callable, warmup_ms: int = 25, rep_ms: int = 200) -> Lis
 
 
 def _latency_times(fn: Callable, device: torch.device, reps: int = 200) -> List[float]:
-    """One call per pair of events, the GPU idle when the start event is recorded: the time from
-    the host starting to issue the call until its last kernel ends."""
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize(device)
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return times
+    """One call per pair of events, the GPU idle before each: host overhead counts (decode)."""
+    return cuda_event_times(fn, device, reps)
 
 
 def _quantile(sorted_values: Sequence[float], q: float) -> float:
