@@ -104,7 +104,8 @@ setup(
     extras_require={
         "triton": ["triton>=3.0"],
         "plot": ["matplotlib"],
-        "test": ["pytest", "pytest-benchmark", "matplotlib", "pybind11"],  # pybind11: the CUDA kernels host-emulated in tests
+        # pybind11: tests run the CUDA kernels compiled for the host when there is no GPU
+        "test": ["pytest", "pytest-benchmark", "matplotlib", "pybind11"],
     },
     entry_points={"console_scripts": ["posenc-fast=posenc_fast.cli:main"]},
     license="BSD-3-Clause",

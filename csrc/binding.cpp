@@ -123,12 +123,13 @@ void forward(uintptr_t ids, int ids_dtype, uintptr_t weight, int64_t weight_row_
   check_cuda(posenc::launch_forward(args, pointer<CUstream_st>(stream)), "forward launch");
 }
 
-void weight_grad(uintptr_t sorted_ids, uintptr_t order, uintptr_t grad_out, int64_t grad_out_row_stride,
-                 int grad_dtype, uintptr_t grad_weight, int weight_dtype, uintptr_t partials, int64_t num_tokens,
-                 int64_t num_embeddings, int64_t token_width, int64_t padding_idx, double embed_scale, int64_t chunk,
-                 uintptr_t stream, int device) {
+void weight_grad(uintptr_t sorted_ids, int sorted_ids_dtype, uintptr_t order, uintptr_t grad_out,
+                 int64_t grad_out_row_stride, int grad_dtype, uintptr_t grad_weight, int weight_dtype,
+                 uintptr_t partials, int64_t num_tokens, int64_t num_embeddings, int64_t token_width,
+                 int64_t padding_idx, double embed_scale, int64_t chunk, uintptr_t stream, int device) {
   posenc::WeightGradArgs args;
-  args.sorted_ids = pointer<const int64_t>(sorted_ids);
+  args.sorted_ids = pointer<const void>(sorted_ids);
+  args.sorted_ids_dtype = id_code(sorted_ids_dtype);
   args.order = pointer<const int64_t>(order);
   args.grad_out = pointer<const void>(grad_out);
   args.grad_out_row_stride = grad_out_row_stride;
@@ -229,8 +230,9 @@ PYBIND11_MODULE(_C, m) {
         py::arg("embed_scale"), py::arg("pe_scale"), py::arg("float64_math"), py::arg("stream"), py::arg("device"));
   m.def("weight_grad", &weight_grad,
         "Launch both stages of the deterministic weight gradient (ids sorted by the caller).",
-        py::arg("sorted_ids"), py::arg("order"), py::arg("grad_out"), py::arg("grad_out_row_stride"),
-        py::arg("grad_dtype"), py::arg("grad_weight"), py::arg("weight_dtype"), py::arg("partials"),
+        py::arg("sorted_ids"), py::arg("sorted_ids_dtype"), py::arg("order"), py::arg("grad_out"),
+        py::arg("grad_out_row_stride"), py::arg("grad_dtype"), py::arg("grad_weight"), py::arg("weight_dtype"),
+        py::arg("partials"),
         py::arg("num_tokens"), py::arg("num_embeddings"), py::arg("token_width"), py::arg("padding_idx"),
         py::arg("embed_scale"), py::arg("chunk"), py::arg("stream"), py::arg("device"));
   m.def("device_count", &device_count, "Visible CUDA devices (0 without a GPU or driver; never raises).");

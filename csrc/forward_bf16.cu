@@ -4,7 +4,9 @@
 namespace posenc {
 namespace forward_detail {
 
-cudaError_t launch_bf16(const ForwardArgs& args, cudaStream_t stream) { return launch_for_dtype<__nv_bfloat16>(args, stream); }
+cudaError_t launch_bf16(const ForwardArgs& args, cudaStream_t stream) {
+  return launch_for_dtype<__nv_bfloat16>(args, stream);
+}
 
 }  // namespace forward_detail
 }  // namespace posenc

@@ -58,7 +58,8 @@ template <typename T, int N>
 struct alignas(kVectorBytes) Span {
   // Whole 16-byte vectors in the span; 0 if it is not a multiple of 16 bytes (then it always
   // moves element by element).
-  static constexpr int kVectors = (N * sizeof(T)) % kVectorBytes == 0 ? static_cast<int>(N * sizeof(T)) / kVectorBytes : 0;
+  static constexpr int kBytes = static_cast<int>(N * sizeof(T));
+  static constexpr int kVectors = kBytes % kVectorBytes == 0 ? kBytes / kVectorBytes : 0;
   T elems[N];
 };
 

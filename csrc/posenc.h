@@ -70,7 +70,8 @@ cudaError_t launch_forward(const ForwardArgs& args, cudaStream_t stream);
 // the permutation.  Rows that no token hits, padding_idx and the sentinel are never written, so
 // grad_weight must come zero-filled.
 struct WeightGradArgs {
-  const int64_t* sorted_ids;  // [num_tokens], values in [0, num_embeddings]
+  const void* sorted_ids;  // [num_tokens], values in [0, num_embeddings]
+  DType sorted_ids_dtype;  // kInt32 (radix sorts are faster on narrow keys) or kInt64
   const int64_t* order;  // [num_tokens]: sorted_ids[i] is the id of token order[i]
   const void* grad_out;  // [num_tokens, >= token_width], unit column stride
   int64_t grad_out_row_stride;  // in elements

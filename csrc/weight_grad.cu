@@ -1,6 +1,7 @@
 // Weight gradient: deterministic, sort-based, no atomics (docs/design.md, "Backward").
 //
-// The caller sorts the ids (stably; out-of-range ids become the sentinel num_embeddings).
+// The caller sorts the ids (stably; out-of-range ids become the sentinel num_embeddings), as
+// int32 keys when they fit (a radix sort's passes scale with the key width) or int64.
 // Stage 1 (grad_chunk_kernel): each work item takes `chunk` consecutive sorted tokens and a span
 //   of columns, and walks them in order summing runs of equal ids in fp32.  A run wholly inside
 //   the chunk is final and written once (times embed_scale, rounded to the weight dtype).  A run
@@ -28,7 +29,7 @@ constexpr int kGradThreads = 128;
 constexpr int kRowsInFlight = 8;  // grad_out rows loaded per thread before they are summed
 
 struct GradKernelArgs {
-  const int64_t* sorted_ids;
+  const void* sorted_ids;  // KeyT: int32 or int64
   const int64_t* order;
   const void* grad_out;
   int64_t grad_out_row_stride;
@@ -42,6 +43,12 @@ struct GradKernelArgs {
   int64_t num_chunks;
   float embed_scale;
 };
+
+// Sorted id i, widened to 64 bits (id * token_width can pass 2^31).
+template <typename KeyT>
+__device__ __forceinline__ int64_t sorted_id(const GradKernelArgs& a, int64_t i) {
+  return static_cast<int64_t>(__ldg(static_cast<const KeyT*>(a.sorted_ids) + i));
+}
 
 __device__ __forceinline__ bool writable(const GradKernelArgs& a, int64_t id) {
   return id != a.padding_idx && id < a.num_embeddings;  // never the padding row or the sentinel
@@ -61,7 +68,7 @@ __device__ __forceinline__ float* partial_row(const GradKernelArgs& a, int64_t c
 }
 
 // Block: (column spans, chunks); grid: (chunk groups, column blocks).
-template <typename G, typename W>
+template <typename G, typename W, typename KeyT>
 __global__ void __launch_bounds__(kGradThreads) grad_chunk_kernel(const GradKernelArgs a) {
   constexpr int V = vector_elems<G>();
   const int64_t col = (static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x) * V;
@@ -72,8 +79,8 @@ __global__ void __launch_bounds__(kGradThreads) grad_chunk_kernel(const GradKern
   const int64_t start = chunk * a.chunk;
   const int64_t end = start + a.chunk < a.num_tokens ? start + a.chunk : a.num_tokens;
 
-  int64_t current = __ldg(a.sorted_ids + start);
-  bool started_here = start == 0 || __ldg(a.sorted_ids + start - 1) != current;
+  int64_t current = sorted_id<KeyT>(a, start);
+  bool started_here = start == 0 || sorted_id<KeyT>(a, start - 1) != current;
   float sum[V];
 #pragma unroll
   for (int e = 0; e < V; ++e) sum[e] = 0.0f;
@@ -93,7 +100,7 @@ __global__ void __launch_bounds__(kGradThreads) grad_chunk_kernel(const GradKern
 #pragma unroll
       for (int e = 0; e < V; ++e) sum[e] += row[e];
       const bool is_last = i == end - 1;
-      const int64_t next = i + 1 < a.num_tokens ? __ldg(a.sorted_ids + i + 1) : -1;
+      const int64_t next = i + 1 < a.num_tokens ? sorted_id<KeyT>(a, i + 1) : -1;
       if (next != current || is_last) {  // the run of `current` ends here (in this chunk)
         const bool continues_after = is_last && next == current;
         if (started_here && !continues_after) {
@@ -110,7 +117,7 @@ __global__ void __launch_bounds__(kGradThreads) grad_chunk_kernel(const GradKern
   }
 }
 
-template <typename W>
+template <typename W, typename KeyT>
 __global__ void __launch_bounds__(kGradThreads) grad_carry_kernel(const GradKernelArgs a) {
   constexpr int V = vector_elems<W>();
   const int64_t col = (static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x) * V;
@@ -120,10 +127,10 @@ __global__ void __launch_bounds__(kGradThreads) grad_carry_kernel(const GradKern
   const int64_t start = chunk * a.chunk;
   const int64_t end = start + a.chunk < a.num_tokens ? start + a.chunk : a.num_tokens;
   if (end >= a.num_tokens) return;  // nothing crosses the last chunk's end
-  const int64_t run_id = __ldg(a.sorted_ids + end - 1);
-  if (__ldg(a.sorted_ids + end) != run_id) return;  // no run crosses this chunk's end
-  const bool started_before = start > 0 && __ldg(a.sorted_ids + start) == run_id &&
-                              __ldg(a.sorted_ids + start - 1) == run_id;
+  const int64_t run_id = sorted_id<KeyT>(a, end - 1);
+  if (sorted_id<KeyT>(a, end) != run_id) return;  // no run crosses this chunk's end
+  const bool started_before = start > 0 && sorted_id<KeyT>(a, start) == run_id &&
+                              sorted_id<KeyT>(a, start - 1) == run_id;
   if (started_before || !writable(a, run_id)) return;  // owned by an earlier chunk, or never written
 
   // The run's last token: gallop from this chunk's end, then bisect, so a hot id costs
@@ -134,7 +141,7 @@ __global__ void __launch_bounds__(kGradThreads) grad_carry_kernel(const GradKern
   for (int64_t step = a.chunk;; step *= 2) {
     const int64_t probe = inside + step;
     if (probe >= a.num_tokens) break;
-    if (__ldg(a.sorted_ids + probe) != run_id) {
+    if (sorted_id<KeyT>(a, probe) != run_id) {
       outside = probe;
       break;
     }
@@ -142,7 +149,7 @@ __global__ void __launch_bounds__(kGradThreads) grad_carry_kernel(const GradKern
   }
   while (outside - inside > 1) {
     const int64_t middle = inside + (outside - inside) / 2;
-    if (__ldg(a.sorted_ids + middle) == run_id) {
+    if (sorted_id<KeyT>(a, middle) == run_id) {
       inside = middle;
     } else {
       outside = middle;
@@ -188,11 +195,18 @@ cudaError_t launch_over_chunks(void (*kernel)(GradKernelArgs), const GradKernelA
                 dim3(static_cast<unsigned>(spans_x), static_cast<unsigned>(chunks_y)), stream, a);
 }
 
-template <typename G, typename W>
-cudaError_t launch_typed(const GradKernelArgs& a, cudaStream_t stream) {
-  cudaError_t status = launch_over_chunks(grad_chunk_kernel<G, W>, a, vector_elems<G>(), stream);
+template <typename G, typename W, typename KeyT>
+cudaError_t launch_stages(const GradKernelArgs& a, cudaStream_t stream) {
+  cudaError_t status = launch_over_chunks(grad_chunk_kernel<G, W, KeyT>, a, vector_elems<G>(), stream);
   if (status != cudaSuccess) return status;
-  return launch_over_chunks(grad_carry_kernel<W>, a, vector_elems<W>(), stream);
+  return launch_over_chunks(grad_carry_kernel<W, KeyT>, a, vector_elems<W>(), stream);
+}
+
+template <typename G, typename W>
+cudaError_t launch_typed(const GradKernelArgs& a, DType key_dtype, cudaStream_t stream) {
+  if (key_dtype == DType::kInt32) return launch_stages<G, W, int32_t>(a, stream);
+  if (key_dtype == DType::kInt64) return launch_stages<G, W, int64_t>(a, stream);
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace
@@ -222,9 +236,9 @@ cudaError_t launch_weight_grad(const WeightGradArgs& args, cudaStream_t stream) 
   const bool known = dispatch_float(args.weight_dtype, [&](auto element) {
     using W = decltype(element);
     if (args.grad_dtype == args.weight_dtype) {
-      status = launch_typed<W, W>(a, stream);
+      status = launch_typed<W, W>(a, args.sorted_ids_dtype, stream);
     } else if (args.grad_dtype == DType::kFloat32) {
-      status = launch_typed<float, W>(a, stream);
+      status = launch_typed<float, W>(a, args.sorted_ids_dtype, stream);
     }
   });
   return known ? status : cudaErrorInvalidValue;

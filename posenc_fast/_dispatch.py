@@ -32,7 +32,8 @@ def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype, fl
     if requested == "auto":
         for name in _AUTO_ORDER.get(device.type, _DEFAULT_AUTO):
             module = BACKENDS[name]
-            if module.available(device) is None and dtype in module.SUPPORTED_DTYPES and _float64_ok(module, float64_math):
+            usable = module.available(device) is None and dtype in module.SUPPORTED_DTYPES
+            if usable and _float64_ok(module, float64_math):
                 return name
         raise TypeError(f"no backend supports weight dtype {dtype} on {device}")
     check_backend_name(requested)

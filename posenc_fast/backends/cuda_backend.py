@@ -27,7 +27,6 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .. import _build
 from . import KernelParams, new_buffer
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -75,6 +74,8 @@ def _lookup() -> _Extension:
         return _state
     except ImportError as error:
         import_error = str(error) or type(error).__name__
+    from .. import _build  # here, not at import: `python -m posenc_fast._build` must find it unimported
+
     cached = None
     try:
         cached = _build.cached_extension()
@@ -137,6 +138,8 @@ def prepare(device: torch.device) -> None:
         return  # nothing could run it; available() explains
     if os.environ.get("POSENC_FAST_BUILD_ON_DEMAND", "1").strip() == "0":
         return
+    from .. import _build
+
     if _build.find_nvcc() is None or _build.package_source_dir() is None:
         return
     try:
@@ -208,8 +211,9 @@ def _launch_weight_grad(module, sorted_ids, order, grad_out, grad_weight, partia
                         padding_idx, embed_scale, chunk, stream: int, device: int) -> None:
     """One call into ``_C.weight_grad`` (see ``_launch_forward``)."""
     module.weight_grad(
-        _pointer(sorted_ids), _pointer(order), _pointer(grad_out), grad_out.stride(0),
-        _dtype_code(module, grad_out.dtype), _pointer(grad_weight), _dtype_code(module, grad_weight.dtype),
+        _pointer(sorted_ids), _dtype_code(module, sorted_ids.dtype), _pointer(order), _pointer(grad_out),
+        grad_out.stride(0), _dtype_code(module, grad_out.dtype), _pointer(grad_weight),
+        _dtype_code(module, grad_weight.dtype),
         _pointer(partials), sorted_ids.numel(), num_embeddings, token_width, int(padding_idx), float(embed_scale),
         int(chunk), stream, device,
     )
@@ -247,9 +251,11 @@ def backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_id
         grad_out = grad_out.float()  # the kernels take the gradient in the weight's dtype or in fp32
     if grad_out.stride(1) != 1:
         grad_out = grad_out.contiguous()
-    keys = ids.to(torch.int64)
     # Out-of-range ids (range check off) sort to the end under the sentinel id V and are dropped.
-    keys = torch.where((keys >= 0) & (keys < num_embeddings), keys, num_embeddings)
+    # int32 keys whenever V allows: a radix sort's passes, and its traffic, scale with the key width.
+    key_dtype = torch.int32 if num_embeddings < 2**31 - 1 else torch.int64
+    source = ids if key_dtype == torch.int32 else ids.to(torch.int64)  # compare before narrowing
+    keys = torch.where((source >= 0) & (source < num_embeddings), source, num_embeddings).to(key_dtype)
     sorted_ids, order = torch.sort(keys, stable=True)
     chunk = max(int(GRAD_CHUNK), 1)
     partials = new_buffer(((num_tokens + chunk - 1) // chunk, 2, token_width), torch.float32, grad_out.device)

@@ -170,7 +170,7 @@ def forward_kernel(
     ids = tl.load(ids_ptr + tokens, mask=token_ok, other=0).to(tl.int64)
     # Guard every access: an out-of-range id (range check off) reads nothing and counts as a zero vector.
     id_ok = token_ok & (ids >= 0) & (ids < num_embeddings)
-    pe_on = ids != pe_zero_id
+    pe_on = (ids != pe_zero_id) | (pe_zero_id < 0)  # pe_zero_id -1 means none, even for an id of -1
     weight_rows = weight_ptr + tl.where(id_ok, ids, 0) * weight_row_stride
     out_rows = out_ptr + tokens * out_row_stride
     if CONCAT:
