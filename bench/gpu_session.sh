@@ -3,7 +3,7 @@
 # machine, in stages that each fit in one call of the device tool (10 minutes at most; a stage
 # plans for STAGE_SECONDS = 540 s and caps every step with `timeout`):
 #
-#   bash bench/gpu_session.sh tests          install; python -m pytest tests -x -q; compute-sanitizer
+#   bash bench/gpu_session.sh tests          install; python -m pytest tests --maxfail=25 -q; compute-sanitizer
 #                                            memcheck on the CUDA backend (skipped if it is unavailable)
 #   bash bench/gpu_session.sh bench          install; python -m posenc_fast bench --out $OUT (JSON + PNG);
 #                                            the targets last                      (the default stage)
@@ -155,9 +155,9 @@ run_tests() {
     local t rc
     t=$(allow 420 170)
     if ((t < 10)); then note "tests: skipped (stage time used up)"; return; fi
-    echo "== tests (timeout ${t}s): python -m pytest tests -x -q ${TEST_ARGS:-} -> tests.log"
+    echo "== tests (timeout ${t}s): python -m pytest tests --maxfail=25 -q ${TEST_ARGS:-} -> tests.log"
     # shellcheck disable=SC2086  # TEST_ARGS is a list of arguments
-    timeout "$t" "$PY" -m pytest tests -x -q -p no:cacheprovider ${TEST_ARGS:-} >"$OUT/tests.log" 2>&1
+    timeout "$t" "$PY" -m pytest tests --maxfail=25 -q -p no:cacheprovider ${TEST_ARGS:-} >"$OUT/tests.log" 2>&1
     rc=$?
     tail -n 25 "$OUT/tests.log"; echo
     note "tests: $(result_of $rc): $(grep -E '[0-9]+ (passed|failed|error)' "$OUT/tests.log" | tail -n 1)"

@@ -22,6 +22,20 @@ from .._spec import PEColumns
 POISON_OUTPUTS = False
 
 
+def sort_ids_for_gradient(ids: torch.Tensor, num_embeddings: int):
+    """Stable sort of the ids, the first step of every deterministic weight gradient.
+
+    Out-of-range ids (possible only with the range check off) become the sentinel
+    ``num_embeddings`` and sort last, where the kernels drop them.  Keys are int32 whenever
+    the vocabulary allows: a radix sort's passes, and its traffic, scale with the key width.
+    Returns ``(sorted_ids, order)``.
+    """
+    key_dtype = torch.int32 if num_embeddings < 2**31 - 1 else torch.int64
+    source = ids if key_dtype == torch.int32 else ids.to(torch.int64)  # compare before narrowing
+    keys = torch.where((source >= 0) & (source < num_embeddings), source, num_embeddings).to(key_dtype)
+    return torch.sort(keys, stable=True)
+
+
 def new_buffer(shape, dtype, device) -> torch.Tensor:
     """Uninitialised buffer for a kernel to fill (NaN-poisoned under test)."""
     out = torch.empty(shape, dtype=dtype, device=device)

@@ -27,7 +27,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import KernelParams, new_buffer
+from . import KernelParams, new_buffer, sort_ids_for_gradient
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FLOAT64_MATH = True  # precision="float64": the kernels' float64 variant (longer polynomials, one rounding)
@@ -251,12 +251,7 @@ def backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_id
         grad_out = grad_out.float()  # the kernels take the gradient in the weight's dtype or in fp32
     if grad_out.stride(1) != 1:
         grad_out = grad_out.contiguous()
-    # Out-of-range ids (range check off) sort to the end under the sentinel id V and are dropped.
-    # int32 keys whenever V allows: a radix sort's passes, and its traffic, scale with the key width.
-    key_dtype = torch.int32 if num_embeddings < 2**31 - 1 else torch.int64
-    source = ids if key_dtype == torch.int32 else ids.to(torch.int64)  # compare before narrowing
-    keys = torch.where((source >= 0) & (source < num_embeddings), source, num_embeddings).to(key_dtype)
-    sorted_ids, order = torch.sort(keys, stable=True)
+    sorted_ids, order = sort_ids_for_gradient(ids, num_embeddings)
     chunk = max(int(GRAD_CHUNK), 1)
     partials = new_buffer(((num_tokens + chunk - 1) // chunk, 2, token_width), torch.float32, grad_out.device)
     stream, device = _stream_and_device(grad_out)

@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from . import KernelParams, new_buffer
+from . import KernelParams, new_buffer, sort_ids_for_gradient
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FLOAT64_MATH = True
@@ -121,11 +121,7 @@ def backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_id
     kernels = _load_kernels()
     if grad_out.stride(1) != 1:
         grad_out = grad_out.contiguous()
-    # Out-of-range ids (range check off) sort to the end under the sentinel id V and are dropped.
-    # int32 keys whenever V allows: a radix sort's passes, and its traffic, scale with the key width.
-    key_dtype = torch.int32 if num_embeddings < 2**31 - 1 else torch.int64
-    keys = torch.where((ids >= 0) & (ids < num_embeddings), ids, num_embeddings).to(key_dtype)
-    sorted_ids, order = torch.sort(keys, stable=True)
+    sorted_ids, order = sort_ids_for_gradient(ids, num_embeddings)
     num_chunks = triton.cdiv(num_tokens, GRAD_CHUNK)
     partials = new_buffer((num_chunks, 2, token_width), torch.float32, grad_out.device)
     block_d = min(GRAD_BLOCK_D, triton.next_power_of_2(token_width))
