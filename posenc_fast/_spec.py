@@ -156,11 +156,6 @@ class PESpec:
         return self.token_width + self.pe_width if self.mode == "concat" else self.token_width
 
     @property
-    def pe_column_offset(self) -> int:
-        """First output column of the PE: 0 for add, token_width for concat."""
-        return self.token_width if self.mode == "concat" else 0
-
-    @property
     def num_pairs(self) -> int:
         """h = D // 2 (sin, cos) pairs; an odd D has one extra all-zero column."""
         return self.pe_width // 2

@@ -89,9 +89,10 @@ def _(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weig
 
 
 def _setup_context(ctx, inputs, output):
-    ids, weight = inputs[0], inputs[1]
-    embed_scale, padding_idx, backend = inputs[10], inputs[12], inputs[15]
+    (ids, weight, _turns, _positions, _offsets, _offset, _seq_len, _concat, _pe_width, _pe_columns, embed_scale,
+     _pe_scale, padding_idx, _zero_pe_at_padding, _float64_math, backend) = inputs
     ctx.save_for_backward(ids)  # only the ids: nothing of size tokens x width is kept
+    ctx.num_inputs = len(inputs)
     ctx.num_embeddings, ctx.token_width = weight.shape
     ctx.weight_dtype = weight.dtype
     ctx.embed_scale = embed_scale
@@ -107,7 +108,7 @@ def _backward(ctx, grad_out):
             grad_out, ids, ctx.num_embeddings, ctx.token_width, ctx.embed_scale, ctx.padding_idx,
             ctx.weight_dtype, ctx.backend,
         )
-    return (None, grad_weight) + (None,) * 14
+    return (None, grad_weight) + (None,) * (ctx.num_inputs - 2)
 
 
 sinusoidal_embedding_op.register_autograd(_backward, setup_context=_setup_context)
