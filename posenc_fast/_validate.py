@@ -241,12 +241,17 @@ def make_batch(ids, weight: torch.Tensor, spec: PESpec, positions, offset) -> Ba
     )
 
 
-def check_id_range(ids: torch.Tensor, num_embeddings: int) -> None:
-    """Raise IndexError naming the first out-of-range id (host sync; skipped by the caller when disabled)."""
+def check_id_range(ids: torch.Tensor, num_embeddings: int, vocab_start: int = 0) -> None:
+    """Raise IndexError naming the first out-of-range id (host sync; skipped by the caller when disabled).
+
+    ``ids`` may be shifted by ``vocab_start`` (a vocabulary-parallel shard's local ids): the
+    check and the message are about the global id ``ids + vocab_start`` in ``[0, num_embeddings)``.
+    """
     if ids.numel() == 0:
         return
     low, high = torch.aminmax(ids)
-    low, high = int(low), int(high)
+    low, high = int(low) + vocab_start, int(high) + vocab_start
     if low < 0 or high >= num_embeddings:
         bad = low if low < 0 else high
-        raise IndexError(f"id {bad} is out of range for an embedding table of {num_embeddings} rows (valid: 0..{num_embeddings - 1})")
+        raise IndexError(f"id {bad} is out of range for an embedding table of {num_embeddings} rows "
+                         f"(valid: 0..{num_embeddings - 1})")

@@ -72,15 +72,24 @@ def _positions_by_rule(ids, spec: PESpec, positions, offset, cu_seqlens, positio
 
 
 def apply_spec(ids, weight, spec: PESpec, turns: torch.Tensor, positions, offset, backend: str, *,
-               cu_seqlens=None, position_rule: str = "offset") -> torch.Tensor:
-    """Run the layer described by ``spec`` (``turns``: its fixed-point frequencies on weight's device)."""
+               cu_seqlens=None, position_rule: str = "offset", vocab_range=None) -> torch.Tensor:
+    """Run the layer described by ``spec`` (``turns``: its fixed-point frequencies on weight's device).
+
+    ``vocab_range=(start, end)``: ``weight`` holds rows start..end-1 of a larger vocabulary of
+    ``end``-or-more rows (vocabulary parallel, see SinusoidalEmbedding); ids are global.
+    """
     positions, offset = _positions_by_rule(ids, spec, positions, offset, cu_seqlens, position_rule)
+    vocab_start, vocab_size = 0, weight.shape[0]
+    if vocab_range is not None:
+        vocab_start, vocab_size = vocab_range
+        if isinstance(ids, torch.Tensor) and vocab_start:
+            ids = ids - vocab_start  # local rows; other shards' ids fall outside and read nothing
     batch = make_batch(ids, weight, spec, positions, offset)
     name = resolve_backend(backend, weight.device, weight.dtype, float64_math=spec.precision == "float64")
     out = sinusoidal_embedding_op(
         batch.ids, weight, turns, batch.positions, batch.offsets, batch.offset, batch.seq_len,
         spec.mode == "concat", spec.pe_width, spec.columns.as_list(), spec.embed_scale, spec.pe_scale,
         -1 if spec.padding_idx is None else spec.padding_idx, spec.zero_pe_at_padding, spec.precision == "float64",
-        name,
+        vocab_start, vocab_size, name,
     )
     return out.reshape(batch.out_shape)

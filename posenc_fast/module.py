@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -23,7 +23,12 @@ class SinusoidalEmbedding(nn.Module):
     padding row zero).  ``forward(ids, positions=None, offset=0, cu_seqlens=None)``.
 
     ``position_rule="fairseq"`` numbers positions as fairseq does (padding-aware, see
-    ``posenc_fast.make_positions``; ``offset`` is then the past length).  Library
+    ``posenc_fast.make_positions``; ``offset`` is then the past length).
+
+    ``vocab_range=(start, end)`` makes a vocabulary-parallel shard (Megatron style): ``weight``
+    holds rows start..end-1 of the ``num_embeddings`` rows, ids stay global, ids of other
+    shards give zero token vectors and no gradient, and only the shard with ``start == 0``
+    adds the PE, so the sum (all-reduce) of the shards' outputs is the unsharded layer.  Library
     conventions: :meth:`from_preset`; an existing token table: :meth:`from_pretrained`.
     """
 
@@ -43,6 +48,7 @@ class SinusoidalEmbedding(nn.Module):
         zero_pe_at_padding: bool = False,
         position_rule: str = "offset",
         precision: str = "float32",
+        vocab_range: Optional[Tuple[int, int]] = None,
         backend: str = "auto",
         device=None,
         dtype=None,
@@ -58,16 +64,19 @@ class SinusoidalEmbedding(nn.Module):
         if position_rule == "fairseq" and padding_idx is None:
             raise ValueError("position_rule='fairseq' needs a padding_idx (fairseq's default is 1)")
         token_width = d_model - d_pos if mode == "concat" and isinstance(d_pos, int) else d_model
+        rows, vocab_range, padding_idx, pe_scale = self._shard(num_embeddings, vocab_range, padding_idx, pe_scale,
+                                                               zero_pe_at_padding, position_rule)
         # Validates every fixed parameter once, here, and computes the frequencies.
-        self.spec = make_spec(num_embeddings, token_width, mode, d_pos, base, layout, embed_scale, pe_scale, padding_idx,
+        self.spec = make_spec(rows, token_width, mode, d_pos, base, layout, embed_scale, pe_scale, padding_idx,
                               frequencies, zero_pe_at_padding, precision)
+        self.vocab_range = vocab_range
         self.position_rule = position_rule
         self.preset: Optional[str] = None  # set by from_preset, for the repr
         check_backend_name(backend)  # availability depends on where the tensors are: checked per call
         self.num_embeddings = num_embeddings
         self.d_model = d_model
         self.backend = backend
-        self.weight = nn.Parameter(torch.empty((num_embeddings, token_width), device=device, dtype=dtype))
+        self.weight = nn.Parameter(torch.empty((rows, token_width), device=device, dtype=dtype))
         # Fixed-point frequencies (see _spec): a buffer so that .to()/.cuda() move them with the module
         # and torch.compile sees a tensor, not host code.
         self.register_buffer(
@@ -77,8 +86,29 @@ class SinusoidalEmbedding(nn.Module):
         )
         self.reset_parameters()
 
+    @staticmethod
+    def _shard(num_embeddings, vocab_range, padding_idx, pe_scale, zero_pe_at_padding, position_rule):
+        """(rows held, vocab range, local padding row, PE scale) for a shard, or for the whole table."""
+        if vocab_range is None:
+            return num_embeddings, None, padding_idx, pe_scale
+        try:
+            start, end = (int(v) for v in vocab_range)
+        except (TypeError, ValueError):
+            raise ValueError(f"vocab_range must be a pair (start, end), got {vocab_range!r}") from None
+        if not 0 <= start < end <= num_embeddings:
+            raise ValueError(f"vocab_range={vocab_range!r} must satisfy 0 <= start < end <= "
+                             f"num_embeddings={num_embeddings}")
+        if zero_pe_at_padding or position_rule != "offset":
+            raise ValueError("vocab_range cannot be combined with zero_pe_at_padding or the fairseq position rule")
+        local_padding = None
+        if padding_idx is not None and start <= padding_idx % num_embeddings < end:
+            local_padding = padding_idx % num_embeddings - start
+        # The op takes (first global id held, global vocabulary size).
+        return end - start, (start, num_embeddings), local_padding, pe_scale if start == 0 else 0.0
+
     @property
     def padding_idx(self) -> Optional[int]:
+        """The padding row of ``weight`` (local to the shard with ``vocab_range``)."""
         return self.spec.padding_idx
 
     def reset_parameters(self) -> None:
@@ -92,7 +122,7 @@ class SinusoidalEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor, positions: Optional[torch.Tensor] = None,
                 offset: Union[int, torch.Tensor] = 0, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
         return apply_spec(ids, self.weight, self.spec, self.turns_fixed_point, positions, offset, self.backend,
-                          cu_seqlens=cu_seqlens, position_rule=self.position_rule)
+                          cu_seqlens=cu_seqlens, position_rule=self.position_rule, vocab_range=self.vocab_range)
 
     @classmethod
     def from_preset(cls, name: str, num_embeddings: int, d_model: int, padding_idx: Optional[int] = None,
@@ -148,6 +178,8 @@ class SinusoidalEmbedding(nn.Module):
             parts.append("zero_pe_at_padding=True")
         if s.precision != "float32":
             parts.append(f"precision={s.precision!r}")
+        if self.vocab_range is not None:
+            parts.append(f"vocab_range=({self.vocab_range[0]}, {self.vocab_range[0] + self.weight.shape[0]})")
         if self.position_rule != "offset":
             parts.append(f"position_rule={self.position_rule!r}")
         if self.backend != "auto":

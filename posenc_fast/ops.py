@@ -42,15 +42,21 @@ def sinusoidal_embedding_op(
     padding_idx: int,
     zero_pe_at_padding: bool,
     float64_math: bool,
+    vocab_start: int,
+    vocab_size: int,
     backend: str,
 ) -> Tensor:
     """Flat forward: ``[N, width]`` for ids ``[N]``.
+
+    ``ids`` are rows of ``weight``; for a vocabulary-parallel shard they are the global ids
+    minus ``vocab_start``, and the range check is of the global ids against ``vocab_size``
+    (ids of other shards are in range and read nothing here).
 
     ``pe_columns`` is ``PEColumns.as_list()``; ``padding_idx`` (-1: none) gets no gradient,
     and no PE when ``zero_pe_at_padding``.
     """
     if config.id_check_enabled() and not _capturing(ids):
-        check_id_range(ids, weight.shape[0])
+        check_id_range(ids, vocab_size, vocab_start)
     interleaved, sin_base, num_sin, cos_base, num_cos = pe_columns
     params = KernelParams(
         concat, weight.shape[1], pe_width, PEColumns(bool(interleaved), sin_base, num_sin, cos_base, num_cos),
@@ -61,7 +67,7 @@ def sinusoidal_embedding_op(
 
 @sinusoidal_embedding_op.register_fake
 def _(ids, weight, turns, positions, offsets, offset, seq_len, concat, pe_width, pe_columns, embed_scale, pe_scale,
-      padding_idx, zero_pe_at_padding, float64_math, backend):
+      padding_idx, zero_pe_at_padding, float64_math, vocab_start, vocab_size, backend):
     width = weight.shape[1] + pe_width if concat else weight.shape[1]
     return weight.new_empty((ids.shape[0], width))
 
@@ -90,7 +96,7 @@ def _(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weig
 
 def _setup_context(ctx, inputs, output):
     (ids, weight, _turns, _positions, _offsets, _offset, _seq_len, _concat, _pe_width, _pe_columns, embed_scale,
-     _pe_scale, padding_idx, _zero_pe_at_padding, _float64_math, backend) = inputs
+     _pe_scale, padding_idx, _zero_pe_at_padding, _float64_math, _vocab_start, _vocab_size, backend) = inputs
     ctx.save_for_backward(ids)  # only the ids: nothing of size tokens x width is kept
     ctx.num_inputs = len(inputs)
     ctx.num_embeddings, ctx.token_width = weight.shape

@@ -22,7 +22,7 @@ def _op_args(device, positions_kind, backend, dtype=torch.float32):
         offsets = torch.tensor([5, -9, 2**30], device=device)
     return (ids, weight, spec.turns_tensor(device), positions, offsets, 7 if positions_kind == "offset" else 0, 4,
             True, spec.pe_width, spec.columns.as_list(), spec.embed_scale, spec.pe_scale, spec.padding_idx,
-            positions_kind == "positions", positions_kind == "offsets", backend)
+            positions_kind == "positions", positions_kind == "offsets", 0, 20, backend)
 
 
 @pytest.mark.parametrize("backend,device", TARGETS)
