@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 import posenc_fast as pf
 
 from cases import backend_targets
-from test_distributed import _free_port
+from test_distributed import _free_port, _teardown
 
 TARGETS = backend_targets()
 VOCAB, D = 50, 12
@@ -91,7 +91,7 @@ def _rank(rank, world, port, result_path):
                   "grad_error": (grad - full_grad[start:end]).abs().max().item()}
         torch.save(result, f"{result_path}.{rank}")
     finally:
-        dist.destroy_process_group()
+        _teardown()
 
 
 def test_two_gloo_ranks_all_reduce_to_the_unsharded_layer(tmp_path):
