@@ -174,3 +174,24 @@ def test_functional_compiles_fullgraph():
     loss, eager = compiled(ids, weight, offsets), step(ids, weight, offsets)
     torch.testing.assert_close(loss, eager)
     torch.testing.assert_close(torch.autograd.grad(loss, weight)[0], torch.autograd.grad(eager, weight)[0])
+
+
+@pytest.mark.parametrize("backend,device", TARGETS)
+def test_eager_inference_skips_the_dispatcher_with_the_same_result(backend, device, monkeypatch):
+    """Under no_grad the op's implementation runs directly (functional._eager_inference): the same
+    output bit for bit as through torch.library, and the same id check."""
+    from posenc_fast import functional
+
+    weight = torch.randn(40, 10, device=device, requires_grad=True)
+    ids = torch.randint(0, 40, (3, 7), device=device)
+    through_op = pf.sinusoidal_embedding(ids, weight, offset=5, backend=backend)  # autograd: the op
+
+    def dispatcher_called(*args, **kwargs):
+        raise AssertionError("torch.library dispatch was used for eager inference")
+
+    monkeypatch.setattr(functional, "sinusoidal_embedding_op", dispatcher_called)
+    with torch.no_grad():
+        direct = pf.sinusoidal_embedding(ids, weight, offset=5, backend=backend)
+        with pytest.raises(IndexError, match="id 40 "):
+            pf.sinusoidal_embedding(torch.full_like(ids, 40), weight, backend=backend)
+    assert torch.equal(direct, through_op.detach())
