@@ -10,6 +10,7 @@
 #   bash bench/gpu_session.sh bench-more     install; the cases named in BENCH_CASES, merged into the
 #                                            bench/results/<slug>.json of the tree, copied to $OUT
 #   bash bench/gpu_session.sh pytest-bench   install; pytest bench/ --benchmark-only (quick case list)
+#   bash bench/gpu_session.sh dropout        install; bench/dropout_cost.py (fused dropout against eager and compile)
 #   bash bench/gpu_session.sh env            versions and the GPU only
 #   bash bench/gpu_session.sh all            every stage in turn (longer than one call: not for the device tool)
 #
@@ -197,10 +198,15 @@ for dtype in (torch.float32, torch.bfloat16, torch.float16):
         ids = torch.randint(0, vocab, (batch, seq), device=dev, generator=g)
         offsets = torch.randint(-2**20, 2**20, (batch,), device=dev, generator=g)
         positions = torch.randint(-2**30, 2**30, (batch, seq), device=dev, generator=g)
-        for where in ({"offset": offsets}, {"positions": positions}):
+        # The last two add the fused dropout (its mask is Philox of a seed drawn on the device):
+        # both backends draw the same seed after the same torch.manual_seed.
+        for where in ({"offset": offsets}, {"positions": positions}, {"offset": offsets, "dropout_p": 0.1},
+                      {"positions": positions, "dropout_p": 0.9}):
+            torch.manual_seed(1)
             y = sinusoidal_embedding(ids, w, backend="cuda", **where, **kw)
             gy = torch.randn(y.shape, device=dev, dtype=dtype, generator=g)
             gw = torch.autograd.grad(y, w, gy)[0] if y.numel() else torch.zeros_like(w)
+            torch.manual_seed(1)
             y_ref = sinusoidal_embedding(ids, w, backend="torch", **where, **kw)
             gw_ref = torch.autograd.grad(y_ref, w, gy)[0] if y.numel() else torch.zeros_like(w)
             for name, a, b in (("output", y, y_ref), ("weight grad", gw, gw_ref)):
@@ -323,6 +329,17 @@ run_bench_more() {
     fi
 }
 
+run_dropout_cost() {
+    local t rc
+    t=$(allow 400 10)
+    if ((t < 30)); then note "dropout: skipped (stage time used up)"; return; fi
+    echo "== bench/dropout_cost.py (timeout ${t}s) -> dropout_cost.log, dropout_cost.json"
+    timeout "$t" "$PY" bench/dropout_cost.py --out "$OUT" >"$OUT/dropout_cost.log" 2>&1
+    rc=$?
+    tail -n 40 "$OUT/dropout_cost.log"
+    note "dropout: $(result_of $rc)"
+}
+
 run_pytest_bench() {
     local t rc
     t=$(allow 500 10)
@@ -343,9 +360,10 @@ case "$STAGE" in
     bench) install; run_bench ;;
     bench-more) install; run_bench_more ;;
     pytest-bench) install; run_pytest_bench ;;
-    all) install; run_tests; run_sanitizer; run_bench; run_pytest_bench ;;
+    dropout) install; run_dropout_cost ;;
+    all) install; run_tests; run_sanitizer; run_bench; run_pytest_bench; run_dropout_cost ;;
     *)
-        echo "unknown stage '$STAGE'; expected one of: env tests bench bench-more pytest-bench all" >&2
+        echo "unknown stage '$STAGE'; expected one of: env tests bench bench-more pytest-bench dropout all" >&2
         exit 2
         ;;
 esac

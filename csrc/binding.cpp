@@ -92,8 +92,8 @@ void forward(uintptr_t ids, int ids_dtype, uintptr_t weight, int64_t weight_row_
              uintptr_t turns, int64_t num_turns, uintptr_t positions, uintptr_t offsets, int64_t offset,
              int64_t seq_len, int64_t num_tokens, int64_t num_embeddings, int64_t token_width, int64_t pe_width,
              bool concat, bool interleaved, int64_t sin_base, int64_t num_sin, int64_t cos_base, int64_t num_cos,
-             int64_t pe_zero_id, double embed_scale, double pe_scale, bool float64_math, uintptr_t stream,
-             int device) {
+             int64_t pe_zero_id, double embed_scale, double pe_scale, bool float64_math, uintptr_t dropout_seed,
+             uint32_t dropout_threshold, double dropout_scale, uintptr_t stream, int device) {
   posenc::ForwardArgs args;
   args.ids = pointer<const void>(ids);
   args.ids_dtype = id_code(ids_dtype);
@@ -117,6 +117,9 @@ void forward(uintptr_t ids, int ids_dtype, uintptr_t weight, int64_t weight_row_
   args.embed_scale = embed_scale;
   args.pe_scale = pe_scale;
   args.float64_math = float64_math;
+  args.dropout_seed = pointer<const int64_t>(dropout_seed);
+  args.dropout_threshold = dropout_threshold;
+  args.dropout_scale = dropout_scale;
   if (num_tokens == 0) return;  // nothing to launch; no device needed
   py::gil_scoped_release no_gil;
   DeviceGuard guard(device);
@@ -126,7 +129,8 @@ void forward(uintptr_t ids, int ids_dtype, uintptr_t weight, int64_t weight_row_
 void weight_grad(uintptr_t sorted_ids, int sorted_ids_dtype, uintptr_t order, uintptr_t grad_out,
                  int64_t grad_out_row_stride, int grad_dtype, uintptr_t grad_weight, int weight_dtype,
                  uintptr_t partials, int64_t num_tokens, int64_t num_embeddings, int64_t token_width,
-                 int64_t padding_idx, double embed_scale, int64_t chunk, uintptr_t stream, int device) {
+                 int64_t padding_idx, double embed_scale, uintptr_t dropout_seed, uint32_t dropout_threshold,
+                 double dropout_scale, int64_t chunk, uintptr_t stream, int device) {
   posenc::WeightGradArgs args;
   args.sorted_ids = pointer<const void>(sorted_ids);
   args.sorted_ids_dtype = id_code(sorted_ids_dtype);
@@ -141,8 +145,11 @@ void weight_grad(uintptr_t sorted_ids, int sorted_ids_dtype, uintptr_t order, ui
   args.num_embeddings = num_embeddings;
   args.token_width = token_width;
   args.padding_idx = padding_idx;
-  args.embed_scale = static_cast<float>(embed_scale);
+  args.embed_scale = embed_scale;
   args.chunk = chunk;
+  args.dropout_seed = pointer<const int64_t>(dropout_seed);
+  args.dropout_threshold = dropout_threshold;
+  args.dropout_scale = dropout_scale;
   if (args.grad_dtype != args.weight_dtype && args.grad_dtype != posenc::DType::kFloat32) {
     throw py::value_error("grad_out must have the weight's dtype or FLOAT32");
   }
@@ -221,20 +228,24 @@ PYBIND11_MODULE(_C, m) {
 
   m.def("forward", &forward,
         "Launch the forward kernel: out[N, width] = embed_scale * W[ids] (+) pe_scale * PE(pos), in fp32 "
-        "arithmetic (or float64 with float64_math), rounded once.",
+        "arithmetic (or float64 with float64_math), rounded once; with a dropout_seed pointer (0: none), "
+        "elements whose Philox word is below dropout_threshold are 0 and the others scaled by dropout_scale.",
         py::arg("ids"), py::arg("ids_dtype"), py::arg("weight"), py::arg("weight_row_stride"), py::arg("dtype"),
         py::arg("out"), py::arg("turns"), py::arg("num_turns"), py::arg("positions"), py::arg("offsets"),
         py::arg("offset"), py::arg("seq_len"), py::arg("num_tokens"), py::arg("num_embeddings"),
         py::arg("token_width"), py::arg("pe_width"), py::arg("concat"), py::arg("interleaved"),
         py::arg("sin_base"), py::arg("num_sin"), py::arg("cos_base"), py::arg("num_cos"), py::arg("pe_zero_id"),
-        py::arg("embed_scale"), py::arg("pe_scale"), py::arg("float64_math"), py::arg("stream"), py::arg("device"));
+        py::arg("embed_scale"), py::arg("pe_scale"), py::arg("float64_math"), py::arg("dropout_seed"),
+        py::arg("dropout_threshold"), py::arg("dropout_scale"), py::arg("stream"), py::arg("device"));
   m.def("weight_grad", &weight_grad,
-        "Launch both stages of the deterministic weight gradient (ids sorted by the caller).",
+        "Launch both stages of the deterministic weight gradient (ids sorted by the caller); with a "
+        "dropout_seed pointer (0: none), of the gradient through the forward's dropout mask.",
         py::arg("sorted_ids"), py::arg("sorted_ids_dtype"), py::arg("order"), py::arg("grad_out"),
         py::arg("grad_out_row_stride"), py::arg("grad_dtype"), py::arg("grad_weight"), py::arg("weight_dtype"),
         py::arg("partials"),
         py::arg("num_tokens"), py::arg("num_embeddings"), py::arg("token_width"), py::arg("padding_idx"),
-        py::arg("embed_scale"), py::arg("chunk"), py::arg("stream"), py::arg("device"));
+        py::arg("embed_scale"), py::arg("dropout_seed"), py::arg("dropout_threshold"), py::arg("dropout_scale"),
+        py::arg("chunk"), py::arg("stream"), py::arg("device"));
   m.def("device_count", &device_count, "Visible CUDA devices (0 without a GPU or driver; never raises).");
   m.def("device_status", &device_status,
         "(count, reason): reason says why no CUDA device is usable, '' when count > 0.");

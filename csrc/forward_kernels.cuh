@@ -14,6 +14,12 @@
 //
 // Every token, row and column index is 64-bit: outputs beyond 2^31 elements are addressed exactly.
 //
+// Fused dropout (kDropout, docs/cuda_backend.md "Dropout"): each span of output columns of a token
+// gets its keep bits from Philox (philox.cuh), one call per group of four columns it touches, and
+// is scaled or zeroed in Math just before its store.  The mask depends only on (token, column), so
+// no unit needs another's words; a span that does not start on a group (concat PE columns start
+// at token_width, the split layouts' spans at sin_base / cos_base) takes one call more.
+//
 // This header holds the templates; forward_fp32.cu, forward_fp16.cu and forward_bf16.cu each
 // instantiate one weight dtype (so they compile in parallel), forward.cu dispatches.
 #pragma once
@@ -22,6 +28,7 @@
 
 #include "exact_angle.cuh"
 #include "memory_access.cuh"
+#include "philox.cuh"
 #include "platform.cuh"
 #include "posenc.h"
 
@@ -65,6 +72,9 @@ struct KernelArgs {
   Math embed_scale;
   Math pe_scale;
   bool add_tokens;
+  const int64_t* dropout_seed;  // read only by the kDropout kernels
+  uint32_t dropout_threshold;
+  Math dropout_scale;
 };
 
 // Tokens each thread handles (loads in flight per thread): block layouts move two spans per token.
@@ -132,10 +142,27 @@ __device__ __forceinline__ void load_token_spans(const Args& a, const int64_t (&
   }
 }
 
+// Dropout keep bits of one span (output columns [col, col + count)) of K tokens' rows.  Called
+// right after the loads are issued: Philox is pure arithmetic and runs while they are in flight,
+// and only K words stay live through the PE math.
+template <bool kDropout, int N, int K, typename Args>
+__device__ __forceinline__ void span_keep_bits(const Args& a, const DropoutMask& mask, const int64_t (&token)[K],
+                                               int64_t col, int count, uint32_t (&keep)[K]) {
+  if constexpr (kDropout) {
+#pragma unroll
+    for (int k = 0; k < K; ++k) keep[k] = token[k] < a.num_tokens ? mask.keep_bits<N>(token[k], col, count) : 0u;
+  }
+}
+
+template <bool kDropout, typename Math, int N>
+__device__ __forceinline__ void drop_span(uint32_t keep, Math scale, Math (&values)[N]) {
+  if constexpr (kDropout) apply_keep_bits(values, keep, scale);
+}
+
 // concat: out[t, col:col+V] = embed_scale * W[id, col:col+V].
-template <typename T, typename Math, typename IdT, int K>
-__device__ __forceinline__ void copy_token_columns(const KernelArgs<T, Math>& a, int64_t unit, int64_t first,
-                                                   int64_t step) {
+template <typename T, typename Math, typename IdT, int K, bool kDropout>
+__device__ __forceinline__ void copy_token_columns(const KernelArgs<T, Math>& a, const DropoutMask& mask,
+                                                   int64_t unit, int64_t first, int64_t step) {
   constexpr int V = vector_elems<T>();
   const int64_t col = unit * V;
   const int count = elems_inside<V>(col, a.token_width);
@@ -143,6 +170,8 @@ __device__ __forceinline__ void copy_token_columns(const KernelArgs<T, Math>& a,
   load_ids<IdT>(a, first, step, token, id);
   Span<T, V> w[K];
   load_token_spans(a, token, id, col, count, w);
+  uint32_t keep[K];
+  span_keep_bits<kDropout, V>(a, mask, token, col, count, keep);
 #pragma unroll
   for (int k = 0; k < K; ++k) {
     if (token[k] >= a.num_tokens) continue;
@@ -150,14 +179,15 @@ __device__ __forceinline__ void copy_token_columns(const KernelArgs<T, Math>& a,
     widen_span(w[k], values);
 #pragma unroll
     for (int e = 0; e < V; ++e) values[e] *= a.embed_scale;
+    drop_span<kDropout>(keep[k], a.dropout_scale, values);
     store_span(a.out + token[k] * a.out_row_stride + col, values, count);
   }
 }
 
 // Interleaved layout: PE columns [col, col + V) hold sin, cos of pairs col/2 .. col/2 + V/2.
-template <typename T, typename Math, typename IdT, int K>
-__device__ __forceinline__ void interleaved_pe_columns(const KernelArgs<T, Math>& a, int64_t pe_unit, int64_t first,
-                                                       int64_t step) {
+template <typename T, typename Math, typename IdT, int K, bool kDropout>
+__device__ __forceinline__ void interleaved_pe_columns(const KernelArgs<T, Math>& a, const DropoutMask& mask,
+                                                       int64_t pe_unit, int64_t first, int64_t step) {
   constexpr int V = vector_elems<T>();
   constexpr int P = V / 2;
   const int64_t col = pe_unit * V;
@@ -171,6 +201,8 @@ __device__ __forceinline__ void interleaved_pe_columns(const KernelArgs<T, Math>
   for (int k = 0; k < K; ++k) position[k] = token[k] < a.num_tokens ? token_position(a, token[k]) : 0;
   Span<T, V> w[K];
   if (a.add_tokens) load_token_spans(a, token, id, col, count, w);
+  uint32_t keep[K];
+  span_keep_bits<kDropout, V>(a, mask, token, a.pe_col0 + col, count, keep);
 #pragma unroll
   for (int k = 0; k < K; ++k) {
     if (token[k] >= a.num_tokens) continue;
@@ -189,15 +221,16 @@ __device__ __forceinline__ void interleaved_pe_columns(const KernelArgs<T, Math>
 #pragma unroll
       for (int e = 0; e < V; ++e) values[e] = fma(tokens[e], a.embed_scale, values[e]);
     }
+    drop_span<kDropout>(keep[k], a.dropout_scale, values);
     store_span(a.out + token[k] * a.out_row_stride + a.pe_col0 + col, values, count);
   }
 }
 
 // Block layouts: pair slots [pair0, pair0 + V) put their sins at sin_base + i (i < num_sin) and
 // their coses at cos_base + i (i < num_cos; a slot at or past h is a zero column).
-template <typename T, typename Math, typename IdT, int K>
-__device__ __forceinline__ void block_pe_columns(const KernelArgs<T, Math>& a, int64_t pe_unit, int64_t first,
-                                                 int64_t step) {
+template <typename T, typename Math, typename IdT, int K, bool kDropout>
+__device__ __forceinline__ void block_pe_columns(const KernelArgs<T, Math>& a, const DropoutMask& mask,
+                                                 int64_t pe_unit, int64_t first, int64_t step) {
   constexpr int V = vector_elems<T>();
   const int64_t pair0 = pe_unit * V;
   const int sin_count = elems_inside<V>(pair0, a.num_sin);
@@ -214,6 +247,9 @@ __device__ __forceinline__ void block_pe_columns(const KernelArgs<T, Math>& a, i
     load_token_spans(a, token, id, sin_col, sin_count, w_sin);
     load_token_spans(a, token, id, cos_col, cos_count, w_cos);
   }
+  uint32_t keep_sin[K], keep_cos[K];
+  span_keep_bits<kDropout, V>(a, mask, token, a.pe_col0 + sin_col, sin_count, keep_sin);
+  span_keep_bits<kDropout, V>(a, mask, token, a.pe_col0 + cos_col, cos_count, keep_cos);
 #pragma unroll
   for (int k = 0; k < K; ++k) {
     if (token[k] >= a.num_tokens) continue;
@@ -235,6 +271,8 @@ __device__ __forceinline__ void block_pe_columns(const KernelArgs<T, Math>& a, i
 #pragma unroll
       for (int e = 0; e < V; ++e) coses[e] = fma(tokens[e], a.embed_scale, coses[e]);
     }
+    drop_span<kDropout>(keep_sin[k], a.dropout_scale, sins);
+    drop_span<kDropout>(keep_cos[k], a.dropout_scale, coses);
     T* row = a.out + token[k] * a.out_row_stride + a.pe_col0;
     store_span(row + sin_col, sins, sin_count);
     store_span(row + cos_col, coses, cos_count);
@@ -243,25 +281,28 @@ __device__ __forceinline__ void block_pe_columns(const KernelArgs<T, Math>& a, i
 
 // Grid: (token groups, unit blocks); block: (units, tokens).  No shared memory and no barriers,
 // so a thread without a unit simply returns.
-template <typename T, typename Math, typename IdT, bool kInterleaved>
+template <typename T, typename Math, typename IdT, bool kInterleaved, bool kDropout>
 __global__ void __launch_bounds__(kThreads) forward_kernel(const KernelArgs<T, Math> a) {
   constexpr int K = tokens_per_thread<kInterleaved>();
   const int64_t unit = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
   if (unit >= a.num_units) return;
   const int64_t step = blockDim.y;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * (step * K) + threadIdx.y;
+  DropoutMask mask{};
+  // Loaded first, so its latency hides behind the id and weight loads; first used at the stores.
+  if constexpr (kDropout) mask = DropoutMask::load(a.dropout_seed, a.dropout_threshold);
   if (unit < a.num_copy_units) {
-    copy_token_columns<T, Math, IdT, K>(a, unit, first, step);
+    copy_token_columns<T, Math, IdT, K, kDropout>(a, mask, unit, first, step);
   } else if constexpr (kInterleaved) {
-    interleaved_pe_columns<T, Math, IdT, K>(a, unit - a.num_copy_units, first, step);
+    interleaved_pe_columns<T, Math, IdT, K, kDropout>(a, mask, unit - a.num_copy_units, first, step);
   } else {
-    block_pe_columns<T, Math, IdT, K>(a, unit - a.num_copy_units, first, step);
+    block_pe_columns<T, Math, IdT, K, kDropout>(a, mask, unit - a.num_copy_units, first, step);
   }
 }
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-template <typename T, typename Math, typename IdT, bool kInterleaved>
+template <typename T, typename Math, typename IdT, bool kInterleaved, bool kDropout>
 cudaError_t launch_kernel(const ForwardArgs& args, cudaStream_t stream) {
   constexpr int V = vector_elems<T>();
   constexpr int K = tokens_per_thread<kInterleaved>();
@@ -298,6 +339,9 @@ cudaError_t launch_kernel(const ForwardArgs& args, cudaStream_t stream) {
   a.embed_scale = static_cast<Math>(args.embed_scale);  // fp32 math: the scales rounded to fp32, as in Triton
   a.pe_scale = static_cast<Math>(args.pe_scale);
   a.add_tokens = !args.concat;
+  a.dropout_seed = args.dropout_seed;
+  a.dropout_threshold = args.dropout_threshold;
+  a.dropout_scale = static_cast<Math>(args.dropout_scale);  // fp32 math: rounded to fp32, like the other scales
 
   // All units of a row across x (up to the block size; no idle lanes for widths like 768), as many
   // tokens across y as fill the block.
@@ -308,29 +352,30 @@ cudaError_t launch_kernel(const ForwardArgs& args, cudaStream_t stream) {
   if (grid_x > INT32_MAX || grid_y > 65535) return cudaErrorInvalidConfiguration;
   const dim3 grid(static_cast<unsigned>(grid_x), static_cast<unsigned>(grid_y));
   const dim3 block(static_cast<unsigned>(units_x), static_cast<unsigned>(tokens_y));
-  return launch(forward_kernel<T, Math, IdT, kInterleaved>, grid, block, stream, a);
+  return launch(forward_kernel<T, Math, IdT, kInterleaved, kDropout>, grid, block, stream, a);
 }
 
-// Dispatch on the runtime choices that change the generated code: math, ids dtype, layout.
+// Dispatch on the runtime choices that change the generated code: math, ids dtype, layout, dropout.
+template <typename T, typename Math, typename IdT>
+cudaError_t launch_for_types(const ForwardArgs& args, cudaStream_t stream) {
+  const bool interleaved = args.columns.interleaved;
+  if (args.dropout_seed != nullptr) {
+    return interleaved ? launch_kernel<T, Math, IdT, true, true>(args, stream)
+                       : launch_kernel<T, Math, IdT, false, true>(args, stream);
+  }
+  return interleaved ? launch_kernel<T, Math, IdT, true, false>(args, stream)
+                     : launch_kernel<T, Math, IdT, false, false>(args, stream);
+}
+
 template <typename T>
 cudaError_t launch_for_dtype(const ForwardArgs& args, cudaStream_t stream) {
   const bool ids64 = args.ids_dtype == DType::kInt64;
   if (!ids64 && args.ids_dtype != DType::kInt32) return cudaErrorInvalidValue;
-  const bool interleaved = args.columns.interleaved;
   if (args.float64_math) {
-    if (ids64) {
-      return interleaved ? launch_kernel<T, double, int64_t, true>(args, stream)
-                         : launch_kernel<T, double, int64_t, false>(args, stream);
-    }
-    return interleaved ? launch_kernel<T, double, int32_t, true>(args, stream)
-                       : launch_kernel<T, double, int32_t, false>(args, stream);
+    return ids64 ? launch_for_types<T, double, int64_t>(args, stream)
+                 : launch_for_types<T, double, int32_t>(args, stream);
   }
-  if (ids64) {
-    return interleaved ? launch_kernel<T, float, int64_t, true>(args, stream)
-                       : launch_kernel<T, float, int64_t, false>(args, stream);
-  }
-  return interleaved ? launch_kernel<T, float, int32_t, true>(args, stream)
-                     : launch_kernel<T, float, int32_t, false>(args, stream);
+  return ids64 ? launch_for_types<T, float, int64_t>(args, stream) : launch_for_types<T, float, int32_t>(args, stream);
 }
 
 }  // namespace forward_detail

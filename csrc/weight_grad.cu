@@ -16,9 +16,15 @@
 //
 // A thread owns 16 bytes of gradient columns; the rows of several tokens are loaded before the
 // first is added, so that their loads overlap.
+//
+// With dropout (kDropout), stage 1 zeroes each gradient element the forward dropped, as the row is
+// read: the keep bits of token order[i] come from Philox (philox.cuh), computed while the rows are
+// in flight.  A thread's first column is a multiple of its 4 or 8 columns, so its groups of four
+// are whole: one call per four columns.  The dropout scale is folded into embed_scale.
 #include <cstdint>
 
 #include "memory_access.cuh"
+#include "philox.cuh"
 #include "platform.cuh"
 #include "posenc.h"
 
@@ -41,7 +47,9 @@ struct GradKernelArgs {
   int64_t padding_idx;
   int64_t chunk;
   int64_t num_chunks;
-  float embed_scale;
+  float embed_scale;  // times the dropout scale with dropout
+  const int64_t* dropout_seed;  // read only by the kDropout stage 1
+  uint32_t dropout_threshold;
 };
 
 // Sorted id i, widened to 64 bits (id * token_width can pass 2^31).
@@ -68,7 +76,7 @@ __device__ __forceinline__ float* partial_row(const GradKernelArgs& a, int64_t c
 }
 
 // Block: (column spans, chunks); grid: (chunk groups, column blocks).
-template <typename G, typename W, typename KeyT>
+template <typename G, typename W, typename KeyT, bool kDropout>
 __global__ void __launch_bounds__(kGradThreads) grad_chunk_kernel(const GradKernelArgs a) {
   constexpr int V = vector_elems<G>();
   const int64_t col = (static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x) * V;
@@ -79,6 +87,8 @@ __global__ void __launch_bounds__(kGradThreads) grad_chunk_kernel(const GradKern
   const int64_t start = chunk * a.chunk;
   const int64_t end = start + a.chunk < a.num_tokens ? start + a.chunk : a.num_tokens;
 
+  DropoutMask mask{};
+  if constexpr (kDropout) mask = DropoutMask::load(a.dropout_seed, a.dropout_threshold);
   int64_t current = sorted_id<KeyT>(a, start);
   bool started_here = start == 0 || sorted_id<KeyT>(a, start - 1) != current;
   float sum[V];
@@ -87,9 +97,14 @@ __global__ void __launch_bounds__(kGradThreads) grad_chunk_kernel(const GradKern
 
   for (int64_t group = start; group < end; group += kRowsInFlight) {
     Span<G, V> rows[kRowsInFlight];
+    uint32_t keep[kRowsInFlight];
 #pragma unroll
     for (int g = 0; g < kRowsInFlight; ++g) {
-      if (group + g < end) load_span(rows[g], grad_out + __ldg(a.order + group + g) * a.grad_out_row_stride, count);
+      if (group + g < end) {
+        const int64_t token = __ldg(a.order + group + g);
+        load_span(rows[g], grad_out + token * a.grad_out_row_stride, count);
+        if constexpr (kDropout) keep[g] = mask.keep_bits<V>(token, col, count);
+      }
     }
 #pragma unroll
     for (int g = 0; g < kRowsInFlight; ++g) {
@@ -97,6 +112,7 @@ __global__ void __launch_bounds__(kGradThreads) grad_chunk_kernel(const GradKern
       if (i >= end) break;
       float row[V];
       widen_span(rows[g], row);
+      if constexpr (kDropout) zero_dropped(row, keep[g]);
 #pragma unroll
       for (int e = 0; e < V; ++e) sum[e] += row[e];
       const bool is_last = i == end - 1;
@@ -197,7 +213,9 @@ cudaError_t launch_over_chunks(void (*kernel)(GradKernelArgs), const GradKernelA
 
 template <typename G, typename W, typename KeyT>
 cudaError_t launch_stages(const GradKernelArgs& a, cudaStream_t stream) {
-  cudaError_t status = launch_over_chunks(grad_chunk_kernel<G, W, KeyT>, a, vector_elems<G>(), stream);
+  cudaError_t status = a.dropout_seed != nullptr
+                           ? launch_over_chunks(grad_chunk_kernel<G, W, KeyT, true>, a, vector_elems<G>(), stream)
+                           : launch_over_chunks(grad_chunk_kernel<G, W, KeyT, false>, a, vector_elems<G>(), stream);
   if (status != cudaSuccess) return status;
   return launch_over_chunks(grad_carry_kernel<W, KeyT>, a, vector_elems<W>(), stream);
 }
@@ -229,7 +247,11 @@ cudaError_t launch_weight_grad(const WeightGradArgs& args, cudaStream_t stream) 
   a.padding_idx = args.padding_idx;
   a.chunk = args.chunk;
   a.num_chunks = ceil_div(args.num_tokens, args.chunk);
-  a.embed_scale = args.embed_scale;
+  // The dropout scale joins the final scaling: the product in double, rounded to fp32 once.
+  a.embed_scale = static_cast<float>(args.dropout_seed != nullptr ? args.embed_scale * args.dropout_scale
+                                                                  : args.embed_scale);
+  a.dropout_seed = args.dropout_seed;
+  a.dropout_threshold = args.dropout_threshold;
 
   // The gradient arrives in the weight's dtype, or (converted by the caller) in fp32.
   cudaError_t status = cudaErrorInvalidValue;

@@ -3,6 +3,7 @@
     python examples/train_tiny_lm.py                 # under a minute on a laptop CPU
     python examples/train_tiny_lm.py --pe concat --d-pos 32
     python examples/train_tiny_lm.py --pe none       # no positional information at all
+    python examples/train_tiny_lm.py --dropout 0.1   # dropout fused into the embedding kernel
     python examples/train_tiny_lm.py --device cuda --backend triton
 
 The text is synthetic: lines like ``hbkoa>aokbh``, random letters, ``>``, then the same letters
@@ -38,15 +39,16 @@ def reversal_lines(count: int, length: int, generator: torch.Generator) -> torch
 
 
 class TinyLM(nn.Module):
-    def __init__(self, vocab: int, d_model: int, layers: int, heads: int, pe: str, d_pos: int, backend: str):
+    def __init__(self, vocab: int, d_model: int, layers: int, heads: int, pe: str, d_pos: int, backend: str,
+                 dropout: float = 0.0):
         super().__init__()
         self.pe = pe
         if pe == "none":
-            self.embed = nn.Embedding(vocab, d_model)
+            self.embed = nn.Sequential(nn.Embedding(vocab, d_model), nn.Dropout(dropout))
         else:
             self.embed = posenc_fast.SinusoidalEmbedding(
                 vocab, d_model, mode="concat" if pe == "concat" else "add", d_pos=d_pos if pe == "concat" else None,
-                backend=backend)  # N(0, 1) rows and the PE are both O(1) per column: no sqrt(d) scale
+                dropout=dropout, backend=backend)  # N(0, 1) rows and the PE are both O(1) per column: no sqrt(d) scale
         block = nn.TransformerEncoderLayer(d_model, heads, dim_feedforward=4 * d_model, dropout=0.0,
                                            batch_first=True, norm_first=True)
         self.encoder = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
@@ -61,6 +63,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pe", choices=("add", "concat", "none"), default="add")
     parser.add_argument("--d-pos", type=int, default=32, help="PE columns for --pe concat")
+    parser.add_argument("--dropout", type=float, default=0.0, help="dropout after embedding + PE (fused)")
     parser.add_argument("--backend", default="auto", help="posenc_fast backend: auto, torch, triton")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--steps", type=int, default=300)
@@ -75,7 +78,7 @@ def main(argv=None) -> int:
 
     torch.manual_seed(args.seed)
     vocab = len(ALPHABET)
-    model = TinyLM(vocab, args.d_model, args.layers, args.heads, args.pe, args.d_pos, args.backend)
+    model = TinyLM(vocab, args.d_model, args.layers, args.heads, args.pe, args.d_pos, args.backend, args.dropout)
     model.to(args.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     generator = torch.Generator().manual_seed(args.seed)
@@ -95,13 +98,14 @@ def main(argv=None) -> int:
                              f"{time.time() - started:.0f}s")
             sys.stdout.flush()
     print()
+    model.eval()  # no dropout from here on
     with torch.no_grad():
         lines = reversal_lines(256, args.length, torch.Generator().manual_seed(args.seed + 1)).to(args.device)
         logits = model(lines[:, :-1])[:, answer]
         targets = lines[:, 1:][:, answer]
         held_out_loss = loss_fn(logits.reshape(-1, vocab), targets.reshape(-1)).item()
         accuracy = (logits.argmax(-1) == targets).float().mean().item()
-    print(f"pe={args.pe} backend={args.backend} device={args.device}: final training loss {loss.item():.3f}; "
+    print(f"pe={args.pe} dropout={args.dropout:g} backend={args.backend} device={args.device}: final training loss {loss.item():.3f}; "
           f"held-out reversed half: loss {held_out_loss:.3f} nats/char, accuracy {accuracy:.1%} "
           f"(a guess: {math.log(len(LETTERS)):.3f} nats, {1 / len(LETTERS):.1%})")
     return 0

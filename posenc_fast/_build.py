@@ -33,7 +33,7 @@ from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence
 # sm_90 that the driver JIT-compiles for newer GPUs (Blackwell and later).
 DEFAULT_CUDA_ARCHS = "80;86;89;90+PTX"
 SOURCES = ("forward.cu", "forward_fp32.cu", "forward_fp16.cu", "forward_bf16.cu", "weight_grad.cu", "binding.cpp")
-HEADERS = ("posenc.h", "platform.cuh", "exact_angle.cuh", "memory_access.cuh", "forward_kernels.cuh")
+HEADERS = ("posenc.h", "platform.cuh", "exact_angle.cuh", "memory_access.cuh", "philox.cuh", "forward_kernels.cuh")
 EXTENSION_NAME = "_C"
 
 

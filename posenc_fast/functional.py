@@ -7,6 +7,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from ._dispatch import resolve_backend
+from ._dropout import check_dropout_p, draw_seed
 from ._spec import PESpec
 from ._validate import check_weight, make_batch, make_spec
 from .ops import sinusoidal_embedding_forward, sinusoidal_embedding_op
@@ -30,6 +31,8 @@ def sinusoidal_embedding(
     zero_pe_at_padding: bool = False,
     cu_seqlens: Optional[torch.Tensor] = None,
     precision: str = "float32",
+    dropout_p: float = 0.0,
+    training: bool = True,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Token embedding lookup + sinusoidal positional encoding, fused.
@@ -45,14 +48,19 @@ def sinusoidal_embedding(
     several sequences along the last axis (cumulative lengths ``[0, l0, l0 + l1, ...]``):
     positions restart at 0 at each start.  ``precision="float64"`` computes the PE and the
     sum in float64 (fp32 outputs correctly rounded; slower on GPUs with little fp64 throughput).
+    ``dropout_p`` > 0 with ``training`` (as ``F.dropout``) applies dropout to the result inside
+    the same kernel: each element is zeroed with probability ``dropout_p``, the others scaled by
+    ``1 / (1 - dropout_p)``.  The mask is Philox of a seed drawn from torch's generator (so
+    ``torch.manual_seed`` reproduces it) and is regenerated in backward, not stored.
     Presets for other libraries:
     ``posenc_fast.presets``.  See ``posenc_fast.reference`` for the exact definition.
     """
     check_weight(weight)
     spec = make_spec(weight.shape[0], weight.shape[1], mode, d_pos, base, layout, embed_scale, pe_scale, padding_idx,
                      frequencies, zero_pe_at_padding, precision)
+    dropout_p = check_dropout_p(dropout_p)
     return apply_spec(ids, weight, spec, spec.turns_tensor(weight.device), positions, offset, backend,
-                      cu_seqlens=cu_seqlens)
+                      cu_seqlens=cu_seqlens, dropout_p=dropout_p if training else 0.0)
 
 
 def _positions_by_rule(ids, spec: PESpec, positions, offset, cu_seqlens, position_rule: str):
@@ -84,11 +92,13 @@ def _eager_inference(ids, weight) -> bool:
 
 
 def apply_spec(ids, weight, spec: PESpec, turns: torch.Tensor, positions, offset, backend: str, *,
-               cu_seqlens=None, position_rule: str = "offset", vocab_range=None) -> torch.Tensor:
+               cu_seqlens=None, position_rule: str = "offset", vocab_range=None,
+               dropout_p: float = 0.0) -> torch.Tensor:
     """Run the layer described by ``spec`` (``turns``: its fixed-point frequencies on weight's device).
 
     ``vocab_range=(start, end)``: ``weight`` holds rows start..end-1 of a larger vocabulary of
     ``end``-or-more rows (vocabulary parallel, see SinusoidalEmbedding); ids are global.
+    ``dropout_p``: checked by the caller; 0 means no dropout (and no seed is drawn).
     """
     positions, offset = _positions_by_rule(ids, spec, positions, offset, cu_seqlens, position_rule)
     vocab_start, vocab_size = 0, weight.shape[0]
@@ -98,11 +108,12 @@ def apply_spec(ids, weight, spec: PESpec, turns: torch.Tensor, positions, offset
             ids = ids - vocab_start  # local rows; other shards' ids fall outside and read nothing
     batch = make_batch(ids, weight, spec, positions, offset)
     name = resolve_backend(backend, weight.device, weight.dtype, float64_math=spec.precision == "float64")
+    dropout_seed = draw_seed(weight.device) if dropout_p > 0.0 else None
     op = sinusoidal_embedding_forward if _eager_inference(batch.ids, weight) else sinusoidal_embedding_op
     out = op(
         batch.ids, weight, turns, batch.positions, batch.offsets, batch.offset, batch.seq_len,
         spec.mode == "concat", spec.pe_width, spec.columns.as_list(), spec.embed_scale, spec.pe_scale,
         -1 if spec.padding_idx is None else spec.padding_idx, spec.zero_pe_at_padding, spec.precision == "float64",
-        vocab_start, vocab_size, name,
+        vocab_start, vocab_size, dropout_seed, dropout_p, name,
     )
     return out.reshape(batch.out_shape)

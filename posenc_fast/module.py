@@ -9,6 +9,7 @@ from torch import nn
 
 from . import presets
 from ._dispatch import check_backend_name
+from ._dropout import check_dropout_p
 from ._validate import make_spec
 from .functional import apply_spec
 from .presets import POSITION_RULES
@@ -22,13 +23,20 @@ class SinusoidalEmbedding(nn.Module):
     width is always ``d_model``.  Initialised like ``nn.Embedding`` (N(0, 1),
     padding row zero).  ``forward(ids, positions=None, offset=0, cu_seqlens=None)``.
 
+    ``dropout`` is the probability of the dropout after embedding + PE (as in the original
+    Transformer), applied in training mode inside the same kernel (see
+    :func:`posenc_fast.sinusoidal_embedding`); eval mode is exact.
+
     ``position_rule="fairseq"`` numbers positions as fairseq does (padding-aware, see
     ``posenc_fast.make_positions``; ``offset`` is then the past length).
 
     ``vocab_range=(start, end)`` makes a vocabulary-parallel shard (Megatron style): ``weight``
     holds rows start..end-1 of the ``num_embeddings`` rows, ids stay global, ids of other
     shards give zero token vectors and no gradient, and only the shard with ``start == 0``
-    adds the PE, so the sum (all-reduce) of the shards' outputs is the unsharded layer.  Library
+    adds the PE, so the sum (all-reduce) of the shards' outputs is the unsharded layer.  With
+    ``dropout``, the shards must draw the same seed (the same RNG state on every rank of the
+    group, as Megatron's model-parallel RNG tracker keeps it): they then drop the same elements,
+    and the sum is still the unsharded layer's output.  Library
     conventions: :meth:`from_preset`; an existing token table: :meth:`from_pretrained`.
     """
 
@@ -49,6 +57,7 @@ class SinusoidalEmbedding(nn.Module):
         position_rule: str = "offset",
         precision: str = "float32",
         vocab_range: Optional[Tuple[int, int]] = None,
+        dropout: float = 0.0,
         backend: str = "auto",
         device=None,
         dtype=None,
@@ -71,6 +80,7 @@ class SinusoidalEmbedding(nn.Module):
                               frequencies, zero_pe_at_padding, precision)
         self.vocab_range = vocab_range
         self.position_rule = position_rule
+        self.dropout = check_dropout_p(dropout)
         self.preset: Optional[str] = None  # set by from_preset, for the repr
         check_backend_name(backend)  # availability depends on where the tensors are: checked per call
         self.num_embeddings = num_embeddings
@@ -122,7 +132,8 @@ class SinusoidalEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor, positions: Optional[torch.Tensor] = None,
                 offset: Union[int, torch.Tensor] = 0, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
         return apply_spec(ids, self.weight, self.spec, self.turns_fixed_point, positions, offset, self.backend,
-                          cu_seqlens=cu_seqlens, position_rule=self.position_rule, vocab_range=self.vocab_range)
+                          cu_seqlens=cu_seqlens, position_rule=self.position_rule, vocab_range=self.vocab_range,
+                          dropout_p=self.dropout if self.training else 0.0)
 
     @classmethod
     def from_preset(cls, name: str, num_embeddings: int, d_model: int, padding_idx: Optional[int] = None,
@@ -182,6 +193,8 @@ class SinusoidalEmbedding(nn.Module):
             parts.append(f"vocab_range=({self.vocab_range[0]}, {self.vocab_range[0] + self.weight.shape[0]})")
         if self.position_rule != "offset":
             parts.append(f"position_rule={self.position_rule!r}")
+        if self.dropout:
+            parts.append(f"dropout={self.dropout:g}")
         if self.backend != "auto":
             parts.append(f"backend={self.backend!r}")
         return ", ".join(parts)

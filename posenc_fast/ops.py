@@ -4,7 +4,8 @@ Registered as opaque custom ops so ``torch.compile(fullgraph=True)`` traces
 through them without graph breaks and autograd sees one node.  Arguments are
 plain numbers and tensors; the backend is chosen by name before the call
 (``_dispatch``), and the data-dependent id range check runs here, at run time,
-before any kernel (skipped while a CUDA graph is being captured).
+before any kernel (skipped while a CUDA graph is being captured).  Fused dropout takes its seed as a tensor
+input: autograd keeps it (8 bytes) and backward regenerates the mask from it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch import Tensor
 
 from . import config
 from ._dispatch import get_backend
+from ._dropout import dropout_for
 from ._spec import PEColumns
 from ._validate import check_id_range
 from .backends import KernelParams
@@ -43,6 +45,8 @@ def sinusoidal_embedding_forward(
     float64_math: bool,
     vocab_start: int,
     vocab_size: int,
+    dropout_seed: Optional[Tensor],
+    dropout_p: float,
     backend: str,
 ) -> Tensor:
     """Flat forward: ``[N, width]`` for ids ``[N]``.
@@ -52,7 +56,8 @@ def sinusoidal_embedding_forward(
     (ids of other shards are in range and read nothing here).
 
     ``pe_columns`` is ``PEColumns.as_list()``; ``padding_idx`` (-1: none) gets no gradient,
-    and no PE when ``zero_pe_at_padding``.
+    and no PE when ``zero_pe_at_padding``.  ``dropout_seed`` (int64, one element; None: no
+    dropout) and ``dropout_p`` select the fused dropout mask (``reference.dropout_keep``).
     """
     if config.id_check_enabled() and not _capturing(ids):
         check_id_range(ids, vocab_size, vocab_start)
@@ -61,7 +66,8 @@ def sinusoidal_embedding_forward(
         concat, weight.shape[1], pe_width, PEColumns(bool(interleaved), sin_base, num_sin, cos_base, num_cos),
         embed_scale, pe_scale, padding_idx if zero_pe_at_padding else -1, float64_math,
     )
-    return get_backend(backend).forward(ids, weight, turns, positions, offsets, offset, seq_len, params)
+    return get_backend(backend).forward(ids, weight, turns, positions, offsets, offset, seq_len, params,
+                                        dropout_for(dropout_seed, dropout_p))
 
 
 # Registered under its own name; ``sinusoidal_embedding_forward`` stays callable directly (see
@@ -72,7 +78,7 @@ sinusoidal_embedding_op = torch.library.custom_op("posenc_fast::sinusoidal_embed
 
 @sinusoidal_embedding_op.register_fake
 def _(ids, weight, turns, positions, offsets, offset, seq_len, concat, pe_width, pe_columns, embed_scale, pe_scale,
-      padding_idx, zero_pe_at_padding, float64_math, vocab_start, vocab_size, backend):
+      padding_idx, zero_pe_at_padding, float64_math, vocab_start, vocab_size, dropout_seed, dropout_p, backend):
     width = weight.shape[1] + pe_width if concat else weight.shape[1]
     return weight.new_empty((ids.shape[0], width))
 
@@ -86,38 +92,45 @@ def sinusoidal_embedding_backward_op(
     embed_scale: float,
     padding_idx: int,
     weight_dtype: torch.dtype,
+    dropout_seed: Optional[Tensor],
+    dropout_p: float,
     backend: str,
 ) -> Tensor:
-    """Weight gradient ``[num_embeddings, token_width]`` in ``weight_dtype``; deterministic."""
+    """Weight gradient ``[num_embeddings, token_width]`` in ``weight_dtype``; deterministic.
+    With dropout, the forward's mask is regenerated from the same seed."""
     return get_backend(backend).backward(
-        grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype
+        grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype,
+        dropout_for(dropout_seed, dropout_p),
     )
 
 
 @sinusoidal_embedding_backward_op.register_fake
-def _(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype, backend):
+def _(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype, dropout_seed, dropout_p,
+      backend):
     return grad_out.new_empty((num_embeddings, token_width), dtype=weight_dtype)
 
 
 def _setup_context(ctx, inputs, output):
     (ids, weight, _turns, _positions, _offsets, _offset, _seq_len, _concat, _pe_width, _pe_columns, embed_scale,
-     _pe_scale, padding_idx, _zero_pe_at_padding, _float64_math, _vocab_start, _vocab_size, backend) = inputs
-    ctx.save_for_backward(ids)  # only the ids: nothing of size tokens x width is kept
+     _pe_scale, padding_idx, _zero_pe_at_padding, _float64_math, _vocab_start, _vocab_size, dropout_seed, dropout_p,
+     backend) = inputs
+    ctx.save_for_backward(ids, dropout_seed)  # ids and the seed: nothing of size tokens x width is kept
     ctx.num_inputs = len(inputs)
     ctx.num_embeddings, ctx.token_width = weight.shape
     ctx.weight_dtype = weight.dtype
     ctx.embed_scale = embed_scale
     ctx.padding_idx = padding_idx
+    ctx.dropout_p = dropout_p
     ctx.backend = backend
 
 
 def _backward(ctx, grad_out):
-    (ids,) = ctx.saved_tensors
+    ids, dropout_seed = ctx.saved_tensors
     grad_weight = None
     if ctx.needs_input_grad[1]:
         grad_weight = sinusoidal_embedding_backward_op(
             grad_out, ids, ctx.num_embeddings, ctx.token_width, ctx.embed_scale, ctx.padding_idx,
-            ctx.weight_dtype, ctx.backend,
+            ctx.weight_dtype, dropout_seed, ctx.dropout_p, ctx.backend,
         )
     return (None, grad_weight) + (None,) * (ctx.num_inputs - 2)
 

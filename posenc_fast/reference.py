@@ -10,6 +10,12 @@ an odd D ends in a zero column, or in a sin column when h + 1 frequencies are gi
 (see ``_spec.PEColumns``).  With ``zero_pe_at_padding`` tokens equal to
 ``padding_idx`` get no PE.
 
+Dropout (``dropout_p`` > 0, training) multiplies the result by ``keep * scale``
+with ``scale = 1 / (1 - p)`` (0 for p = 1): dropped elements are exactly 0.  The
+keep mask is a pure function of a 64-bit seed and the element's place, so every
+backend draws the same mask and backward regenerates it (see
+:func:`dropout_keep`); the seed comes from torch's generator (``_dropout``).
+
 Everything is computed in float64 and rounded once to the output dtype.  The
 angle is never formed as a product ``p * w`` in floating point: the pair's
 phase is the exact fractional turn ``p * R_i mod 2**64`` (see ``_spec``), so the
@@ -26,6 +32,7 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 
+from ._dropout import Dropout, check_dropout_p, dropout_for
 from ._spec import PEColumns, default_frequencies, turns_fixed_point
 from ._validate import check_id_range, check_weight, make_batch, make_spec
 from . import config
@@ -99,6 +106,7 @@ def embed_flat(
     pe_scale: float,
     padding_idx: Optional[int] = None,
     zero_pe_at_padding: bool = False,
+    dropout: Optional[Dropout] = None,
 ) -> torch.Tensor:
     """The layer on flat inputs (ids [N], int64 positions [N]); differentiable w.r.t. ``weight``.
 
@@ -112,7 +120,65 @@ def embed_flat(
     if zero_pe_at_padding:
         pe = pe * (ids != padding_idx).unsqueeze(-1)
     out = torch.cat([tokens, pe], dim=-1) if concat else tokens + pe
+    if dropout is not None:
+        keep = dropout_keep(dropout.seed, out.shape[0], out.shape[1], dropout.threshold)
+        out = torch.where(keep, out * dropout.scale, 0.0)
     return out.to(weight.dtype)
+
+
+# Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC 2011): the
+# generator of cuRAND, Triton's tl.philox and torch's CUDA RNG.  Constants of Random123.
+PHILOX_ROUND_MULTIPLIERS = (0xD2511F53, 0xCD9E8D57)
+PHILOX_KEY_INCREMENTS = (0x9E3779B9, 0xBB67AE85)
+PHILOX_ROUNDS = 10
+_U32 = 0xFFFFFFFF
+
+
+def _mulhilo32(multiplier: int, x: torch.Tensor):
+    """(high, low) 32-bit halves of ``multiplier * x`` for a u32 constant and u32 values held in int64.
+
+    int64 cannot hold a 64-bit product, so the constant is split into 16-bit halves
+    (each partial product is below 2**48)."""
+    low_product = x * (multiplier & 0xFFFF)
+    high_product = x * (multiplier >> 16)
+    middle = low_product + ((high_product & 0xFFFF) << 16)
+    return (middle >> 32) + (high_product >> 16), middle & _U32
+
+
+def philox4x32_10(counter: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """Philox4x32-10 of int64 tensors holding u32 words: ``counter [..., 4]``, ``key [..., 2]``
+    (broadcast against each other); returns the four output words ``[..., 4]``."""
+    c0, c1, c2, c3 = counter.unbind(-1)
+    k0, k1 = key.unbind(-1)
+    m0, m1 = PHILOX_ROUND_MULTIPLIERS
+    for round_index in range(PHILOX_ROUNDS):
+        if round_index:
+            k0 = (k0 + PHILOX_KEY_INCREMENTS[0]) & _U32
+            k1 = (k1 + PHILOX_KEY_INCREMENTS[1]) & _U32
+        high0, low0 = _mulhilo32(m0, c0)
+        high1, low1 = _mulhilo32(m1, c2)
+        c0, c1, c2, c3 = high1 ^ c1 ^ k0, low1, high0 ^ c3 ^ k1, low0
+    return torch.stack(torch.broadcast_tensors(c0, c1, c2, c3), dim=-1)
+
+
+def dropout_keep(seed: torch.Tensor, num_tokens: int, width: int, threshold: int, first_token: int = 0) -> torch.Tensor:
+    """The dropout keep mask (bool ``[num_tokens, width]``) of the flat output (of its tokens
+    ``first_token ..``).
+
+    Element (t, c) (flat token t; output column c, the PE columns following the token
+    columns in concat mode) is kept iff word ``c % 4`` of Philox4x32-10 with key
+    ``(seed mod 2**32, seed >> 32)`` and counter ``(c // 4, t mod 2**32, t >> 32, 0)`` is
+    ``>= threshold`` (``_dropout.threshold_of``: round(p * 2**32)).  One Philox call serves
+    four neighbouring columns.  ``seed``: an int64 tensor of one element, in [0, 2**63);
+    the mask is made on its device.
+    """
+    seed = seed.reshape(()).to(torch.int64)
+    key = torch.stack([seed & _U32, seed >> 32])
+    tokens = torch.arange(first_token, first_token + num_tokens, dtype=torch.int64, device=seed.device).reshape(-1, 1)
+    groups = torch.arange((width + 3) // 4, dtype=torch.int64, device=seed.device).reshape(1, -1)
+    counter = torch.stack(torch.broadcast_tensors(groups, tokens & _U32, tokens >> 32, torch.zeros_like(groups)), dim=-1)
+    words = philox4x32_10(counter, key)  # [T, groups, 4]: word k of group g is column 4g + k
+    return words.reshape(num_tokens, 4 * groups.shape[1])[:, :width] >= threshold
 
 
 def sinusoidal_embedding(
@@ -131,14 +197,27 @@ def sinusoidal_embedding(
     frequencies: Optional[Sequence[float]] = None,
     zero_pe_at_padding: bool = False,
     precision: str = "float32",
+    dropout_p: float = 0.0,
+    dropout_seed: Optional[Union[int, torch.Tensor]] = None,
 ) -> torch.Tensor:
     """Reference implementation of :func:`posenc_fast.sinusoidal_embedding` (any float dtype, autograd by PyTorch).
 
     It always computes in float64 and rounds once, so ``precision`` (validated) changes nothing here.
+    Dropout is explicit: ``dropout_p`` > 0 needs the ``dropout_seed`` (int or int64 tensor in
+    [0, 2**63)) whose mask :func:`dropout_keep` defines; there is no ``training`` switch.
     """
     check_weight(weight)
     spec = make_spec(weight.shape[0], weight.shape[1], mode, d_pos, base, layout, embed_scale, pe_scale, padding_idx,
                      frequencies, zero_pe_at_padding, precision)
+    dropout_p = check_dropout_p(dropout_p)
+    if dropout_p > 0.0:
+        if dropout_seed is None:
+            raise ValueError(f"dropout_p={dropout_p} needs the dropout_seed that defines its mask")
+        if not isinstance(dropout_seed, torch.Tensor):
+            if isinstance(dropout_seed, bool) or not isinstance(dropout_seed, int) or not 0 <= dropout_seed < 2**63:
+                raise ValueError(f"dropout_seed must be an int in [0, 2**63), got {dropout_seed!r}")
+            dropout_seed = torch.tensor([dropout_seed], dtype=torch.int64)
+        dropout_seed = dropout_seed.to(weight.device)
     batch = make_batch(ids, weight, spec, positions, offset)
     if config.id_check_enabled():
         check_id_range(batch.ids, weight.shape[0])
@@ -146,9 +225,10 @@ def sinusoidal_embedding(
         batch.ids, weight, batch.token_positions(), spec.turns_tensor(weight.device),
         concat=spec.mode == "concat", pe_width=spec.pe_width, columns=spec.columns,
         embed_scale=spec.embed_scale, pe_scale=spec.pe_scale, padding_idx=spec.padding_idx,
-        zero_pe_at_padding=spec.zero_pe_at_padding,
+        zero_pe_at_padding=spec.zero_pe_at_padding, dropout=dropout_for(dropout_seed, dropout_p),
     )
     return out.reshape(batch.out_shape)
 
 
-__all__ = ["sinusoidal_embedding", "sinusoidal_table", "exact_sinusoid", "embed_flat", "default_frequencies", "turns_fixed_point"]
+__all__ = ["sinusoidal_embedding", "sinusoidal_table", "exact_sinusoid", "embed_flat", "dropout_keep", "philox4x32_10",
+           "default_frequencies", "turns_fixed_point"]

@@ -23,42 +23,55 @@ from posenc_fast.backends import triton_kernels as kernels
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 ARCHS = (80, 90)
 # What a real launch specialises on: 16-byte aligned pointers, widths and strides divisible by 16.
-ALIGNED = ("ids_ptr", "weight_ptr", "out_ptr", "turns_ptr", "positions_ptr", "offsets_ptr", "sorted_ids_ptr",
+ALIGNED = ("ids_ptr", "weight_ptr", "out_ptr", "turns_ptr", "positions_ptr", "offsets_ptr", "seed_ptr", "sorted_ids_ptr",
            "order_ptr", "grad_out_ptr", "grad_weight_ptr", "partials_ptr", "weight_row_stride",
            "out_row_stride", "token_width", "pe_width", "num_pairs", "grad_out_row_stride")
 FORWARD_VARIANTS = [
-    # (dtype, concat, split, position_source, float64 math); tiles as triton_backend._forward_blocks picks them
-    ("bf16", False, False, 0, False), ("bf16", False, True, 0, False), ("bf16", True, False, 1, False),
-    ("bf16", True, True, 2, False), ("fp32", False, False, 2, False), ("fp16", False, True, 1, False),
-    ("fp32", True, True, 0, False), ("fp16", True, False, 0, False),
-    ("fp32", False, True, 0, True), ("bf16", False, False, 2, True),
+    # (dtype, concat, split, position_source, float64 math, dropout); tiles as triton_backend._forward_blocks
+    # picks them.  Dropout: "grouped" (one Philox call per four columns) or "any" (one per element).
+    ("bf16", False, False, 0, False, None), ("bf16", False, True, 0, False, None),
+    ("bf16", True, False, 1, False, None), ("bf16", True, True, 2, False, None),
+    ("fp32", False, False, 2, False, None), ("fp16", False, True, 1, False, None),
+    ("fp32", True, True, 0, False, None), ("fp16", True, False, 0, False, None),
+    ("fp32", False, True, 0, True, None), ("bf16", False, False, 2, True, None),
+    ("bf16", False, False, 0, False, "grouped"), ("bf16", False, True, 1, False, "grouped"),
+    ("fp16", True, False, 0, False, "grouped"), ("fp32", True, True, 2, False, "any"),
+    ("bf16", True, False, 0, False, "any"), ("fp32", False, False, 0, True, "grouped"),
 ]
-GRAD_VARIANTS = [(kernel, dtype) for kernel in ("grad_chunk_kernel", "grad_carry_kernel")
+# (kernel, dtype, dropout)
+GRAD_VARIANTS = [(kernel, dtype, False) for kernel in ("grad_chunk_kernel", "grad_carry_kernel")
                  for dtype in ("fp32", "fp16", "bf16")]
+GRAD_VARIANTS += [("grad_chunk_kernel", "fp32", True), ("grad_chunk_kernel", "bf16", True)]
 
 
-def forward_name(dtype, concat, split, position_source, float64):
+def forward_name(dtype, concat, split, position_source, float64, dropout):
     return (f"forward-{dtype}-{'concat' if concat else 'add'}-{'split' if split else 'interleaved'}"
-            f"-pos{position_source}{'-f64math' if float64 else ''}")
+            f"-pos{position_source}{'-f64math' if float64 else ''}{f'-dropout_{dropout}' if dropout else ''}")
 
 
-def _forward_signature(dtype, position_source):
+def grad_name(kernel, dtype, dropout):
+    return f"{kernel}-{dtype}{'-dropout' if dropout else ''}"
+
+
+def _forward_signature(dtype, position_source, dropout):
     sig = {"ids_ptr": "*i64", "weight_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "turns_ptr": "*i64",
-           "positions_ptr": "*i64", "offsets_ptr": "*i64"}
+           "positions_ptr": "*i64", "offsets_ptr": "*i64", "seed_ptr": "*i64"}
     sig.update({name: "i64" if name == "offset" else "i32" for name in (
         "offset", "seq_len", "num_tokens", "num_embeddings", "weight_row_stride", "out_row_stride",
         "token_width", "pe_width", "num_pairs", "num_turns", "sin_base", "num_sin", "cos_base", "num_cos",
         "pe_zero_id", "num_copy_blocks")})
-    sig.update({"embed_scale": "fp64", "pe_scale": "fp64"})
+    # A threshold of 2**31 or more (p >= 0.5) arrives as u32.
+    sig.update({"embed_scale": "fp64", "pe_scale": "fp64", "dropout_threshold": "u32" if dropout == "any" else "i32",
+                "dropout_scale": "fp64"})
     return sig
 
 
 def _grad_signature(kernel, dtype):
     if kernel == "grad_chunk_kernel":
         return {"sorted_ids_ptr": "*i32", "order_ptr": "*i64", "grad_out_ptr": f"*{dtype}",
-                "grad_weight_ptr": f"*{dtype}", "partials_ptr": "*fp32", "num_tokens": "i32",
+                "grad_weight_ptr": f"*{dtype}", "partials_ptr": "*fp32", "seed_ptr": "*i64", "num_tokens": "i32",
                 "num_embeddings": "i32", "token_width": "i32", "grad_out_row_stride": "i32",
-                "padding_idx": "i32", "embed_scale": "fp32"}
+                "padding_idx": "i32", "embed_scale": "fp32", "dropout_threshold": "u32"}
     return {"sorted_ids_ptr": "*i32", "grad_weight_ptr": f"*{dtype}", "partials_ptr": "*fp32",
             "num_tokens": "i32", "num_embeddings": "i32", "token_width": "i32", "padding_idx": "i32",
             "embed_scale": "fp32"}
@@ -105,19 +118,27 @@ def main() -> int:
         print("run with TRITON_INTERPRET=0", file=sys.stderr)
         return 2
     for arch in ARCHS:
-        for dtype, concat, split, position_source, float64 in FORWARD_VARIANTS:
+        for variant in FORWARD_VARIANTS:
+            dtype, concat, split, position_source, float64, dropout = variant
             constexprs = {"CONCAT": concat, "INTERLEAVED": not split, "POSITION_SOURCE": position_source,
-                          "BLOCK_T": 8, "BLOCK_P": 128 if split else 64, "SOFTWARE_BF16": False, "FLOAT64": float64}
+                          "BLOCK_T": 8, "BLOCK_P": 128 if split else 64, "SOFTWARE_BF16": False, "FLOAT64": float64,
+                          "DROPOUT": dropout is not None, "GROUPED": dropout == "grouped"}
             if position_source != 2:
                 constexprs["positions_ptr"] = None
             if position_source != 1:
                 constexprs["offsets_ptr"] = None
-            _record(forward_name(dtype, concat, split, position_source, float64), arch, lambda: _compile(
-                kernels.forward_kernel, _forward_signature(dtype, position_source), constexprs, arch, 4))
-        for kernel, dtype in GRAD_VARIANTS:
-            _record(f"{kernel}-{dtype}", arch, lambda: _compile(
-                getattr(kernels, kernel), _grad_signature(kernel, dtype),
-                {"CHUNK": 32, "BLOCK_D": 256, "SOFTWARE_BF16": False}, arch, 1))
+            if dropout is None:
+                constexprs["seed_ptr"] = None
+            _record(forward_name(*variant), arch, lambda: _compile(
+                kernels.forward_kernel, _forward_signature(dtype, position_source, dropout), constexprs, arch, 4))
+        for kernel, dtype, dropout in GRAD_VARIANTS:
+            constexprs = {"CHUNK": 32, "BLOCK_D": 256, "SOFTWARE_BF16": False}
+            if kernel == "grad_chunk_kernel":
+                constexprs["DROPOUT"] = dropout
+                if not dropout:
+                    constexprs["seed_ptr"] = None
+            _record(grad_name(kernel, dtype, dropout), arch, lambda: _compile(
+                getattr(kernels, kernel), _grad_signature(kernel, dtype), constexprs, arch, 1))
     return 0
 
 

@@ -282,3 +282,19 @@ def test_a_failing_implementation_keeps_what_was_measured(tmp_path, monkeypatch)
     assert report.failures == ["headline eager: RuntimeError: step exploded"]
     with open(report.json_path, encoding="utf-8") as f:
         assert len(json.load(f)["cases"]) == 2
+
+
+def test_dropout_cost_script_smoke(tmp_path):
+    """bench/dropout_cost.py (the GPU stage 'dropout') runs end to end on tiny CPU shapes."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    result = subprocess.run([sys.executable, os.path.join(root, "bench", "dropout_cost.py"), "--smoke",
+                             "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    doc = json.loads((tmp_path / "dropout_cost.json").read_text())
+    impls = {row["impl"] for row in doc["rows"]}
+    assert impls == {"torch p=0", "torch p=0.1", "eager p=0.1"}
+    assert all(row["median_ms"] > 0 and row["bytes"] > 0 for row in doc["rows"])

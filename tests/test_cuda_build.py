@@ -5,8 +5,8 @@ started outside the source tree, because ``python -m pytest`` puts the checkout 
 ``sys.path`` and a non-editable install keeps ``_C`` in site-packages.  With
 POSENC_FAST_BUILD_CUDA=1 in the environment (CI sets it) a missing extension fails instead of
 skipping.  The kernels' results are checked by the accuracy suites through ``cases.backend_targets``
-(on a GPU, or compiled for the host without one); the chunked-gradient and stride tests at the end
-run on that same target.
+(on a GPU, or compiled for the host without one); the chunked-gradient, stride and dropout-alignment
+tests at the end run on that same target.
 """
 
 import json
@@ -20,11 +20,11 @@ import pytest
 import torch
 
 import posenc_fast as pf
-from posenc_fast import _build, reference
+from posenc_fast import _build, _dropout, reference
 from posenc_fast._dispatch import resolve_backend
 from posenc_fast.backends import cuda_backend
 
-from cases import Case, assert_within, backend_targets, make_inputs, output_bound
+from cases import Case, assert_within, backend_targets, make_inputs, output_bound, ulp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -60,7 +60,7 @@ _PROBE = """
         print(json.dumps({"missing": str(error)}))
         sys.exit(0)
     import torch
-    from posenc_fast.backends import KernelParams, cuda_backend
+    from posenc_fast.backends import Dropout, KernelParams, cuda_backend
     from posenc_fast._spec import PEColumns
     count, why = C.device_status()
     report = dict(file=C.__file__, device_count=C.device_count(), status_count=count, why=why,
@@ -69,20 +69,22 @@ _PROBE = """
     # The Python side's argument list matches the binding's: 0 tokens launch nothing and need no GPU.
     params = KernelParams(True, 6, 5, PEColumns(False, 0, 3, 3, 2), 1.5, 0.5, -1, False)
     empty = torch.empty(0, dtype=torch.int64)
-    cuda_backend._launch_forward(C, empty, torch.zeros(4, 6), torch.empty(0, 11), torch.zeros(3, dtype=torch.int64),
-                                 None, None, 7, 1, params, 0, 0)
-    cuda_backend._launch_weight_grad(C, empty, empty, torch.empty(0, 11), torch.zeros(4, 6), torch.empty(0),
-                                     4, 6, -1, 1.5, 32, 0, 0)
+    # Without dropout, and with it (a threshold above 2**31 must pass as the binding's uint32).
+    for dropout in (None, Dropout(torch.zeros(1, dtype=torch.int64), 2**32 - 1, 10.0)):
+        cuda_backend._launch_forward(C, empty, torch.zeros(4, 6), torch.empty(0, 11),
+                                     torch.zeros(3, dtype=torch.int64), None, None, 7, 1, params, dropout, 0, 0)
+        cuda_backend._launch_weight_grad(C, empty, empty, torch.empty(0, 11), torch.zeros(4, 6), torch.empty(0),
+                                         4, 6, -1, 1.5, dropout, 32, 0, 0)
     try:
         C.forward(0, C.INT64, 0, 6, 99, 0, 0, 3, 0, 0, 0, 1, 0, 4, 6, 5, True, False, 0, 3, 3, 2, -1, 1.0, 1.0,
-                  False, 0, 0)
+                  False, 0, 0, 1.0, 0, 0)
     except ValueError as error:
         report["bad_code"] = str(error)
     if count == 0:
         # One token on a machine without a GPU: a clean RuntimeError before anything touches memory.
         try:
             C.forward(0, C.INT64, 0, 6, C.FLOAT32, 0, 0, 3, 0, 0, 0, 1, 1, 4, 6, 5, True, False, 0, 3, 3, 2, -1,
-                      1.0, 1.0, False, 0, 0)
+                      1.0, 1.0, False, 0, 0, 1.0, 0, 0)
         except RuntimeError as error:
             report["launch_error"] = str(error)
     print(json.dumps(report))
@@ -257,7 +259,9 @@ def ptxas_report(tmp_path_factory):
 
 
 def test_kernels_compile_without_spills(ptxas_report):
-    assert len(ptxas_report) == 2 * (3 * 8 + 2 * (5 + 3)), "expected 24 forward, 10 chunk and 6 carry kernels per arch"
+    # forward: dtype (3) x math (2) x ids (2) x layout (2) x dropout (2); chunk: 5 dtype pairs x keys (2) x dropout (2)
+    assert len(ptxas_report) == 2 * (3 * 16 + 2 * (10 + 3)), \
+        "expected 48 forward, 20 chunk and 6 carry kernels per arch"
     for k in ptxas_report:
         print(f"sm_{k['arch']} {k['kernel']}: {k['registers']} registers, {k['stack']} bytes stack")
     spilled = [k for k in ptxas_report if k["spill_stores"] or k["spill_loads"] or k["stack"]]
@@ -333,3 +337,64 @@ def test_cuda_id_minus_one_keeps_its_pe(backend, device):
         out = pf.sinusoidal_embedding(ids, weight, backend="cuda")
     pe = reference.sinusoidal_table(torch.arange(3), 8, dtype=torch.float32).to(device)
     torch.testing.assert_close(out[0, 1], pe[1], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend,device", CUDA_TARGETS or [pytest.param(None, None, marks=pytest.mark.skip(
+    reason="no cuda target here (no GPU, and no host emulation)"))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("layout", ["interleaved", "split", "split_cos_first"])
+@pytest.mark.parametrize("token_width", [8, 9, 10, 11, 16, 21])
+def test_cuda_dropout_spans_off_group_boundaries(token_width, layout, dtype, backend, device, seed):
+    """Fused dropout where a unit's 16-byte span does not start on a group of four columns: concat PE
+    columns start at token_width, and the split layouts' sin/cos spans at sin_base/cos_base (odd
+    D: ceil(D / 2)).  Each such span needs one Philox call more than an aligned one; every element's
+    mask must still be the reference's, across spans of 4 (fp32) and 8 (bf16) columns."""
+    g = torch.Generator().manual_seed(seed)
+    d_pos = 3 + token_width % 5 + 2 * (seed % 7)  # odd and even D: odd cos_base, odd tails
+    ids = torch.randint(0, 30, (3, 11), generator=g).to(device)
+    weight = torch.randn(30, token_width, generator=g, dtype=torch.float64).to(dtype).to(device)
+    kwargs = dict(mode="concat", d_pos=d_pos, layout=layout, offset=2**20 + 7, embed_scale=1.5)
+    for p in (0.3, 0.9):
+        torch.manual_seed(seed)
+        out = pf.sinusoidal_embedding(ids, weight, dropout_p=p, backend="cuda", **kwargs)
+        torch.manual_seed(seed)
+        dropout_seed = _dropout.draw_seed(torch.device(device))
+        exact = reference.sinusoidal_embedding(ids, weight.double(), dropout_p=p, dropout_seed=dropout_seed,
+                                               **kwargs)
+        what = f"width {token_width} + {d_pos} {layout} p={p}"
+        assert_within(out, exact, output_bound(exact, dtype), what)
+        keep = reference.dropout_keep(dropout_seed, ids.numel(), token_width + d_pos, _dropout.threshold_of(p))
+        assert bool((out.reshape(keep.shape)[~keep] == 0).all()), f"{what}: a dropped element is not 0"
+
+
+@pytest.mark.parametrize("backend,device", CUDA_TARGETS or [pytest.param(None, None, marks=pytest.mark.skip(
+    reason="no cuda target here (no GPU, and no host emulation)"))])
+@pytest.mark.parametrize("chunk", [1, 3, 32])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cuda_dropout_gradient_across_chunks(chunk, grad_dtype, backend, device, seed, monkeypatch):
+    """Stage 1 masks each gradient row of token order[i] as it reads it (spans of 4 or 8 columns), and the
+    dropout scale is folded into the final scaling: runs over many chunks match the reference."""
+    monkeypatch.setattr(cuda_backend, "GRAD_CHUNK", chunk)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 5, (4, 120), generator=g).to(device)
+    weight = torch.randn(5, 13, generator=g, dtype=torch.float64).to(grad_dtype).to(device)
+    kwargs = dict(mode="concat", d_pos=6, padding_idx=2, embed_scale=2.0)
+    grad_out = torch.randn(ids.shape + (19,), generator=g, dtype=torch.float64).to(grad_dtype).to(device)
+
+    def fused(w):
+        torch.manual_seed(seed)
+        return pf.sinusoidal_embedding(ids, w, dropout_p=0.4, backend="cuda", **kwargs)
+
+    grad = _gradients(fused, weight, grad_out)
+    torch.manual_seed(seed)
+    dropout_seed = _dropout.draw_seed(torch.device(device))
+    exact_fn = lambda w: reference.sinusoidal_embedding(  # noqa: E731
+        ids, w, dropout_p=0.4, dropout_seed=dropout_seed, **kwargs)
+    exact = _gradients(exact_fn, weight.double(), grad_out.double())
+    magnitude = _gradients(exact_fn, weight.double(), grad_out.double().abs()).abs()
+    bound = 1e-5 * magnitude + 1e-30
+    if grad_dtype != torch.float32:
+        bound = bound + 0.5 * ulp(exact, grad_dtype)
+    assert_within(grad, exact, bound, f"chunk={chunk}")
+    assert torch.count_nonzero(grad[2]) == 0
+    assert torch.equal(grad, _gradients(fused, weight, grad_out))

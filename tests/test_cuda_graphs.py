@@ -2,7 +2,7 @@
 
 The host-side id range check syncs with the device, which CUDA-graph capture forbids: the op
 skips it while the current stream is capturing.  Forward and backward must capture, replay
-on new ids, and give what eager gives.
+on new ids, and give what eager gives; with dropout, each replay draws a new mask.
 """
 
 import pytest
@@ -17,16 +17,12 @@ GPU_BACKENDS = [p.values[0] for p in backend_targets() if p.values[1] == "cuda" 
 pytestmark = pytest.mark.skipif(not GPU_BACKENDS, reason="needs a GPU (and a GPU kernel backend)")
 
 
-@pytest.mark.parametrize("backend", GPU_BACKENDS)
-def test_capture_and_replay_forward_and_backward(backend):
-    torch.manual_seed(0)
-    assert pf.id_check_enabled(), "the check stays on: capture must skip it by itself"
-    layer = pf.SinusoidalEmbedding(1000, 64, mode="concat", d_pos=16, padding_idx=0, backend=backend).cuda()
-    ids = torch.randint(0, 1000, (4, 32), device="cuda")
-    grad_out = torch.randn(4, 32, 64, device="cuda")
+def _capture_forward_and_backward(layer, ids, grad_out):
+    """(graph, output, weight gradient) of ``layer(ids)`` captured, after a warm-up outside the
+    capture on a side stream, as CUDA graphs require."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm up outside the capture, as CUDA graphs require
+    with torch.cuda.stream(side):
         for _ in range(2):
             torch.autograd.grad(layer(ids), layer.weight, grad_out)
     torch.cuda.current_stream().wait_stream(side)
@@ -34,6 +30,17 @@ def test_capture_and_replay_forward_and_backward(backend):
     with torch.cuda.graph(graph):
         out = layer(ids)
         (grad,) = torch.autograd.grad(out, layer.weight, grad_out)
+    return graph, out, grad
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_capture_and_replay_forward_and_backward(backend):
+    torch.manual_seed(0)
+    assert pf.id_check_enabled(), "the check stays on: capture must skip it by itself"
+    layer = pf.SinusoidalEmbedding(1000, 64, mode="concat", d_pos=16, padding_idx=0, backend=backend).cuda()
+    ids = torch.randint(0, 1000, (4, 32), device="cuda")
+    grad_out = torch.randn(4, 32, 64, device="cuda")
+    graph, out, grad = _capture_forward_and_backward(layer, ids, grad_out)
     ids.copy_(torch.randint(0, 1000, (4, 32), device="cuda"))
     graph.replay()
     torch.cuda.synchronize()
@@ -41,6 +48,27 @@ def test_capture_and_replay_forward_and_backward(backend):
     (eager_grad,) = torch.autograd.grad(eager_out, layer.weight, grad_out)
     assert torch.equal(out, eager_out)
     assert torch.equal(grad, eager_grad)
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_capture_with_dropout_draws_a_new_mask_each_replay(backend):
+    """The seed is drawn on the device inside the graph: each replay gets a fresh mask, and the
+    captured backward regenerates that replay's mask (a table of ones without PE and one token per
+    row make the output keep * scale, and the gradient of sum(output) the same)."""
+    torch.manual_seed(0)
+    layer = pf.SinusoidalEmbedding(64, 32, pe_scale=0.0, dropout=0.5, backend=backend).cuda()
+    with torch.no_grad():
+        layer.weight.fill_(1.0)
+    ids = torch.randperm(64, device="cuda").reshape(4, 16)
+    grad_out = torch.ones(4, 16, 32, device="cuda")
+    graph, out, grad = _capture_forward_and_backward(layer, ids, grad_out)
+    masks = []
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(grad[ids.reshape(-1)], out.reshape(-1, 32))
+        masks.append(out != 0)
+    assert not torch.equal(masks[0], masks[1]), "every replay used the same mask"
 
 
 class Tiny(nn.Module):

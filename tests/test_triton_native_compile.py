@@ -27,8 +27,8 @@ import native_compile  # noqa: E402  (its kernels are compiled only in the subpr
 
 VARIANTS = [(native_compile.forward_name(*v), arch) for arch in native_compile.ARCHS
             for v in native_compile.FORWARD_VARIANTS]
-VARIANTS += [(f"{kernel}-{dtype}", arch) for arch in native_compile.ARCHS
-             for kernel, dtype in native_compile.GRAD_VARIANTS]
+VARIANTS += [(native_compile.grad_name(*v), arch) for arch in native_compile.ARCHS
+             for v in native_compile.GRAD_VARIANTS]
 
 
 @pytest.fixture(scope="module")

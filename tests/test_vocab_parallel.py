@@ -35,16 +35,23 @@ def _full_and_shards(backend, device, **kwargs):
 
 
 @pytest.mark.parametrize("backend,device", TARGETS)
-@pytest.mark.parametrize("kwargs", [dict(embed_scale=2.0, padding_idx=25), dict(mode="concat", d_pos=5, layout="split")],
-                         ids=["add", "concat"])
+@pytest.mark.parametrize("kwargs", [dict(embed_scale=2.0, padding_idx=25), dict(mode="concat", d_pos=5, layout="split"),
+                                    dict(mode="concat", d_pos=5, dropout=0.4)],
+                         ids=["add", "concat", "dropout"])
 def test_shards_sum_to_the_unsharded_layer(backend, device, kwargs):
+    """With dropout, the shards draw the same seed (same RNG state), hence the same mask."""
     full, shards = _full_and_shards(backend, device, **kwargs)
     ids = torch.randint(0, VOCAB, (3, 14), device=device)
     offsets = torch.tensor([0, 9, 2**20], device=device)
     grad_out = torch.randn(3, 14, D, device=device)
-    expected = full(ids, offset=offsets)
+
+    def call(layer):
+        torch.manual_seed(1)
+        return layer(ids, offset=offsets)
+
+    expected = call(full)
     (expected_grad,) = torch.autograd.grad(expected, full.weight, grad_out)
-    outputs = [shard(ids, offset=offsets) for shard in shards]
+    outputs = [call(shard) for shard in shards]
     # Each shard rounds its part once, the sum adds once more: within fp32 rounding of the whole.
     torch.testing.assert_close(sum(outputs), expected, rtol=2**-21, atol=1e-6)
     for shard, out, (start, end) in zip(shards, outputs, zip(BOUNDS[:-1], BOUNDS[1:])):

@@ -3,11 +3,12 @@
     SUPPORTED_DTYPES: tuple of weight dtypes it handles
     FLOAT64_MATH: whether it implements precision="float64" (optional, default False)
     available(device) -> Optional[str]: None if usable on that device, else why not
-    forward(ids, weight, turns, positions, offsets, offset, seq_len, params) -> Tensor[N, width]
-    backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype)
+    forward(ids, weight, turns, positions, offsets, offset, seq_len, params, dropout) -> Tensor[N, width]
+    backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype, dropout)
         -> Tensor[V, token_width]   (padding_idx: -1 for none)
 
-``params`` is a :class:`KernelParams`.  Backend choice lives in ``posenc_fast._dispatch``.
+``params`` is a :class:`KernelParams`; ``dropout`` a :class:`Dropout` (``_dropout``) or None.  Backend choice
+lives in ``posenc_fast._dispatch``.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import NamedTuple
 
 import torch
 
+from .._dropout import Dropout  # noqa: F401  (part of the backend interface)
 from .._spec import PEColumns
 
 # Tests set this so that any element a kernel fails to write shows up as NaN.

@@ -5,6 +5,9 @@ codes, a device index and the current CUDA stream handle; it does not link libto
 build works with any torch version.  This module turns tensors into those arguments.  Same
 semantics and algorithms as the Triton backend; the weight gradient's stable sort stays in
 PyTorch (``torch.sort``), and the kernels receive the sorted ids and the permutation.
+Fused dropout: the kernels get the seed tensor's device pointer, the threshold and the scale,
+and draw the mask themselves (``reference.dropout_keep``), in the forward and again in the
+weight gradient.
 
 The extension is looked for at the first use, never by ``import posenc_fast``:
 
@@ -27,7 +30,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import KernelParams, new_buffer, sort_ids_for_gradient
+from . import Dropout, KernelParams, new_buffer, sort_ids_for_gradient
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FLOAT64_MATH = True  # precision="float64": the kernels' float64 variant (longer polynomials, one rounding)
@@ -192,30 +195,47 @@ def _int64_vector(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return t if t.is_contiguous() else t.contiguous()
 
 
+def _dropout_arguments(dropout: Optional[Dropout], device: torch.device):
+    """(seed pointer, threshold, scale) for the binding; (0, 0, 1.0) without dropout.
+
+    The kernels read the seed through its pointer, on the device: it is never copied to the host."""
+    if dropout is None:
+        return 0, 0, 1.0
+    seed = dropout.seed
+    if seed.dtype != torch.int64 or seed.numel() != 1:
+        raise ValueError(f"the dropout seed must be one int64 element, got {seed.dtype} of shape {tuple(seed.shape)}")
+    if seed.device != device:
+        raise ValueError(f"the dropout seed is on {seed.device}, the kernels run on {device}")
+    return seed.data_ptr(), int(dropout.threshold), float(dropout.scale)
+
+
 def _launch_forward(module, ids, weight, out, turns, positions, offsets, offset, seq_len, params: KernelParams,
-                    stream: int, device: int) -> None:
+                    dropout: Optional[Dropout], stream: int, device: int) -> None:
     """One call into ``_C.forward`` with every argument in the binding's order (tests call this with
     0 tokens on CPU tensors to check the signature without a GPU: nothing is launched then)."""
     columns = params.columns
+    dropout_seed, dropout_threshold, dropout_scale = _dropout_arguments(dropout, weight.device)
     module.forward(
         _pointer(ids), _dtype_code(module, ids.dtype), _pointer(weight), weight.stride(0),
         _dtype_code(module, weight.dtype), _pointer(out), _pointer(turns), turns.numel(), _pointer(positions),
         _pointer(offsets), int(offset), max(int(seq_len), 1), ids.numel(), weight.shape[0], params.token_width,
         params.pe_width, bool(params.concat), bool(columns.interleaved), columns.sin_base, columns.num_sin,
         columns.cos_base, columns.num_cos, int(params.pe_zero_id), float(params.embed_scale),
-        float(params.pe_scale), bool(params.float64_math), stream, device,
+        float(params.pe_scale), bool(params.float64_math), dropout_seed, dropout_threshold, dropout_scale,
+        stream, device,
     )
 
 
 def _launch_weight_grad(module, sorted_ids, order, grad_out, grad_weight, partials, num_embeddings, token_width,
-                        padding_idx, embed_scale, chunk, stream: int, device: int) -> None:
+                        padding_idx, embed_scale, dropout: Optional[Dropout], chunk, stream: int, device: int) -> None:
     """One call into ``_C.weight_grad`` (see ``_launch_forward``)."""
+    dropout_seed, dropout_threshold, dropout_scale = _dropout_arguments(dropout, grad_out.device)
     module.weight_grad(
         _pointer(sorted_ids), _dtype_code(module, sorted_ids.dtype), _pointer(order), _pointer(grad_out),
         grad_out.stride(0), _dtype_code(module, grad_out.dtype), _pointer(grad_weight),
         _dtype_code(module, grad_weight.dtype),
         _pointer(partials), sorted_ids.numel(), num_embeddings, token_width, int(padding_idx), float(embed_scale),
-        int(chunk), stream, device,
+        dropout_seed, dropout_threshold, dropout_scale, int(chunk), stream, device,
     )
 
 
@@ -225,7 +245,8 @@ def _stream_and_device(t: torch.Tensor):
     return torch.cuda.current_stream(t.device).cuda_stream, t.device.index
 
 
-def forward(ids, weight, turns, positions, offsets, offset, seq_len, params: KernelParams):
+def forward(ids, weight, turns, positions, offsets, offset, seq_len, params: KernelParams,
+            dropout: Optional[Dropout]):
     num_tokens = ids.numel()
     out = new_buffer((num_tokens, params.width), weight.dtype, weight.device)
     if num_tokens == 0:
@@ -237,11 +258,12 @@ def forward(ids, weight, turns, positions, offsets, offset, seq_len, params: Ker
         ids = ids.contiguous()
     stream, device = _stream_and_device(weight)
     _launch_forward(module, ids, weight, out, _int64_vector(turns), _int64_vector(positions), _int64_vector(offsets),
-                    offset, seq_len, params, stream, device)
+                    offset, seq_len, params, dropout, stream, device)
     return out
 
 
-def backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype):
+def backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype,
+             dropout: Optional[Dropout]):
     grad_weight = torch.zeros((num_embeddings, token_width), dtype=weight_dtype, device=grad_out.device)
     num_tokens = ids.numel()
     if num_tokens == 0 or num_embeddings == 0 or token_width == 0:
@@ -256,5 +278,5 @@ def backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_id
     partials = new_buffer(((num_tokens + chunk - 1) // chunk, 2, token_width), torch.float32, grad_out.device)
     stream, device = _stream_and_device(grad_out)
     _launch_weight_grad(module, sorted_ids, order, grad_out, grad_weight, partials, num_embeddings, token_width,
-                        padding_idx, embed_scale, chunk, stream, device)
+                        padding_idx, embed_scale, dropout, chunk, stream, device)
     return grad_weight

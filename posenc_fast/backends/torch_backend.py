@@ -22,7 +22,7 @@ def available(device: torch.device) -> Optional[str]:
     return None
 
 
-def forward(ids, weight, turns, positions, offsets, offset, seq_len, params: KernelParams):
+def forward(ids, weight, turns, positions, offsets, offset, seq_len, params: KernelParams, dropout):
     batch = Batch(ids=ids, out_shape=(), seq_len=seq_len, offset=offset, offsets=offsets, positions=positions)
     with torch.no_grad():
         return reference.embed_flat(
@@ -30,15 +30,18 @@ def forward(ids, weight, turns, positions, offsets, offset, seq_len, params: Ker
             concat=params.concat, pe_width=params.pe_width, columns=params.columns,
             embed_scale=params.embed_scale, pe_scale=params.pe_scale,
             padding_idx=params.pe_zero_id if params.pe_zero_id >= 0 else None,
-            zero_pe_at_padding=params.pe_zero_id >= 0,
+            zero_pe_at_padding=params.pe_zero_id >= 0, dropout=dropout,
         )
 
 
-def backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype):
+def backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype, dropout):
     ids64 = ids.to(torch.int64)
     in_range = (ids64 >= 0) & (ids64 < num_embeddings)
     grad_tokens = grad_out[:, :token_width].to(torch.float64) * embed_scale
     grad_tokens = grad_tokens * in_range.unsqueeze(-1)
+    if dropout is not None:  # the forward's mask, regenerated (token columns are the first ones)
+        keep = reference.dropout_keep(dropout.seed, ids.numel(), token_width, dropout.threshold)
+        grad_tokens = torch.where(keep, grad_tokens * dropout.scale, 0.0)
     # PyTorch's own embedding backward: sort-based and deterministic; zeroes the padding row.
     grad_weight = torch.ops.aten.embedding_dense_backward(
         grad_tokens, torch.where(in_range, ids64, 0), num_embeddings,

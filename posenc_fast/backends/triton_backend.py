@@ -87,7 +87,17 @@ GRAD_BLOCK_D = 256
 GRAD_WARPS = 1
 
 
-def forward(ids, weight, turns, positions, offsets, offset, seq_len, params: KernelParams):
+def _dropout_grouped(params: KernelParams, block_p: int) -> bool:
+    """Whether every column block of the forward starts at a multiple of 4 and spans a multiple of 4
+    columns, so that one Philox call serves four columns (triton_kernels.dropout_keep)."""
+    pe_col0 = params.token_width if params.concat else 0
+    if params.columns.interleaved:
+        return block_p % 2 == 0 and pe_col0 % 4 == 0
+    starts = (pe_col0 + params.columns.sin_base, pe_col0 + params.columns.cos_base)
+    return block_p % 4 == 0 and all(start % 4 == 0 for start in starts)
+
+
+def forward(ids, weight, turns, positions, offsets, offset, seq_len, params: KernelParams, dropout):
     num_tokens = ids.numel()
     out = new_buffer((num_tokens, params.width), weight.dtype, weight.device)
     if num_tokens == 0:
@@ -101,19 +111,21 @@ def forward(ids, weight, turns, positions, offsets, offset, seq_len, params: Ker
     grid = (triton.cdiv(num_tokens, block_t), num_copy_blocks + triton.cdiv(pair_slots, block_p))
     columns = params.columns
     kernels.forward_kernel[grid](
-        ids, weight, out, turns, positions, offsets,
+        ids, weight, out, turns, positions, offsets, None if dropout is None else dropout.seed,
         offset, max(seq_len, 1), num_tokens, weight.shape[0], weight.stride(0), out.stride(0),
         params.token_width, params.pe_width, params.num_pairs, turns.numel(),
         columns.sin_base, columns.num_sin, columns.cos_base, columns.num_cos, params.pe_zero_id,
         num_copy_blocks, params.embed_scale, params.pe_scale,
+        0 if dropout is None else dropout.threshold, 1.0 if dropout is None else dropout.scale,
         CONCAT=params.concat, INTERLEAVED=columns.interleaved, POSITION_SOURCE=position_source,
         BLOCK_T=block_t, BLOCK_P=block_p, SOFTWARE_BF16=_kernels_interpreted, FLOAT64=params.float64_math,
+        DROPOUT=dropout is not None, GROUPED=dropout is not None and _dropout_grouped(params, block_p),
         num_warps=FORWARD_WARPS,
     )
     return out
 
 
-def backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype):
+def backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype, dropout):
     grad_weight = torch.zeros((num_embeddings, token_width), dtype=weight_dtype, device=grad_out.device)
     num_tokens = ids.numel()
     if num_tokens == 0 or num_embeddings == 0:
@@ -124,12 +136,17 @@ def backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_id
     sorted_ids, order = sort_ids_for_gradient(ids, num_embeddings)
     num_chunks = triton.cdiv(num_tokens, GRAD_CHUNK)
     partials = new_buffer((num_chunks, 2, token_width), torch.float32, grad_out.device)
-    block_d = min(GRAD_BLOCK_D, triton.next_power_of_2(token_width))
+    # At least 4 columns: the dropout mask is made four columns (one Philox call) at a time.
+    block_d = min(GRAD_BLOCK_D, max(4, triton.next_power_of_2(token_width)))
     grid = (num_chunks, triton.cdiv(token_width, block_d))
+    if dropout is not None:
+        embed_scale = embed_scale * dropout.scale  # kept rows were scaled in forward
     kernels.grad_chunk_kernel[grid](
-        sorted_ids, order, grad_out, grad_weight, partials,
+        sorted_ids, order, grad_out, grad_weight, partials, None if dropout is None else dropout.seed,
         num_tokens, num_embeddings, token_width, grad_out.stride(0), padding_idx, embed_scale,
-        CHUNK=GRAD_CHUNK, BLOCK_D=block_d, SOFTWARE_BF16=_kernels_interpreted, num_warps=GRAD_WARPS,
+        0 if dropout is None else dropout.threshold,
+        CHUNK=GRAD_CHUNK, BLOCK_D=block_d, SOFTWARE_BF16=_kernels_interpreted, DROPOUT=dropout is not None,
+        num_warps=GRAD_WARPS,
     )
     kernels.grad_carry_kernel[grid](
         sorted_ids, grad_weight, partials,

@@ -1,0 +1,61 @@
+"""Host side of the fused dropout: checking ``p``, the integer keep threshold and the scale every
+backend uses, and the per-call seed drawn from torch's generator.
+
+The mask itself is defined by ``reference.dropout_keep`` (Philox4x32-10 of the seed and the
+element's place), so forward and backward, and every backend, draw the same one and none is stored.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+
+class Dropout(NamedTuple):
+    """What a backend needs for the fused dropout of one call (mask: ``reference.dropout_keep``).
+
+    Element (t, c) of the flat output is kept iff Philox word ``c % 4`` of counter
+    ``(c // 4, t mod 2**32, t >> 32, 0)`` under key ``(seed mod 2**32, seed >> 32)`` is
+    ``>= threshold``; kept elements are multiplied by ``scale``, dropped ones are 0.
+    """
+
+    seed: Tensor  # int64, one element, on the device; read by the kernels (no host sync)
+    threshold: int  # in [0, 2**32)
+    scale: float  # 1 / (1 - p); 0 for p = 1
+
+
+def check_dropout_p(p) -> float:
+    if isinstance(p, bool) or not isinstance(p, numbers.Real) or not math.isfinite(p) or not 0.0 <= p <= 1.0:
+        raise ValueError(f"dropout probability has to be a number in [0, 1], got {p!r}")
+    return float(p)
+
+
+def threshold_of(p: float) -> int:
+    """Keep iff a uniform u32 word is >= round(p * 2**32): keep rate 1 - p within 2**-33.
+    (p = 1 keeps 2**-32 of the elements, but its scale is 0.)"""
+    return min(round(p * 2.0**32), 2**32 - 1)
+
+
+def scale_of(p: float) -> float:
+    """Kept elements are multiplied by 1 / (1 - p), as torch.nn.functional.dropout does; p = 1 gives zeros."""
+    return 0.0 if p == 1.0 else 1.0 / (1.0 - p)
+
+
+def draw_seed(device: torch.device) -> torch.Tensor:
+    """A fresh seed in [0, 2**63) from torch's generator for ``device``, on the device.
+
+    Drawn by a device op, not on the host: no synchronisation, a CUDA graph replays it
+    with a new value each time, and ``torch.manual_seed`` makes the sequence reproducible.
+    """
+    return torch.randint(0, 2**63 - 1, (1,), dtype=torch.int64, device=device)  # out of place: traceable
+
+
+def dropout_for(seed, p: float):
+    """The backends' :class:`~posenc_fast.backends.Dropout` for a call, or None when nothing is dropped."""
+    if seed is None or p == 0.0:
+        return None
+    return Dropout(seed, threshold_of(p), scale_of(p))
