@@ -34,15 +34,21 @@ def check_dropout_p(p) -> float:
     return float(p)
 
 
+def _drops_everything(p: float) -> bool:
+    return round(p * 2.0**32) >= 2**32  # p within 2**-33 of 1, p = 1 included
+
+
 def threshold_of(p: float) -> int:
     """Keep iff a uniform u32 word is >= round(p * 2**32): keep rate 1 - p within 2**-33.
-    (p = 1 keeps 2**-32 of the elements, but its scale is 0.)"""
+    (Where that rounds to 2**32 the threshold is 2**32 - 1 and the scale 0: nothing is kept.)"""
     return min(round(p * 2.0**32), 2**32 - 1)
 
 
 def scale_of(p: float) -> float:
-    """Kept elements are multiplied by 1 / (1 - p), as torch.nn.functional.dropout does; p = 1 gives zeros."""
-    return 0.0 if p == 1.0 else 1.0 / (1.0 - p)
+    """Kept elements are multiplied by 1 / (1 - p), as torch.nn.functional.dropout does.  Where
+    ``threshold_of`` cannot express the keep rate (p within 2**-33 of 1), everything is dropped:
+    scale 0, rather than an enormous scale on the few words at 2**32 - 1."""
+    return 0.0 if _drops_everything(p) else 1.0 / (1.0 - p)
 
 
 def draw_seed(device: torch.device) -> torch.Tensor:
@@ -55,7 +61,9 @@ def draw_seed(device: torch.device) -> torch.Tensor:
 
 
 def dropout_for(seed, p: float):
-    """The backends' :class:`~posenc_fast.backends.Dropout` for a call, or None when nothing is dropped."""
-    if seed is None or p == 0.0:
+    """The backends' :class:`Dropout` for a call, or None when nothing is dropped."""
+    if p == 0.0:
         return None
+    if seed is None:
+        raise ValueError(f"dropout_p={p} needs a dropout_seed (an int64 tensor of one element)")
     return Dropout(seed, threshold_of(p), scale_of(p))

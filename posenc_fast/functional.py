@@ -58,9 +58,8 @@ def sinusoidal_embedding(
     check_weight(weight)
     spec = make_spec(weight.shape[0], weight.shape[1], mode, d_pos, base, layout, embed_scale, pe_scale, padding_idx,
                      frequencies, zero_pe_at_padding, precision)
-    dropout_p = check_dropout_p(dropout_p)
     return apply_spec(ids, weight, spec, spec.turns_tensor(weight.device), positions, offset, backend,
-                      cu_seqlens=cu_seqlens, dropout_p=dropout_p if training else 0.0)
+                      cu_seqlens=cu_seqlens, dropout_p=dropout_p, training=training)
 
 
 def _positions_by_rule(ids, spec: PESpec, positions, offset, cu_seqlens, position_rule: str):
@@ -93,13 +92,17 @@ def _eager_inference(ids, weight) -> bool:
 
 def apply_spec(ids, weight, spec: PESpec, turns: torch.Tensor, positions, offset, backend: str, *,
                cu_seqlens=None, position_rule: str = "offset", vocab_range=None,
-               dropout_p: float = 0.0) -> torch.Tensor:
+               dropout_p: float = 0.0, training: bool = True) -> torch.Tensor:
     """Run the layer described by ``spec`` (``turns``: its fixed-point frequencies on weight's device).
 
     ``vocab_range=(start, end)``: ``weight`` holds rows start..end-1 of a larger vocabulary of
     ``end``-or-more rows (vocabulary parallel, see SinusoidalEmbedding); ids are global.
-    ``dropout_p``: checked by the caller; 0 means no dropout (and no seed is drawn).
+    ``dropout_p`` is checked on every call (as ``F.dropout`` does, so a module attribute set
+    later is checked too) and applies when ``training``; otherwise no seed is drawn.
     """
+    dropout_p = check_dropout_p(dropout_p)  # checked even when not training, as F.dropout does
+    if not training:
+        dropout_p = 0.0
     positions, offset = _positions_by_rule(ids, spec, positions, offset, cu_seqlens, position_rule)
     vocab_start, vocab_size = 0, weight.shape[0]
     if vocab_range is not None:

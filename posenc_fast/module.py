@@ -34,9 +34,10 @@ class SinusoidalEmbedding(nn.Module):
     holds rows start..end-1 of the ``num_embeddings`` rows, ids stay global, ids of other
     shards give zero token vectors and no gradient, and only the shard with ``start == 0``
     adds the PE, so the sum (all-reduce) of the shards' outputs is the unsharded layer.  With
-    ``dropout``, the shards must draw the same seed (the same RNG state on every rank of the
-    group, as Megatron's model-parallel RNG tracker keeps it): they then drop the same elements,
-    and the sum is still the unsharded layer's output.  Library
+    ``dropout``, the shards must draw the same seed: the same torch RNG state on every rank of
+    the tensor-parallel group (Megatron's default generator, not inside its per-rank
+    ``get_cuda_rng_tracker().fork()``).  They then drop the same elements, and the sum is still
+    the unsharded layer's output.  Library
     conventions: :meth:`from_preset`; an existing token table: :meth:`from_pretrained`.
     """
 
@@ -133,7 +134,7 @@ class SinusoidalEmbedding(nn.Module):
                 offset: Union[int, torch.Tensor] = 0, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
         return apply_spec(ids, self.weight, self.spec, self.turns_fixed_point, positions, offset, self.backend,
                           cu_seqlens=cu_seqlens, position_rule=self.position_rule, vocab_range=self.vocab_range,
-                          dropout_p=self.dropout if self.training else 0.0)
+                          dropout_p=self.dropout, training=self.training)
 
     @classmethod
     def from_preset(cls, name: str, num_embeddings: int, d_model: int, padding_idx: Optional[int] = None,

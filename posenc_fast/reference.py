@@ -173,12 +173,22 @@ def dropout_keep(seed: torch.Tensor, num_tokens: int, width: int, threshold: int
     the mask is made on its device.
     """
     seed = seed.reshape(()).to(torch.int64)
-    key = torch.stack([seed & _U32, seed >> 32])
-    tokens = torch.arange(first_token, first_token + num_tokens, dtype=torch.int64, device=seed.device).reshape(-1, 1)
+    key = torch.stack([seed & _U32, (seed >> 32) & _U32])
     groups = torch.arange((width + 3) // 4, dtype=torch.int64, device=seed.device).reshape(1, -1)
-    counter = torch.stack(torch.broadcast_tensors(groups, tokens & _U32, tokens >> 32, torch.zeros_like(groups)), dim=-1)
-    words = philox4x32_10(counter, key)  # [T, groups, 4]: word k of group g is column 4g + k
-    return words.reshape(num_tokens, 4 * groups.shape[1])[:, :width] >= threshold
+    # Rows in slices of ~2**18 Philox calls: int64 temporaries of the whole output would take
+    # about 9x its float32 size.
+    rows_per_slice = max(1, 2**18 // max(groups.shape[1], 1))
+    slices = []
+    for start in range(first_token, first_token + num_tokens, rows_per_slice):
+        stop = min(start + rows_per_slice, first_token + num_tokens)
+        tokens = torch.arange(start, stop, dtype=torch.int64, device=seed.device).reshape(-1, 1)
+        counter = torch.stack(torch.broadcast_tensors(groups, tokens & _U32, tokens >> 32, torch.zeros_like(groups)),
+                              dim=-1)
+        words = philox4x32_10(counter, key)  # [T, groups, 4]: word k of group g is column 4g + k
+        slices.append(words.reshape(stop - start, 4 * groups.shape[1])[:, :width] >= threshold)
+    if not slices:
+        return torch.zeros((0, width), dtype=torch.bool, device=seed.device)
+    return torch.cat(slices)
 
 
 def sinusoidal_embedding(
@@ -213,11 +223,16 @@ def sinusoidal_embedding(
     if dropout_p > 0.0:
         if dropout_seed is None:
             raise ValueError(f"dropout_p={dropout_p} needs the dropout_seed that defines its mask")
-        if not isinstance(dropout_seed, torch.Tensor):
-            if isinstance(dropout_seed, bool) or not isinstance(dropout_seed, int) or not 0 <= dropout_seed < 2**63:
-                raise ValueError(f"dropout_seed must be an int in [0, 2**63), got {dropout_seed!r}")
-            dropout_seed = torch.tensor([dropout_seed], dtype=torch.int64)
-        dropout_seed = dropout_seed.to(weight.device)
+        if isinstance(dropout_seed, torch.Tensor):
+            if dropout_seed.dtype != torch.int64 or dropout_seed.numel() != 1:
+                raise ValueError(f"dropout_seed must be an int64 tensor of one element, got dtype "
+                                 f"{dropout_seed.dtype} and shape {tuple(dropout_seed.shape)}")
+            seed_value = int(dropout_seed.item())  # the reference may sync; the kernels never read it on the host
+        else:
+            seed_value = dropout_seed
+        if isinstance(seed_value, bool) or not isinstance(seed_value, int) or not 0 <= seed_value < 2**63:
+            raise ValueError(f"dropout_seed must be an int in [0, 2**63), got {seed_value!r}")
+        dropout_seed = torch.tensor([seed_value], dtype=torch.int64, device=weight.device)
     batch = make_batch(ids, weight, spec, positions, offset)
     if config.id_check_enabled():
         check_id_range(batch.ids, weight.shape[0])

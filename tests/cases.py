@@ -130,6 +130,9 @@ CASES = [
          hot_id=True, position_rule="positions"),
     Case("zero_pe_at_padding_concat", (3, 12), 15, 10, mode="concat", d_pos=4, padding_idx=0,
          zero_pe_at_padding=True, hot_id=True),
+    # Several column blocks of 4-aligned columns (Triton's grouped dropout path, gradient blocks > 256).
+    Case("wide_split_blocks", (2, 5), 30, 600, layout="split", position_rule="int"),
+    Case("wide_concat_blocks", (2, 5), 30, 776, mode="concat", d_pos=264, hot_id=True),
     Case("float64_math", (2, 9), 37, 16, precision="float64", embed_scale=math.sqrt(24), pe_scale=1 / math.sqrt(3),
          position_rule="far"),
     Case("float64_math_concat_split_tail", (3, 7), 20, 15, mode="concat", d_pos=9, layout="split",

@@ -55,6 +55,9 @@ def test_reference_mask_layout():
     threshold = 2**31
     mask = reference.dropout_keep(seed, 1, 10, threshold, first_token=t)[0]
     assert mask.tolist() == (words.reshape(-1)[:10] >= threshold).tolist()
+    # The reference computes the mask in slices of rows: a slice boundary changes nothing.
+    whole = reference.dropout_keep(seed, 600, 4097, threshold)  # 1025 calls per row: slices of 255 rows
+    assert torch.equal(whole[250:260], reference.dropout_keep(seed, 10, 4097, threshold, first_token=250))
 
 
 @pytest.mark.parametrize("backend,device", TARGETS)
@@ -229,14 +232,39 @@ def test_reference_needs_a_valid_seed():
         reference.sinusoidal_embedding(ids, weight, dropout_p=0.5)
     with pytest.raises(ValueError, match="-1"):
         reference.sinusoidal_embedding(ids, weight, dropout_p=0.5, dropout_seed=-1)
+    with pytest.raises(ValueError, match="-5"):
+        reference.sinusoidal_embedding(ids, weight, dropout_p=0.5, dropout_seed=torch.tensor([-5]))
+    with pytest.raises(ValueError, match="int64"):
+        reference.sinusoidal_embedding(ids, weight, dropout_p=0.5, dropout_seed=torch.tensor([5], dtype=torch.int32))
 
 
-def test_rate_one_gives_zeros_and_zero_gradient():
-    weight = torch.randn(10, 8, requires_grad=True)
-    out = pf.sinusoidal_embedding(torch.arange(10), weight, dropout_p=1.0)
+@pytest.mark.parametrize("backend,device", TARGETS)
+@pytest.mark.parametrize("p", [1.0, 1.0 - 2.0**-40], ids=["one", "below_one"])
+def test_rate_one_gives_zeros_and_zero_gradient(p, backend, device):
+    """p = 1, and p too close to 1 for a 32-bit threshold, drop everything (no huge scale)."""
+    weight = torch.randn(10, 8, device=device, requires_grad=True)
+    out = pf.sinusoidal_embedding(torch.arange(10, device=device), weight, dropout_p=p, backend=backend)
     assert torch.equal(out, torch.zeros_like(out))
     (grad,) = torch.autograd.grad(out.sum(), weight)
     assert torch.equal(grad, torch.zeros_like(grad))
+
+
+def test_rate_is_checked_at_every_call():
+    """Like F.dropout: a module attribute changed later, and a rate given with training=False."""
+    layer = pf.SinusoidalEmbedding(4, 8, dropout=0.1)
+    layer.dropout = 1.5
+    with pytest.raises(ValueError, match="1.5"):
+        layer(torch.zeros(2, 3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="-0.5"):
+        pf.sinusoidal_embedding(torch.zeros(2, 3, dtype=torch.int64), layer.weight, dropout_p=-0.5, training=False)
+
+
+def test_op_needs_a_seed_for_dropout():
+    from posenc_fast import _dropout as host
+
+    with pytest.raises(ValueError, match="dropout_seed"):
+        host.dropout_for(None, 0.25)
+    assert host.dropout_for(None, 0.0) is None
 
 
 def test_module_repr_shows_dropout():
