@@ -254,6 +254,16 @@ def forward_kernel(
 
 
 @triton.jit
+def _cols_if(cols, width, cond):
+    """``(cols < width) & cond`` for a scalar ``cond``, written as one block comparison.
+
+    Combining a block mask with a scalar comparison splats the scalar, and Triton's
+    interpreter gives that splat the compared operands' integer type: a non-bool mask,
+    which Triton 3.9's interpreter rejects ("mask has unsupported dtype")."""
+    return cols < tl.where(cond, width, 0)
+
+
+@triton.jit
 def grad_chunk_kernel(
     sorted_ids_ptr, order_ptr, grad_out_ptr, grad_weight_ptr, partials_ptr, seed_ptr,
     num_tokens, num_embeddings, token_width, grad_out_row_stride, padding_idx, embed_scale, dropout_threshold,
@@ -271,7 +281,6 @@ def grad_chunk_kernel(
     col0 = tl.program_id(1) * BLOCK_D
     cols = col0 + tl.arange(0, BLOCK_D)
     seed = tl.load(seed_ptr) if DROPOUT else 0
-    col_ok = cols < token_width
     start = chunk * CHUNK
     end = tl.minimum(start + CHUNK, num_tokens)
     # Sorted ids may be int32 or int64; widen them: id * token_width can pass 2**31.
@@ -283,7 +292,7 @@ def grad_chunk_kernel(
         i = start + j
         valid = i < end
         token = tl.load(order_ptr + i, mask=valid, other=0)
-        row = tl.load(grad_out_ptr + token * grad_out_row_stride + cols, mask=col_ok & valid, other=0.0)
+        row = tl.load(grad_out_ptr + token * grad_out_row_stride + cols, mask=_cols_if(cols, token_width, valid), other=0.0)
         if DROPOUT:
             keep = dropout_keep(seed, tl.zeros([1], dtype=tl.int64) + token, cols, dropout_threshold, col0, True)
             row = tl.where(tl.reshape(keep, (BLOCK_D,)), row, 0.0)
@@ -295,9 +304,9 @@ def grad_chunk_kernel(
         writable = (current_id != padding_idx) & (current_id < num_embeddings)
         final = run_ends & started_here & ~continues_after
         tl.store(grad_weight_ptr + current_id * token_width + cols,
-                 round_for_store(acc * embed_scale, grad_weight_ptr, SOFTWARE_BF16), mask=col_ok & final & writable)
+                 round_for_store(acc * embed_scale, grad_weight_ptr, SOFTWARE_BF16), mask=_cols_if(cols, token_width, final & writable))
         slot = tl.where(started_here, 1, 0)
-        tl.store(partials_ptr + (chunk * 2 + slot) * token_width + cols, acc, mask=col_ok & run_ends & ~final)
+        tl.store(partials_ptr + (chunk * 2 + slot) * token_width + cols, acc, mask=_cols_if(cols, token_width, run_ends & ~final))
         acc = tl.where(run_ends, 0.0, acc)
         started_here = started_here | run_ends
         current_id = tl.where(run_ends, next_id, current_id)
@@ -322,7 +331,7 @@ def grad_carry_kernel(
     previous_id = tl.load(sorted_ids_ptr + start - 1, mask=start > 0, other=-1).to(tl.int64)
     started_before = (first_id == run_id) & (previous_id == run_id)
     owner = (next_id == run_id) & ~started_before
-    acc = tl.load(partials_ptr + (chunk * 2 + 1) * token_width + cols, mask=col_ok & owner, other=0.0)
+    acc = tl.load(partials_ptr + (chunk * 2 + 1) * token_width + cols, mask=_cols_if(cols, token_width, owner), other=0.0)
     later = chunk + 1
     going = owner
     while going:
@@ -333,4 +342,4 @@ def grad_carry_kernel(
         later += 1
     writable = owner & (run_id != padding_idx) & (run_id < num_embeddings)
     tl.store(grad_weight_ptr + run_id * token_width + cols,
-             round_for_store(acc * embed_scale, grad_weight_ptr, SOFTWARE_BF16), mask=col_ok & writable)
+             round_for_store(acc * embed_scale, grad_weight_ptr, SOFTWARE_BF16), mask=_cols_if(cols, token_width, writable))
