@@ -20,7 +20,7 @@ from triton.compiler import ASTSource
 
 from posenc_fast.backends import triton_kernels as kernels
 
-PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+BUNDLED_PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 ARCHS = (80, 90)
 # What a real launch specialises on: 16-byte aligned pointers, widths and strides divisible by 16.
 ALIGNED = ("ids_ptr", "weight_ptr", "out_ptr", "turns_ptr", "positions_ptr", "offsets_ptr", "seed_ptr", "sorted_ids_ptr",
@@ -87,27 +87,59 @@ def _compile(fn, signature, constexprs, arch, num_warps):
                           target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
 
 
-def _ptxas(compiled):
+def triton_ptxas(arch):
+    """The ptxas Triton itself runs for ``arch``: the one that reads the PTX it emits.
+
+    Triton sets the PTX ``.version`` from the ptxas it picks, and the pick differs across
+    releases: 3.5 has one ptxas; 3.6 to 3.8 use ``ptxas-blackwell`` from sm_100; 3.9 uses it
+    (CUDA 13.4, PTX 9.4) from sm_90, where its plain ``ptxas`` (CUDA 12.9) stops at PTX 8.8.
+    ``TRITON_PTXAS_PATH`` / ``TRITON_PTXAS_BLACKWELL_PATH`` override it as they do for Triton."""
+    try:
+        from triton.backends.nvidia import compiler as nvidia
+    except ImportError:
+        return BUNDLED_PTXAS
+    try:
+        tool = nvidia.get_ptxas(arch)
+    except TypeError:  # Triton 3.5: get_ptxas() takes no arch
+        tool = nvidia.get_ptxas()
+    return tool.path
+
+
+class PtxasCannotRead(Exception):
+    """ptxas is older than the PTX (e.g. ``Unsupported .version 9.4``): the test skips with the reason."""
+
+
+def _ptxas(compiled, arch):
     ptx = compiled.asm["ptx"]
     target = re.search(r"^\.target\s+(\w+)", ptx, re.M).group(1)  # e.g. sm_90a for Hopper
+    ptxas = triton_ptxas(arch)
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ptx)
     try:
-        report = subprocess.run([PTXAS, f"-arch={target}", "-v", f.name, "-o", os.devnull],
-                                capture_output=True, text=True, check=True).stderr
+        result = subprocess.run([ptxas, f"-arch={target}", "-v", f.name, "-o", os.devnull],
+                                capture_output=True, text=True)
     finally:
         os.unlink(f.name)
+    report = result.stderr
+    if result.returncode != 0:
+        if "Unsupported .version" in report:
+            version = re.search(r"^\.version\s+(\S+)", ptx, re.M).group(1)
+            raise PtxasCannotRead(f"{ptxas} cannot read the PTX {version} that Triton {triton.__version__} "
+                                  f"emits for sm_{arch}: {report.strip()[:300]}")
+        raise subprocess.CalledProcessError(result.returncode, ptxas, result.stdout, report)
     registers = int(re.search(r"Used (\d+) registers", report).group(1))
     spill_bytes = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", report))
     vector_ops = len(re.findall(r"\b(?:ld|st)\.global\S*\.v[24]\.", ptx))
-    return {"target": target, "registers": registers, "spill_bytes": spill_bytes, "vector_memory_ops": vector_ops}
+    return {"target": target, "ptxas": ptxas, "registers": registers, "spill_bytes": spill_bytes, "vector_memory_ops": vector_ops}
 
 
 def _record(name, arch, build):
     entry = {"name": name, "arch": arch}
     try:
-        entry.update(_ptxas(build()))
+        entry.update(_ptxas(build(), arch))
         entry["ok"] = True
+    except PtxasCannotRead as exc:
+        entry.update(ok=False, skip=str(exc))
     except Exception as exc:  # reported to the test, which fails with the message
         entry.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:4000])
     print(json.dumps(entry), flush=True)
