@@ -1,38 +1,32 @@
-"""Build and install posenc_fast.
+"""The CUDA C++ extension of posenc_fast: what ``pip install .`` adds to the metadata in pyproject.toml.
 
-``pip install .`` works on any machine with Python and torch (the Triton kernels
-are plain Python; Triton itself comes with torch's CUDA wheels, or via the
-``[triton]`` extra).
-
-The CUDA C++ extension ``posenc_fast._C`` (backend="cuda") is compiled from csrc/ with
-nvcc when the CUDA toolkit is found (CUDA_HOME or CUDA_PATH, PATH, /usr/local/cuda); no GPU
-is needed to build it, and it does not link libtorch (docs/cuda_backend.md):
+``posenc_fast._C`` (backend="cuda") is compiled from csrc/ with nvcc when the CUDA toolkit is
+found (CUDA_HOME or CUDA_PATH, PATH, /usr/local/cuda); no GPU is needed to build it, and it
+does not link libtorch (docs/cuda_backend.md):
 
     POSENC_FAST_BUILD_CUDA=0          install without the extension
     POSENC_FAST_BUILD_CUDA=1          the extension is required: no nvcc is an error
     (unset)                           build it if nvcc is found, else install without it
     POSENC_FAST_CUDA_ARCHS="80;90"    target GPUs (default "80;86;89;90+PTX")
     MAX_JOBS=4                        parallel compile jobs (ninja)
+    POSENC_FAST_BUILD_PROGRESS=0      no progress lines on the terminal while pip hides the build's output
 
 The build logic lives in posenc_fast/_build.py (standard library only), shared with the
-on-demand build (``python -m posenc_fast._build``).
+on-demand build (``python -m posenc_fast._build``).  Builds are cached per user, keyed by the
+sources, the Python ABI, the nvcc version and the archs: installing again (``pip install
+".[test]"`` after ``pip install .``) copies the cached module instead of compiling again.
 """
 
 import importlib.util
 import os
 import sys
 
-from setuptools import Extension, find_packages, setup
+from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 from setuptools.command.build_py import build_py
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CSRC = os.path.join(HERE, "csrc")
-
-
-def read(name):
-    with open(os.path.join(HERE, name), encoding="utf-8") as f:
-        return f.read()
 
 
 def load_build_helpers():
@@ -57,17 +51,31 @@ if BUILD_MODE == "auto" and NVCC is None:
 
 
 class BuildCudaExtension(build_ext):
-    """Builds posenc_fast._C with nvcc (through ninja when available) instead of the C compiler."""
+    """Builds posenc_fast._C with nvcc (through ninja when available) instead of the C compiler,
+    in the per-user build cache, and copies it into the build."""
 
     def build_extension(self, ext):
         if ext.name != "posenc_fast._C":
             return super().build_extension(ext)
         output = self.get_ext_fullpath(ext.name)
+        progress = _build.open_progress_terminal()
         try:
-            _build.build_extension(CSRC, os.path.join(self.build_temp, "posenc_fast_C"), output, NVCC, CUDA_ARCHS)
+            try:
+                built = _build.build_cached(CSRC, NVCC, CUDA_ARCHS, progress=progress)
+            except OSError as error:  # no writable cache (e.g. a read-only home): build here, uncached
+                print(f"posenc_fast: build cache unusable ({error}); building in {self.build_temp}", file=sys.stderr)
+                built = _build.build_extension(CSRC, os.path.join(self.build_temp, "posenc_fast_C"),
+                                               os.path.join(self.build_temp, _build.extension_filename()),
+                                               NVCC, CUDA_ARCHS, progress=progress)
+                _build.strip_debug_symbols(built)
         except RuntimeError as error:
             raise SystemExit(f"{error}\n\nposenc_fast: the CUDA extension did not build. To install without it, "
                              "set POSENC_FAST_BUILD_CUDA=0.") from None
+        finally:
+            if progress is not None:
+                progress.close()
+        self.mkpath(os.path.dirname(output))
+        self.copy_file(built, output)
 
 
 class BuildPyWithSources(build_py):
@@ -93,22 +101,6 @@ if NVCC is not None:
     ))
 
 setup(
-    name="posenc_fast",
-    version="0.1.0",
-    description="Fused token embedding + sinusoidal positional encoding kernels (Triton, PyTorch)",
-    long_description=read("README.md"),
-    long_description_content_type="text/markdown",
-    packages=find_packages(include=["posenc_fast", "posenc_fast.*"]),
-    python_requires=">=3.9",
-    install_requires=["torch>=2.4"],
-    extras_require={
-        "triton": ["triton>=3.0"],
-        "plot": ["matplotlib"],
-        # pybind11: tests run the CUDA kernels compiled for the host when there is no GPU
-        "test": ["pytest", "pytest-benchmark", "matplotlib", "pybind11"],
-    },
-    entry_points={"console_scripts": ["posenc-fast=posenc_fast.cli:main"]},
-    license="BSD-3-Clause",
     ext_modules=ext_modules,
     cmdclass={"build_ext": BuildCudaExtension, "build_py": BuildPyWithSources},
 )

@@ -8,9 +8,13 @@ environment, where neither torch nor posenc_fast is importable.  What it owns:
 - finding nvcc, parsing the architecture list into ``-gencode`` flags;
 - the compile and link commands, run through ninja when it is installed (parallel,
   incremental, ``[3/5]`` progress) and one by one otherwise;
-- the on-demand build into a per-user cache (``build_in_cache``), used when an installed
-  package has no extension but nvcc is present at run time:
+- the per-user build cache (``build_cached``): ``<cache root>/cuda-<sources and Python ABI>/
+  <nvcc version and archs>/``.  ``pip install`` builds there and copies the module into the
+  wheel, so a reinstall with the same sources does not compile again; an installed package
+  without the extension finds a build there (``cached_extension``, whatever
+  ``POSENC_FAST_CUDA_ARCHS`` says now) or makes one on demand when nvcc is present:
 
+      pip install pybind11 ninja              # what the on-demand build needs (ninja: optional, parallel)
       python -m posenc_fast._build            # build (or find) the cached extension, print its path
 
 No libtorch and no ATen headers are involved: the extension takes raw device pointers, so
@@ -199,10 +203,11 @@ def _find_ninja() -> Optional[str]:
     return candidate if os.access(candidate, os.X_OK) else None
 
 
-def run_build(plan: BuildPlan, source_dir: str, build_dir: str, log=sys.stderr) -> None:
+def run_build(plan: BuildPlan, source_dir: str, build_dir: str, log=sys.stderr, progress=None) -> None:
     """Run the plan: through ninja if available (parallel, incremental), else command by command.
 
-    Progress goes to ``log``; a failing command raises RuntimeError with its output.
+    Output goes to ``log``, the ``[n/7]`` step lines also to ``progress`` (a terminal) when given;
+    a failing command raises RuntimeError with its output.
     """
     os.makedirs(build_dir, exist_ok=True)
     os.makedirs(os.path.dirname(os.path.abspath(plan.output)), exist_ok=True)
@@ -213,21 +218,30 @@ def run_build(plan: BuildPlan, source_dir: str, build_dir: str, log=sys.stderr) 
         jobs = os.environ.get("MAX_JOBS")
         if jobs:
             command += ["-j", jobs]
-        _run(command, log, what="ninja")
+        _run(command, log, what="ninja", progress=progress)
         return
     steps = plan.compiles + [plan.link]
     for number, cmd in enumerate(steps, 1):
-        print(f"[{number}/{len(steps)}] {os.path.basename(cmd[2]) if cmd in plan.compiles else 'link'}",
-              file=log, flush=True)
+        _say(f"[{number}/{len(steps)}] {os.path.basename(cmd[2]) if cmd in plan.compiles else 'link'}",
+             log, progress)
         _run(cmd, log, what=os.path.basename(cmd[0]))
 
 
-def _run(command: List[str], log, what: str) -> None:
+_NINJA_STEP = re.compile(r"^\[\d+/\d+\] ")
+
+
+def _run(command: List[str], log, what: str, progress=None) -> None:
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     output = []
     for line in process.stdout:
         output.append(line)
         print(line, end="", file=log, flush=True)
+        if progress is not None and _NINJA_STEP.match(line):
+            try:
+                progress.write(line)
+                progress.flush()
+            except OSError:
+                pass
     if process.wait() != 0:
         raise RuntimeError(f"building posenc_fast._C failed ({what} exited with {process.returncode}):\n"
                            + "".join(output[-60:]))
@@ -235,16 +249,16 @@ def _run(command: List[str], log, what: str) -> None:
 
 def build_extension(source_dir: str, build_dir: str, output: str, nvcc: Optional[str] = None,
                     archs: Optional[Sequence[CudaArch]] = None, env: Mapping[str, str] = os.environ,
-                    log=sys.stderr) -> str:
+                    log=sys.stderr, progress=None) -> str:
     """Compile csrc/ into the extension file ``output``; returns it.  nvcc and archs default to the environment's."""
     nvcc = nvcc or find_nvcc(env)
     if nvcc is None:
         raise RuntimeError(no_nvcc_message())
     archs = list(archs) if archs is not None else parse_cuda_archs(env.get("POSENC_FAST_CUDA_ARCHS"))
     plan = plan_build(os.path.abspath(source_dir), os.path.abspath(build_dir), os.path.abspath(output), nvcc, archs)
-    print(f"posenc_fast: building the CUDA extension with {nvcc} for "
-          f"{', '.join(a.name + ('+PTX' if a.ptx else '') for a in archs)}", file=log, flush=True)
-    run_build(plan, os.path.abspath(source_dir), os.path.abspath(build_dir), log=log)
+    _say(f"posenc_fast: building the CUDA extension with {nvcc} ({nvcc_version(nvcc)}) for "
+         f"{', '.join(a.name + ('+PTX' if a.ptx else '') for a in archs)}", log, progress)
+    run_build(plan, os.path.abspath(source_dir), os.path.abspath(build_dir), log=log, progress=progress)
     return output
 
 
@@ -286,34 +300,125 @@ def cache_root(env: Mapping[str, str] = os.environ) -> str:
     return os.path.join(base, "posenc_fast")
 
 
-def cache_key(source_dir: str, nvcc: str, archs: Sequence[CudaArch]) -> str:
-    """Changes whenever the sources, the compiler, the archs or the Python ABI change."""
+def source_key(source_dir: str) -> str:
+    """Changes whenever the sources or the Python ABI change (the first level of the cache)."""
     digest = hashlib.sha256()
     for name in SOURCES + HEADERS:
         with open(os.path.join(source_dir, name), "rb") as f:
             digest.update(name.encode() + b"\0" + f.read())
-    digest.update(repr((nvcc_version(nvcc), [tuple(a) for a in archs], extension_filename())).encode())
+    digest.update(extension_filename().encode())
     return digest.hexdigest()[:16]
 
 
-def cached_extension(env: Mapping[str, str] = os.environ) -> Optional[str]:
-    """Path of an extension already built on demand for these sources and this interpreter, or None.
+def toolchain_key(nvcc: str, archs: Sequence[CudaArch]) -> str:
+    """Changes whenever the compiler or the arch list changes (the second level of the cache)."""
+    return hashlib.sha256(repr((nvcc_version(nvcc), [tuple(a) for a in archs])).encode()).hexdigest()[:16]
 
-    Never runs the compiler beyond ``nvcc --version`` (needed for the cache key)."""
+
+def cache_directory(source_dir: str, nvcc: str, archs: Sequence[CudaArch], env: Mapping[str, str] = os.environ) -> str:
+    """``<cache root>/cuda-<source key>/<toolchain key>``: one build per sources, Python ABI, nvcc and archs."""
+    return os.path.join(cache_root(env), "cuda-" + source_key(source_dir), toolchain_key(nvcc, archs))
+
+
+def cached_extension(env: Mapping[str, str] = os.environ) -> Optional[str]:
+    """Path of an extension already built (by ``pip install`` or on demand) from these sources for
+    this interpreter, or None.
+
+    Needs neither nvcc nor the ``POSENC_FAST_CUDA_ARCHS`` of the build: a build for the arch list
+    in the environment wins, else the newest build of these sources is taken (a new shell with
+    another or no arch list still finds what ``python -m posenc_fast._build`` made)."""
     source_dir = package_source_dir()
-    nvcc = find_nvcc(env)
-    if source_dir is None or nvcc is None:
+    if source_dir is None:
         return None
-    archs = parse_cuda_archs(env.get("POSENC_FAST_CUDA_ARCHS"))
-    path = os.path.join(cache_root(env), cache_key(source_dir, nvcc, archs), extension_filename())
-    return path if os.path.exists(path) else None
+    sources_dir = os.path.join(cache_root(env), "cuda-" + source_key(source_dir))
+    try:
+        builds = [os.path.join(sources_dir, entry, extension_filename()) for entry in os.listdir(sources_dir)]
+    except OSError:
+        return None
+    builds = [path for path in builds if os.path.exists(path)]
+    if not builds:
+        return None
+    nvcc = find_nvcc(env)
+    if nvcc is not None and env.get("POSENC_FAST_CUDA_ARCHS", "").strip():
+        try:
+            wanted = os.path.join(cache_directory(source_dir, nvcc, parse_cuda_archs(env["POSENC_FAST_CUDA_ARCHS"]),
+                                                  env), extension_filename())
+        except (ValueError, OSError, subprocess.CalledProcessError):
+            wanted = None
+        if wanted in builds:
+            return wanted
+    return max(builds, key=os.path.getmtime)
+
+
+def build_cached(source_dir: str, nvcc: str, archs: Sequence[CudaArch], env: Mapping[str, str] = os.environ,
+                 log=sys.stderr, progress=None) -> str:
+    """The extension built from ``source_dir`` in the per-user cache, compiled only if that cache has
+    no build for these sources, Python ABI, nvcc version and archs; returns its path.
+
+    Shared by ``pip install`` (setup.py copies the result into the wheel, so reinstalling, e.g.
+    ``pip install ".[test]"`` after ``pip install .``, does not compile again) and the on-demand
+    build.  Concurrent processes (e.g. one per rank) wait on a file lock and reuse one build.
+    """
+    directory = cache_directory(source_dir, nvcc, archs, env)
+    output = os.path.join(directory, extension_filename())
+    os.makedirs(directory, exist_ok=True)
+    import fcntl
+
+    with open(os.path.join(directory, ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.exists(output):
+            _say(f"posenc_fast: reusing the CUDA extension built earlier from these sources: {output}", log, progress)
+            return output
+        _say(f"posenc_fast: compiling the CUDA extension into {directory} (1-3 minutes on a few cores; "
+             f"POSENC_FAST_CUDA_ARCHS=<your GPU, e.g. 90> makes it faster, POSENC_FAST_BUILD_CUDA=0 skips it)",
+             log, progress)
+        partial = output + ".partial"
+        build_extension(source_dir, os.path.join(directory, "build"), partial, nvcc, archs, env, log, progress)
+        strip_debug_symbols(partial, log)
+        os.replace(partial, output)  # atomic: a reader never sees a half-written module
+        shutil.rmtree(os.path.join(directory, "build"), ignore_errors=True)  # objects: ~2x the module, not reused
+        _say(f"posenc_fast: built {output}", log, progress)
+    return output
+
+
+def strip_debug_symbols(path: str, log=sys.stderr) -> None:
+    """Remove the host debug sections and local symbols of the built module (``strip --strip-unneeded``;
+    the device code, its line tables included, is untouched).  Skipped, with a note, without binutils."""
+    strip = shutil.which("strip")
+    if strip is None:
+        print("posenc_fast: `strip` (binutils) not found; the extension keeps its host symbols", file=log)
+        return
+    result = subprocess.run([strip, "--strip-unneeded", path], capture_output=True, text=True)
+    if result.returncode != 0:
+        print(f"posenc_fast: strip failed, the extension keeps its host symbols: {result.stderr.strip()}", file=log)
+
+
+def open_progress_terminal():
+    """The user's terminal, for the few progress lines of a build that pip runs with its output
+    captured (without ``-v`` pip shows nothing of it for minutes); None when stderr already is
+    the terminal, when there is none (CI), or with ``POSENC_FAST_BUILD_PROGRESS=0``."""
+    if os.environ.get("POSENC_FAST_BUILD_PROGRESS", "1").strip() == "0":
+        return None
+    try:
+        if sys.stderr.isatty():
+            return None
+        return open("/dev/tty", "w")
+    except OSError:
+        return None
+
+
+def _say(line: str, log, progress=None) -> None:
+    if log is not None:
+        print(line, file=log, flush=True)
+    if progress is not None:
+        try:
+            print(line, file=progress, flush=True)
+        except OSError:
+            pass
 
 
 def build_in_cache(env: Mapping[str, str] = os.environ, log=sys.stderr) -> str:
-    """Build the extension into the per-user cache (once per sources/compiler/archs/Python) and return its path.
-
-    Concurrent processes (e.g. one per rank) wait on a file lock and reuse the first one's build.
-    """
+    """Build the extension into the per-user cache (once per sources/compiler/archs/Python) and return its path."""
     source_dir = package_source_dir()
     if source_dir is None:
         raise RuntimeError("the CUDA sources (csrc/) are not part of this installation of posenc_fast; "
@@ -321,23 +426,7 @@ def build_in_cache(env: Mapping[str, str] = os.environ, log=sys.stderr) -> str:
     nvcc = find_nvcc(env)
     if nvcc is None:
         raise RuntimeError(no_nvcc_message())
-    archs = parse_cuda_archs(env.get("POSENC_FAST_CUDA_ARCHS"))
-    directory = os.path.join(cache_root(env), cache_key(source_dir, nvcc, archs))
-    output = os.path.join(directory, extension_filename())
-    os.makedirs(directory, exist_ok=True)
-    import fcntl
-
-    with open(os.path.join(directory, ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not os.path.exists(output):
-            print(f"posenc_fast: the CUDA extension is not built; compiling it once into {directory} "
-                  f"(a few minutes; set POSENC_FAST_CUDA_ARCHS=<your GPU, e.g. 90> to make it faster)",
-                  file=log, flush=True)
-            partial = output + ".partial"
-            build_extension(source_dir, os.path.join(directory, "build"), partial, nvcc, archs, env, log)
-            os.replace(partial, output)  # atomic: a reader never sees a half-written module
-            print(f"posenc_fast: built {output}", file=log, flush=True)
-    return output
+    return build_cached(source_dir, nvcc, parse_cuda_archs(env.get("POSENC_FAST_CUDA_ARCHS")), env, log)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -5,13 +5,17 @@ if any bar is missed."""
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import importlib.util
 import math
+from typing import Dict
 
 import torch
 
 from . import reference
 from ._dispatch import BACKENDS
 from ._timing import median_ms
+from .backends import cuda_backend
 from .baselines import EagerSinusoidalEmbedding
 from .functional import sinusoidal_embedding
 
@@ -43,6 +47,34 @@ def _row_chunks(n: int, step: int = 1 << 16):
         yield slice(start, min(start + step, n))
 
 
+def skipped_backends(device: torch.device) -> Dict[str, str]:
+    """Backends that cannot run on ``device`` here, each with the reason and what would enable it."""
+    skipped = {}
+    for name in ("triton", "cuda", "torch"):
+        why = BACKENDS[name].available(device)
+        if why is None:
+            continue
+        if name == "cuda" and device.type != "cuda":
+            why = "needs an NVIDIA GPU (this run is on the CPU)"
+            if cuda_backend.extension_problem() is None:
+                why += "; the CUDA extension posenc_fast._C is installed"
+            else:
+                why += (" and the CUDA extension posenc_fast._C, which is not installed (pip install . with nvcc "
+                        "on PATH, or python -m posenc_fast._build; docs/cuda_backend.md)")
+        skipped[name] = why
+    return skipped
+
+
+def _triton_version() -> str:
+    spec = importlib.util.find_spec("triton")
+    if spec is None:
+        return "not installed"
+    try:
+        return importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        return "installed (version unknown)"
+
+
 def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     gpu = device.type == "cuda"
@@ -62,6 +94,9 @@ def run(args: argparse.Namespace) -> int:
     scale = math.sqrt(d_model)
 
     backends = [b for b in ("triton", "cuda", "torch") if BACKENDS[b].available(device) is None]
+    for backend, why in skipped_backends(device).items():
+        print(f"skipped backend {backend!r}: {why}")
+    print(f"versions: torch {torch.__version__}, triton {_triton_version()}\n")
     interpreted = {b: device.type == "cpu" and b == "triton" for b in backends}
     ok = True
     print(f"{'backend':<22}{'dtype':<10}{'max |err|':>12}{'err/bar':>10}{'grad rel err':>15}{'deterministic':>15}")

@@ -46,11 +46,15 @@ def _load_kernels():
 def available(device: torch.device) -> Optional[str]:
     """None if this backend can run on ``device``, else the reason it cannot."""
     if _kernels is None and importlib.util.find_spec("triton") is None:
-        return "backend='triton' needs Triton: pip install triton (it ships with PyTorch's CUDA wheels on Linux)"
+        return ("backend='triton' needs Triton (3.5 to 3.9): pip install 'triton>=3.5,<3.10' numpy, or install "
+                "posenc_fast with its [triton] extra (Triton comes with PyTorch's CUDA wheels on Linux)")
     if device.type == "cuda":
         return None
     if device.type != "cpu":
         return f"backend='triton' does not support device type {device.type!r}"
+    if importlib.util.find_spec("numpy") is None:
+        return ("backend='triton' on CPU tensors runs in Triton's interpreter, which needs numpy: pip install numpy "
+                "(the [triton] extra of posenc_fast includes it)")
     if not interpreting():
         return (
             "backend='triton' on CPU tensors needs Triton's interpreter: set TRITON_INTERPRET=1 in the "
