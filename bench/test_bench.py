@@ -4,10 +4,10 @@ the timed function (pytest-benchmark reads a host clock).
 
     pytest bench/ --benchmark-only                                # GPU: the default case list
     POSENC_FAST_BENCH_QUICK=1 pytest bench/ --benchmark-only      # headline + decode only
-    POSENC_FAST_BENCH_CPU=1 pytest bench/ --benchmark-only        # no GPU: tiny CPU sizes, eager + torch
+    POSENC_FAST_BENCH_CPU=1 pytest bench/ --benchmark-only        # tiny CPU sizes, eager + torch (the default without a GPU)
 
 ``POSENC_FAST_BENCH_CASES`` / ``POSENC_FAST_BENCH_IMPLS`` filter as the CLI's ``--cases`` /
-``--impls`` do.  Without a GPU and without ``POSENC_FAST_BENCH_CPU=1`` everything is skipped.
+``--impls`` do.  Without a GPU the CPU smoke run is what runs.
 Each result's ``extra_info``: bytes (the byte model), GBps, copy_GBps (measured once per
 session), pct_copy, and the case's fields; tests are grouped by case and op, so each group
 compares the implementations.  The numbers that go into bench/results/ come from
@@ -23,9 +23,10 @@ import torch
 from posenc_fast import benchmark as bench
 from posenc_fast import config
 
-RUN_ON_CPU = os.environ.get("POSENC_FAST_BENCH_CPU", "0") == "1"
-if not torch.cuda.is_available() and not RUN_ON_CPU:
-    pytest.skip("no GPU (set POSENC_FAST_BENCH_CPU=1 for a CPU smoke run of the suite)", allow_module_level=True)
+# Without a GPU the suite runs as a CPU smoke run (it checks the harness and measures nothing), so
+# that `pytest bench/ --benchmark-only` passes (exit 0) on any machine; POSENC_FAST_BENCH_CPU=1 asks
+# for it on a GPU machine too.
+RUN_ON_CPU = os.environ.get("POSENC_FAST_BENCH_CPU", "0") == "1" or not torch.cuda.is_available()
 
 DEVICE = torch.device("cpu" if RUN_ON_CPU else "cuda")
 TIMED_SECONDS = 0.3 if DEVICE.type == "cuda" else 0.05  # timed rounds per test, roughly

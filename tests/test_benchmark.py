@@ -232,6 +232,17 @@ def test_bench_command_end_to_end_on_cpu(tmp_path, capsys):
         assert "no plot" in printed
 
 
+def test_bench_command_default_output_folder(tmp_path, monkeypatch, capsys):
+    """Without --out: a folder of that clear name in the current directory, and the paths printed."""
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["bench", "--device", "cpu", "--cases", "decode", "--impls", "eager", "--ops", "forward"]) == 0
+    printed = capsys.readouterr().out
+    folder = tmp_path / bench.cli.DEFAULT_OUT
+    assert os.listdir(tmp_path) == [bench.cli.DEFAULT_OUT]
+    assert (folder / "cpu.json").is_file()
+    assert f"results go to {folder}" in printed and f"wrote {folder / 'cpu.json'}" in printed
+
+
 def test_bench_command_rejects_unknown_names(capsys):
     assert cli.main(["bench", "--device", "cpu", "--impls", "eager,fast"]) == 2
     assert cli.main(["bench", "--device", "cpu", "--cases", "nonsense"]) == 2
@@ -275,7 +286,7 @@ def test_a_failing_implementation_keeps_what_was_measured(tmp_path, monkeypatch)
     def broken_step(runner, inputs):
         raise RuntimeError("step exploded")
 
-    monkeypatch.setattr(bench, "step_fn", broken_step)
+    monkeypatch.setattr(bench.run, "step_fn", broken_step)  # the name the run module calls
     report = bench.run_benchmark([bench.CASE_BY_NAME["headline"]], ["eager"], torch.device("cpu"), str(tmp_path),
                                  log=lambda line: None)
     assert [m.op for m in report.measurements] == ["forward", "backward"]

@@ -1,0 +1,65 @@
+"""``python -m posenc_fast bench``: time the fused layer against eager PyTorch and torch.compile.
+
+This package owns the benchmark, one concern per module:
+
+- ``cases``: the cases, implementations and ops, and the byte model (``bytes_moved``);
+- ``impls``: the implementations built over one case's random inputs, and the callables timed;
+- ``timing``: how each op is timed, the copy bandwidth, a step's peak memory;
+- ``results``: the JSON results file (schema, validation, writing, merging);
+- ``report``: speedups, targets, the printed table and the PNG plot;
+- ``run``: the run itself, case by case; ``cli``: ``python -m posenc_fast bench``.
+
+The names below are re-exported here (``from posenc_fast import benchmark as bench``).
+``bench/test_bench.py`` runs the same cases through pytest-benchmark; ``bench/README.md`` says
+how to read the results and ``bench/NOTES.md`` holds the predictions.
+
+Implementations (``IMPLS``):
+
+- ``eager``: ``baselines.EagerSinusoidalEmbedding`` (nn.Embedding + a registered fp32 sinusoid
+  table, embed scale, add or torch.cat, cast): what users run today.
+- ``compile`` / ``compile-max-autotune``: ``torch.compile`` of that same module (default mode /
+  ``mode="max-autotune-no-cudagraphs"``), ``dynamic=False``, compiled afresh for every case.
+- ``triton`` / ``cuda``: ``SinusoidalEmbedding(backend=...)``, timed with the host-side id range
+  check OFF (``posenc_fast.id_check(False)``); the headline forward with the check on is printed
+  as an extra line (the JSON's ``impl`` enum has no slot for it).
+- ``torch``: the float64 reference backend; CPU smoke runs only, printed but never written to
+  the JSON (not in its ``impl`` enum).
+
+Ops: ``forward`` (under ``torch.no_grad()``, as inference and decoding run it), ``backward``
+(``torch.autograd.grad`` of one retained forward graph: the weight gradient alone) and ``step``
+(``weight.grad = None``, forward, ``backward(grad_out)``).
+
+Timing (GPU): ``triton.testing.do_bench`` with ``return_mode="all"`` and the median taken; it
+flushes the L2 cache before every run, after our own warm-up calls (so ``torch.compile``,
+autotuning and Triton's JIT stay out of the numbers).  Inputs are random (ids over the whole
+vocabulary, N(0, 1) weights and output gradients, never zeros) and rotated among several sets
+when one set would fit in L2.  Latency cases (decode) are timed one call at a time with the GPU
+idle at the start event, so host overhead (Python, dispatch, launches) is part of the time, as in
+a decoding loop without CUDA graphs.  CPU: ``_timing.median_ms``.
+"""
+
+from .cases import (  # noqa: F401
+    OPS, IMPLS, JSON_IMPLS, FUSED_IMPLS, COMPILE_IMPLS, GPU_DEFAULT_IMPLS, CPU_DEFAULT_IMPLS, ID_BYTES, D_POS,
+    RESULT_KEYS, DOCUMENT_KEYS, TARGETS, DECODE_TARGET_X_EAGER, Case, CASES, QUICK_CASES, CASE_BY_NAME, select_cases,
+    for_device, bytes_moved, floor_ms,
+)
+from .impls import (  # noqa: F401
+    rotation_sets, CaseInputs, Runner, impl_unavailable, build_runner, forward_fn, backward_fn, step_fn,
+    relative_error, agreement_bar,
+)
+from .timing import (  # noqa: F401
+    sync, Timing, time_op, copy_bandwidth_GBps, step_peak_bytes,
+)
+from .results import (  # noqa: F401
+    Measurement, device_name, device_slug, make_document, MergeError, rows_to_merge, validate_document,
+    write_document, _key,
+)
+from .report import (  # noqa: F401
+    speedups, target_report, format_table, plot_results,
+)
+from .run import (  # noqa: F401
+    RunReport, _free_memory, _reset_compiler, run_benchmark,
+)
+from .cli import (  # noqa: F401
+    add_subcommand, summarize, run_command,
+)
