@@ -12,6 +12,7 @@ tests at the end run on that same target.
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -224,6 +225,53 @@ def test_sources_are_complete():
     present = {os.path.relpath(os.path.join(d, f), os.path.join(REPO, "csrc"))
                for d, _, files in os.walk(os.path.join(REPO, "csrc")) for f in files}
     assert present == listed
+
+
+def _fake_toolkit(tmp_path):
+    """A CUDA_HOME whose nvcc only answers --version (the cache key reads it)."""
+    nvcc = tmp_path / "cuda" / "bin" / "nvcc"
+    nvcc.parent.mkdir(parents=True)
+    nvcc.write_text("#!/bin/sh\necho 'Cuda compilation tools, release 13.0, V13.0.88'\n")
+    nvcc.chmod(0o755)
+    return str(nvcc), {"CUDA_HOME": str(nvcc.parent.parent), "POSENC_FAST_CACHE_DIR": str(tmp_path / "cache")}
+
+
+def test_build_cache_is_reused_and_found_whatever_the_arch_list(tmp_path, monkeypatch):
+    """pip install builds into the per-user cache: installing again does not compile again, and an
+    installed package finds the build in a new shell with another (or no) POSENC_FAST_CUDA_ARCHS."""
+    nvcc, env = _fake_toolkit(tmp_path)
+    compiled = []
+
+    def fake_compile(source_dir, build_dir, output, nvcc, archs, env, log, progress=None):
+        compiled.append([a.name for a in archs])
+        with open(output, "w") as f:
+            f.write(f"module for {compiled[-1]}")
+        return output
+
+    monkeypatch.setattr(_build, "build_extension", fake_compile)
+    monkeypatch.setattr(_build, "strip_debug_symbols", lambda path, log=None: None)
+    source_dir = _build.package_source_dir()
+    log = open(os.devnull, "w")
+    for_90 = _build.build_cached(source_dir, nvcc, _build.parse_cuda_archs("90"), env, log)
+    assert _build.build_cached(source_dir, nvcc, _build.parse_cuda_archs("90"), env, log) == for_90
+    assert compiled == [["90"]], "the second build of the same sources, nvcc and archs compiled again"
+    assert _build.cached_extension(dict(env, POSENC_FAST_CUDA_ARCHS="90")) == for_90
+    assert _build.cached_extension(env) == for_90, "a new shell without the arch list must find the build"
+    assert _build.cached_extension(dict(env, POSENC_FAST_CUDA_ARCHS="80")) == for_90
+    for_80 = _build.build_cached(source_dir, nvcc, _build.parse_cuda_archs("80"), env, log)
+    assert compiled == [["90"], ["80"]] and for_80 != for_90
+    assert _build.cached_extension(dict(env, POSENC_FAST_CUDA_ARCHS="90")) == for_90, "the asked-for archs win"
+    assert _build.cached_extension(dict(env, POSENC_FAST_CUDA_ARCHS="80")) == for_80
+
+
+def test_build_cache_key_follows_the_sources(tmp_path):
+    nvcc, env = _fake_toolkit(tmp_path)
+    copy = tmp_path / "csrc"
+    shutil.copytree(_build.package_source_dir(), copy)
+    before = _build.cache_directory(str(copy), nvcc, _build.parse_cuda_archs("90"), env)
+    with open(copy / _build.SOURCES[0], "a") as f:
+        f.write("\n// changed\n")
+    assert _build.cache_directory(str(copy), nvcc, _build.parse_cuda_archs("90"), env) != before
 
 
 # ---- ptxas: registers and spills of every kernel (compiles csrc/ for sm_80 and sm_90, no GPU needed) ----
