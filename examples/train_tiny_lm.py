@@ -60,21 +60,33 @@ class TinyLM(nn.Module):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pe", choices=("add", "concat", "none"), default="add")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--pe", choices=("add", "concat", "none"), default="add",
+                        help="positional encoding: added, concatenated, or none")
     parser.add_argument("--d-pos", type=int, default=32, help="PE columns for --pe concat")
     parser.add_argument("--dropout", type=float, default=0.0, help="dropout after embedding + PE (fused)")
-    parser.add_argument("--backend", default="auto", help="posenc_fast backend: auto, torch, triton")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--backend", default="auto", choices=("auto", "torch", "triton", "cuda"),
+                        help="posenc_fast backend")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cpu, cuda or cuda:N (the default is cuda when torch sees a GPU)")
+    parser.add_argument("--steps", type=int, default=300, help="training steps")
+    parser.add_argument("--batch", type=int, default=32, help="lines per step")
     parser.add_argument("--length", type=int, default=8, help="letters per line before the separator")
-    parser.add_argument("--d-model", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--d-model", type=int, default=64, help="model width")
+    parser.add_argument("--layers", type=int, default=2, help="transformer layers")
+    parser.add_argument("--heads", type=int, default=4, help="attention heads")
+    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and of the data")
     args = parser.parse_args(argv)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as error:
+        parser.error(f"--device {args.device!r}: {error}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+        parser.error(f"--device {args.device}: torch {torch.__version__} ({build}) sees no CUDA GPU; "
+                     "run with --device cpu, or install a CUDA torch on a machine with an NVIDIA GPU (README)")
 
     torch.manual_seed(args.seed)
     vocab = len(ALPHABET)
