@@ -88,14 +88,35 @@ class SinusoidalEmbedding(nn.Module):
         self.d_model = d_model
         self.backend = backend
         self.weight = nn.Parameter(torch.empty((rows, token_width), device=device, dtype=dtype))
-        # Fixed-point frequencies (see _spec): a buffer so that .to()/.cuda() move them with the module
-        # and torch.compile sees a tensor, not host code.
-        self.register_buffer(
-            "turns_fixed_point",
-            torch.tensor(self.spec.turns_fixed_point, dtype=torch.int64, device=device).reshape(-1),
-            persistent=False,
-        )
+        # The fixed-point frequencies are not a buffer: they follow from the spec and are cached per
+        # device there (``PESpec.turns_tensor``), so no cast (.half(), .type()), to_empty(), meta-device
+        # or FSDP deferred init can leave them wrong, and load_state_dict has nothing to restore.
         self.reset_parameters()
+        self._prepare_turns()
+
+    def _prepare_turns(self) -> None:
+        """Copy the frequencies to the weight's device now rather than in the first forward (which may
+        be inside a CUDA graph capture, where a host-to-device copy is not allowed)."""
+        weight = self.weight
+        if isinstance(weight, torch.Tensor) and not weight.is_meta:
+            self.spec.turns_tensor(weight.device)
+
+    def _apply(self, fn, recurse=True):  # .to(), .cuda(), to_empty(): every move of the weight
+        result = super()._apply(fn, recurse)
+        self._prepare_turns()
+        return result
+
+    @property
+    def turns_fixed_point(self) -> torch.Tensor:
+        """The fixed-point frequencies (``_spec``) on the weight's device (derived, not state)."""
+        return self.spec.turns_tensor(self.weight.device)
+
+    def __prepare_scriptable__(self):
+        # torch.jit.script calls this first: refuse before TorchScript compiles (and half-registers) anything.
+        raise TypeError(
+            "SinusoidalEmbedding does not support TorchScript (torch.jit.script): its forward validates "
+            "arguments in Python and calls a torch.library op. Use torch.compile, or torch.export for a "
+            "graph to deploy; eager and compiled modules are fully supported.")
 
     @staticmethod
     def _shard(num_embeddings, vocab_range, padding_idx, pe_scale, zero_pe_at_padding, position_rule):
@@ -132,7 +153,9 @@ class SinusoidalEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor, positions: Optional[torch.Tensor] = None,
                 offset: Union[int, torch.Tensor] = 0, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return apply_spec(ids, self.weight, self.spec, self.turns_fixed_point, positions, offset, self.backend,
+        weight = self.weight
+        spec = self.spec
+        return apply_spec(ids, weight, spec, spec.turns_tensor(weight.device), positions, offset, self.backend,
                           cu_seqlens=cu_seqlens, position_rule=self.position_rule, vocab_range=self.vocab_range,
                           dropout_p=self.dropout, training=self.training)
 
@@ -168,7 +191,7 @@ class SinusoidalEmbedding(nn.Module):
         else:
             module = cls(weight.shape[0], d_model, padding_idx=padding_idx, **kwargs)
         module.weight = nn.Parameter(weight, requires_grad=not freeze)
-        module.register_buffer("turns_fixed_point", module.spec.turns_tensor(weight.device).clone(), persistent=False)
+        module._prepare_turns()
         return module
 
     def extra_repr(self) -> str:
