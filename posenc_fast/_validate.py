@@ -304,10 +304,10 @@ def check_id_range(ids: torch.Tensor, num_embeddings: int, vocab_start: int = 0)
     # Local ids are global ids minus vocab_start in int64, which wraps for a global id within
     # vocab_start of -2**63; wrapping back recovers the global id to name it.
     low, high = (_wrap_int64(int(v) + vocab_start) for v in (low, high))
-    if low < 0 or high >= num_embeddings:
-        bad = low if low < 0 else high
-        raise IndexError(f"id {bad} is out of range for an embedding table of {num_embeddings} rows "
-                         f"(valid: 0..{num_embeddings - 1})")
+    for bad in (low, high):
+        if not 0 <= bad < num_embeddings:
+            valid = f"valid: 0..{num_embeddings - 1}" if num_embeddings else "the table has no rows"
+            raise IndexError(f"id {bad} is out of range for an embedding table of {num_embeddings} rows ({valid})")
 
 
 def _wrap_int64(value: int) -> int:
@@ -356,9 +356,9 @@ def check_op_inputs(ids, weight, turns, positions, offsets, seq_len: int, concat
     follows from the tensors given.  The public API always passes consistent arguments (this is
     cheap metadata only); a direct call of the torch.library op may not."""
     device = weight.device
-    if ids.dim() != 1 or ids.dtype not in ID_DTYPES or ids.device != device:
-        raise ValueError(f"ids must be a 1-D int32 or int64 tensor on {device}, got dtype {ids.dtype}, "
-                         f"shape {list(ids.shape)} on {ids.device}")
+    if ids.dim() != 1 or ids.dtype not in ID_DTYPES or ids.device != device or not ids.is_contiguous():
+        raise ValueError(f"ids must be a contiguous 1-D int32 or int64 tensor on {device}, got dtype {ids.dtype}, "
+                         f"shape {list(ids.shape)}, strides {list(ids.stride())} on {ids.device}")
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D [num_embeddings, width], got shape {list(weight.shape)}")
     token_width = weight.shape[1]

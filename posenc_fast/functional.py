@@ -92,7 +92,7 @@ def _eager_inference(ids, weight) -> bool:
     return (not torch.compiler.is_compiling()
             and not (torch.is_grad_enabled() and weight.requires_grad)
             and type(ids) is torch.Tensor and type(weight) in (torch.Tensor, torch.nn.Parameter)
-            and not torch.jit.is_tracing())
+            and not torch.jit.is_tracing() and not torch._C._are_functorch_transforms_active())
 
 
 def _check_function_transforms() -> None:
