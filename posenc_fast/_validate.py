@@ -207,6 +207,11 @@ def check_weight(weight) -> None:
 
 def check_weight_for_spec(weight, spec: PESpec) -> None:
     """``weight`` is a table the layer ``spec`` was built for (a module's weight may have been replaced)."""
+    if isinstance(weight, torch.Tensor):
+        shape = weight.shape
+        if len(shape) == 2 and shape[1] == spec.token_width and weight.is_floating_point() and (
+                spec.padding_idx is None or spec.padding_idx < shape[0]):
+            return  # the common case, first: this runs on every call
     check_weight(weight)
     if weight.shape[1] != spec.token_width:
         raise ValueError(f"weight has shape {list(weight.shape)}, but the layer was built for a table of "
@@ -255,11 +260,14 @@ def make_batch(ids, weight: torch.Tensor, spec: PESpec, positions, offset) -> Ba
 
     offsets = None
     scalar_offset = 0
-    check_offset(offset, ids)
-    if isinstance(offset, torch.Tensor):
-        offsets = offset.to(torch.int64).expand(sequences_shape).reshape(-1).contiguous()
+    if type(offset) is int and _INT64_MIN <= offset < _INT64_END:
+        scalar_offset = offset
     else:
-        scalar_offset = int(offset)
+        check_offset(offset, ids)
+        if isinstance(offset, torch.Tensor):
+            offsets = offset.to(torch.int64).expand(sequences_shape).reshape(-1).contiguous()
+        else:
+            scalar_offset = int(offset)
 
     flat_positions = None
     if positions is not None:
@@ -335,11 +343,17 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, total_tokens: int) -> None:
                      f"packed sequences: {why}")
 
 
-@host_cache
+_VALID_COLUMNS = {}  # (pe_width, number of frequencies) -> the column lists of every layout
+
+
 def _valid_columns(pe_width: int, num_turns: int):
     """The ``PEColumns.as_list()`` of every layout for a PE of width ``pe_width`` with ``num_turns`` frequencies."""
-    tail_is_sin = num_turns > pe_width // 2
-    return tuple(tuple(PEColumns.of(layout, pe_width, tail_is_sin).as_list()) for layout in LAYOUTS)
+    key = (pe_width, num_turns)
+    valid = _VALID_COLUMNS.get(key)
+    if valid is None:
+        tail_is_sin = num_turns > pe_width // 2
+        valid = _VALID_COLUMNS[key] = [PEColumns.of(layout, pe_width, tail_is_sin).as_list() for layout in LAYOUTS]
+    return valid
 
 
 def _check_index_vector(name: str, value: torch.Tensor, numel: int, device: torch.device) -> None:
@@ -354,26 +368,29 @@ def check_op_inputs(ids, weight, turns, positions, offsets, seq_len: int, concat
                     pe_columns, dropout_seed) -> None:
     """What every backend's forward kernel assumes of the op's arguments: each bound a kernel uses
     follows from the tensors given.  The public API always passes consistent arguments (this is
-    cheap metadata only); a direct call of the torch.library op may not."""
+    metadata only, about 1 us); a direct call of the torch.library op may not."""
     device = weight.device
     if ids.dim() != 1 or ids.dtype not in ID_DTYPES or ids.device != device or not ids.is_contiguous():
         raise ValueError(f"ids must be a contiguous 1-D int32 or int64 tensor on {device}, got dtype {ids.dtype}, "
                          f"shape {list(ids.shape)}, strides {list(ids.stride())} on {ids.device}")
-    if weight.dim() != 2:
-        raise ValueError(f"weight must be 2-D [num_embeddings, width], got shape {list(weight.shape)}")
-    token_width = weight.shape[1]
-    width = token_width + pe_width if concat else token_width
-    if pe_width < 1 or (not concat and pe_width != token_width) or width > MAX_ROW_WIDTH:
-        raise ValueError(f"pe_width={pe_width} does not fit a weight of shape {list(weight.shape)} in "
+    weight_shape = weight.shape
+    if len(weight_shape) != 2:
+        raise ValueError(f"weight must be 2-D [num_embeddings, width], got shape {list(weight_shape)}")
+    token_width = weight_shape[1]
+    if (pe_width != token_width and not concat) or pe_width < 1 or token_width + pe_width > 2 * MAX_ROW_WIDTH or (
+            concat and token_width + pe_width > MAX_ROW_WIDTH):
+        raise ValueError(f"pe_width={pe_width} does not fit a weight of shape {list(weight_shape)} in "
                          f"{'concat' if concat else 'add'} mode (add: pe_width == weight.shape[1]; "
                          f"rows of at most {MAX_ROW_WIDTH} columns)")
-    num_turns = turns.shape[0] if turns.dim() == 1 else -1
-    if turns.dtype != torch.int64 or num_turns not in (pe_width // 2, pe_width // 2 + pe_width % 2) \
-            or not turns.is_contiguous() or turns.device != device:
-        raise ValueError(f"turns must be a contiguous 1-D int64 tensor of {pe_width // 2} (or, for an odd "
-                         f"pe_width, {pe_width // 2 + 1}) elements on {device}, got dtype {turns.dtype}, "
-                         f"shape {list(turns.shape)} on {turns.device}")
-    if tuple(pe_columns) not in _valid_columns(pe_width, num_turns):
+    turns_shape = turns.shape
+    num_turns = turns_shape[0] if len(turns_shape) == 1 else -1
+    half = pe_width >> 1
+    if (turns.dtype != torch.int64 or not half <= num_turns <= pe_width - half or turns.device != device
+            or not turns.is_contiguous()):
+        raise ValueError(f"turns must be a contiguous 1-D int64 tensor of {half} (or, for an odd "
+                         f"pe_width, {half + 1}) elements on {device}, got dtype {turns.dtype}, "
+                         f"shape {list(turns_shape)} on {turns.device}")
+    if pe_columns not in _valid_columns(pe_width, num_turns):
         raise ValueError(f"pe_columns={list(pe_columns)} is not the column layout of any layout for a PE of width "
                          f"{pe_width} with {num_turns} frequencies")
     num_tokens = ids.shape[0]

@@ -10,7 +10,7 @@ from ._dispatch import resolve_backend
 from ._dropout import check_dropout_p, draw_seed
 from ._spec import PESpec
 from ._validate import check_offset, check_weight, check_weight_for_spec, make_batch, make_spec
-from .ops import sinusoidal_embedding_forward, sinusoidal_embedding_op
+from .ops import sinusoidal_embedding_op, validated_forward
 from .positions import make_positions, packed_positions
 from .presets import POSITION_RULES
 
@@ -92,7 +92,7 @@ def _eager_inference(ids, weight) -> bool:
     return (not torch.compiler.is_compiling()
             and not (torch.is_grad_enabled() and weight.requires_grad)
             and type(ids) is torch.Tensor and type(weight) in (torch.Tensor, torch.nn.Parameter)
-            and not torch.jit.is_tracing() and not torch._C._are_functorch_transforms_active())
+            and not torch._C._is_tracing() and not torch._C._are_functorch_transforms_active())
 
 
 def _check_function_transforms() -> None:
@@ -136,7 +136,7 @@ def apply_spec(ids, weight, spec: PESpec, turns: torch.Tensor, positions, offset
     batch = make_batch(ids, weight, spec, positions, offset)
     name = resolve_backend(backend, weight.device, weight.dtype, float64_math=spec.precision == "float64")
     dropout_seed = draw_seed(weight.device) if dropout_p > 0.0 else None
-    op = sinusoidal_embedding_forward if _eager_inference(batch.ids, weight) else sinusoidal_embedding_op
+    op = validated_forward if _eager_inference(batch.ids, weight) else sinusoidal_embedding_op
     out = op(
         batch.ids, weight, turns, batch.positions, batch.offsets, batch.offset, batch.seq_len,
         spec.mode == "concat", spec.pe_width, spec.columns.as_list(), spec.embed_scale, spec.pe_scale,

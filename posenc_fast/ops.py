@@ -64,6 +64,16 @@ def sinusoidal_embedding_forward(
     dropout) and ``dropout_p`` select the fused dropout mask (``reference.dropout_keep``).
     """
     check_op_inputs(ids, weight, turns, positions, offsets, seq_len, concat, pe_width, pe_columns, dropout_seed)
+    return validated_forward(ids, weight, turns, positions, offsets, offset, seq_len, concat, pe_width, pe_columns,
+                             embed_scale, pe_scale, padding_idx, zero_pe_at_padding, float64_math, vocab_start,
+                             vocab_size, dropout_seed, dropout_p, backend)
+
+
+def validated_forward(ids, weight, turns, positions, offsets, offset, seq_len, concat, pe_width, pe_columns,
+                      embed_scale, pe_scale, padding_idx, zero_pe_at_padding, float64_math, vocab_start, vocab_size,
+                      dropout_seed, dropout_p, backend):
+    """:func:`sinusoidal_embedding_forward` less its metadata checks, for a caller whose arguments come
+    from a validated ``Batch`` and ``PESpec`` (``functional.apply_spec``'s eager path, where ~1 us counts)."""
     if config.id_check_enabled() and not _capturing(ids):
         check_id_range(ids, vocab_size, vocab_start)
     interleaved, sin_base, num_sin, cos_base, num_cos = pe_columns
@@ -75,8 +85,8 @@ def sinusoidal_embedding_forward(
                                         dropout_for(dropout_seed, dropout_p))
 
 
-# Registered under its own name; ``sinusoidal_embedding_forward`` stays callable directly (see
-# ``functional.call_forward``: eager inference skips the dispatcher, ~20 us of Python per call).
+# Registered under its own name; ``validated_forward`` stays callable directly (see
+# ``functional._eager_inference``: eager inference skips the dispatcher, ~20 us of Python per call).
 sinusoidal_embedding_op = torch.library.custom_op("posenc_fast::sinusoidal_embedding", mutates_args=())(
     sinusoidal_embedding_forward)
 
