@@ -203,6 +203,8 @@ def check_weight(weight) -> None:
         raise ValueError(f"weight must be 2-D [num_embeddings, width], got shape {list(weight.shape)}")
     if not weight.is_floating_point():
         raise TypeError(f"weight must be a floating-point tensor, got dtype {weight.dtype}")
+    if weight.layout != torch.strided:
+        raise TypeError(f"weight must be a dense (strided) tensor, got layout {weight.layout}")
 
 
 def check_weight_for_spec(weight, spec: PESpec) -> None:
@@ -210,7 +212,7 @@ def check_weight_for_spec(weight, spec: PESpec) -> None:
     if isinstance(weight, torch.Tensor):
         shape = weight.shape
         if len(shape) == 2 and shape[1] == spec.token_width and weight.is_floating_point() and (
-                spec.padding_idx is None or spec.padding_idx < shape[0]):
+                spec.padding_idx is None or spec.padding_idx < shape[0]) and weight.layout == torch.strided:
             return  # the common case, first: this runs on every call
     check_weight(weight)
     if weight.shape[1] != spec.token_width:
@@ -223,6 +225,8 @@ def check_weight_for_spec(weight, spec: PESpec) -> None:
 def _check_integer_tensor(name: str, value: torch.Tensor, device: torch.device) -> None:
     if value.dtype not in _INTEGER_DTYPES:
         raise TypeError(f"{name} must be an integer tensor, got dtype {value.dtype}")
+    if value.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {value.layout}")
     if value.device != device:
         raise ValueError(f"{name} is on {value.device} but ids are on {device}")
 
@@ -249,6 +253,8 @@ def make_batch(ids, weight: torch.Tensor, spec: PESpec, positions, offset) -> Ba
         raise TypeError(f"ids must be a torch.Tensor, got {type(ids).__name__}")
     if ids.dtype not in ID_DTYPES:
         raise TypeError(f"ids must be int32 or int64, got dtype {ids.dtype}")
+    if ids.layout != torch.strided:
+        raise TypeError(f"ids must be a dense (strided) tensor, got layout {ids.layout}")
     if ids.device != weight.device:
         raise ValueError(f"ids are on {ids.device} but weight is on {weight.device}; move them to one device")
     seq_len = ids.shape[-1] if ids.dim() > 0 else 1
@@ -306,7 +312,7 @@ def check_id_range(ids: torch.Tensor, num_embeddings: int, vocab_start: int = 0)
     ``ids`` may be shifted by ``vocab_start`` (a vocabulary-parallel shard's local ids): the
     check and the message are about the global id ``ids + vocab_start`` in ``[0, num_embeddings)``.
     """
-    if ids.numel() == 0:
+    if ids.numel() == 0 or ids.is_meta:  # a meta tensor has no values to check
         return
     low, high = torch.aminmax(ids)
     # Local ids are global ids minus vocab_start in int64, which wraps for a global id within
@@ -325,6 +331,8 @@ def _wrap_int64(value: int) -> int:
 def check_cu_seqlens(cu_seqlens: torch.Tensor, total_tokens: int) -> None:
     """Raise ValueError unless ``cu_seqlens`` starts at 0, never decreases and ends at ``total_tokens``
     (one device-to-host copy on GPU; skipped by the caller when the id check is off)."""
+    if cu_seqlens.is_meta:
+        return
     starts = cu_seqlens.to(torch.int64)
     steps = starts[1:] - starts[:-1]
     first, last, smallest_step = (int(v) for v in torch.stack([starts[0], starts[-1], steps.min()]).tolist())

@@ -10,7 +10,7 @@ from torch import nn
 from . import presets
 from ._dispatch import check_backend_name
 from ._dropout import check_dropout_p
-from ._validate import make_spec
+from ._validate import check_weight, make_spec
 from .functional import apply_spec
 from .presets import POSITION_RULES
 
@@ -65,8 +65,8 @@ class SinusoidalEmbedding(nn.Module):
     ):
         super().__init__()
         for name, value in (("num_embeddings", num_embeddings), ("d_model", d_model)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < 2**63:
+                raise ValueError(f"{name} must be an int in [1, 2**63), got {value!r}")
         if mode == "concat" and isinstance(d_pos, int) and not isinstance(d_pos, bool) and not 1 <= d_pos < d_model:
             raise ValueError(f"d_pos={d_pos} must satisfy 1 <= d_pos < d_model={d_model}")
         if position_rule not in POSITION_RULES:
@@ -124,9 +124,11 @@ class SinusoidalEmbedding(nn.Module):
         if vocab_range is None:
             return num_embeddings, None, padding_idx, pe_scale
         try:
-            start, end = (int(v) for v in vocab_range)
+            start, end = vocab_range
         except (TypeError, ValueError):
             raise ValueError(f"vocab_range must be a pair (start, end), got {vocab_range!r}") from None
+        if any(isinstance(v, bool) or not isinstance(v, int) for v in (start, end)):
+            raise TypeError(f"vocab_range must be a pair of ints (start, end), got {vocab_range!r}")
         if not 0 <= start < end <= num_embeddings:
             raise ValueError(f"vocab_range={vocab_range!r} must satisfy 0 <= start < end <= "
                              f"num_embeddings={num_embeddings}")
@@ -179,8 +181,7 @@ class SinusoidalEmbedding(nn.Module):
         ``weight`` is ``[num_embeddings, token_width]``; ``d_model`` is its width (plus ``d_pos`` in
         concat mode).  ``preset`` names a library convention; other keyword arguments as the constructor.
         """
-        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-            raise ValueError(f"weight must be a 2-D tensor, got {getattr(weight, 'shape', weight)!r}")
+        check_weight(weight)  # a 2-D floating-point table
         concat_width = kwargs.get("d_pos") or 0 if kwargs.get("mode") == "concat" else 0
         d_model = weight.shape[1] + concat_width
         # Build on the meta device: no table is allocated or randomly initialised only to be replaced.

@@ -57,8 +57,10 @@ def packed_positions(cu_seqlens: torch.Tensor, total_tokens: int) -> torch.Tenso
     """
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1:
         raise ValueError(f"cu_seqlens must be a 1-D integer tensor, got {getattr(cu_seqlens, 'shape', cu_seqlens)!r}")
-    if cu_seqlens.is_floating_point() or cu_seqlens.dtype == torch.bool:
+    if cu_seqlens.is_floating_point() or cu_seqlens.is_complex() or cu_seqlens.dtype == torch.bool:
         raise TypeError(f"cu_seqlens must be integer, got dtype {cu_seqlens.dtype}")
+    if cu_seqlens.layout != torch.strided:
+        raise TypeError(f"cu_seqlens must be a dense (strided) tensor, got layout {cu_seqlens.layout}")
     if cu_seqlens.numel() < 2:
         raise ValueError(f"cu_seqlens needs at least 2 entries ([0, total]), got {cu_seqlens.numel()}")
     if isinstance(total_tokens, bool) or not isinstance(total_tokens, (int, torch.SymInt)) or total_tokens < 0:

@@ -564,3 +564,34 @@ def test_mutated_module_attributes(attribute, value, error, fragment, no_kernel)
     with pytest.raises(error) as info:
         m(torch.zeros(2, 3, dtype=torch.int64))
     assert fragment in str(info.value)
+
+
+# -- beyond the list: other tensors and arguments a kernel could disagree with ---------------------------
+
+@pytest.mark.parametrize("make,error,fragment", [
+    (lambda: pf.sinusoidal_embedding(torch.zeros(2, 3, dtype=torch.int64), torch.randn(10, 8).to_sparse()),
+     TypeError, "sparse_coo"),
+    (lambda: pf.sinusoidal_embedding(torch.zeros(2, 3, dtype=torch.int64).to_sparse(), torch.randn(10, 8)),
+     TypeError, "sparse_coo"),
+    (lambda: pf.sinusoidal_embedding(torch.zeros(2, 3, dtype=torch.int64), torch.randn(10, 8),
+                                     positions=torch.ones(3, dtype=torch.int64).to_sparse()), TypeError, "positions"),
+    (lambda: pf.SinusoidalEmbedding(10, 8, vocab_range=(0.5, 3)), TypeError, "(0.5, 3)"),
+    (lambda: pf.SinusoidalEmbedding(2**70, 8, device="meta"), ValueError, str(2**70)),
+    (lambda: pf.SinusoidalEmbedding.from_pretrained(torch.ones(3, 4, dtype=torch.int64)), TypeError, "int64"),
+    (lambda: pf.SinusoidalEmbedding.from_pretrained(torch.ones(3, 4, 2)), ValueError, "[3, 4, 2]"),
+    (lambda: pf.sinusoidal_embedding(torch.zeros(4, dtype=torch.int64), torch.randn(10, 8),
+                                     cu_seqlens=torch.tensor([0.0, 4.0])), TypeError, "cu_seqlens"),
+])
+def test_other_unusual_arguments(make, error, fragment, no_kernel):
+    with pytest.raises(error) as info:
+        make()
+    assert fragment in str(info.value)
+
+
+def test_meta_tensors_give_meta_results():
+    """Shape inference on the meta device: no values, so no id or cu_seqlens check, and no kernel."""
+    ids = torch.zeros(2, 3, dtype=torch.int64, device="meta")
+    out = pf.sinusoidal_embedding(ids, torch.empty(10, 8, device="meta"), cu_seqlens=torch.tensor([0, 3], device="meta"))
+    assert out.device.type == "meta" and out.shape == (2, 3, 8)
+    m = pf.SinusoidalEmbedding(10, 8, mode="concat", d_pos=3, device="meta")
+    assert m(ids).shape == (2, 3, 8)
