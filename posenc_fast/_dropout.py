@@ -7,7 +7,6 @@ element's place), so forward and backward, and every backend, draw the same one 
 
 from __future__ import annotations
 
-import math
 import numbers
 from typing import NamedTuple
 
@@ -29,7 +28,10 @@ class Dropout(NamedTuple):
 
 
 def check_dropout_p(p) -> float:
-    if isinstance(p, bool) or not isinstance(p, numbers.Real) or not math.isfinite(p) or not 0.0 <= p <= 1.0:
+    if type(p) is float and 0.0 <= p <= 1.0:  # the common case, first: this runs on every call
+        return p
+    # Comparisons only (NaN fails both): under torch.compile(dynamic=True) p may be a symbolic float.
+    if isinstance(p, bool) or not isinstance(p, (numbers.Real, torch.SymFloat)) or not (0.0 <= p and p <= 1.0):
         raise ValueError(f"dropout probability has to be a number in [0, 1], got {p!r}")
     return float(p)
 

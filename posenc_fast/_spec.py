@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import List, Optional, Tuple
 
 import torch
@@ -27,6 +26,12 @@ MODES = ("add", "concat")
 PRECISIONS = ("float32", "float64")
 # interleaved: [s0 c0 s1 c1 ...]; split: [s0 s1 ... | c0 c1 ...]; split_cos_first: [c0 c1 ... | s0 s1 ...]
 LAYOUTS = ("interleaved", "split", "split_cos_first")
+
+# Largest |embed_scale| and |pe_scale|: the kernels multiply in float32, where a larger scale is inf.
+MAX_SCALE = 3.4028234663852886e38  # torch.finfo(torch.float32).max
+# Widest output row (d_model): the launch grids of the forward and the weight gradient (Triton and CUDA)
+# cover a row with at most 65535 column blocks; 2**22 columns keeps every backend well inside that.
+MAX_ROW_WIDTH = 1 << 22
 
 # 2*pi * 10**60, rounded to an integer.  R_i is computed in exact integer arithmetic
 # (float64 would lose ~2^-53 relative, i.e. 0.5 microradian at p = 2^32); plain
@@ -162,13 +167,28 @@ class PESpec:
 
     def turns_tensor(self, device) -> torch.Tensor:
         """The int64 ``R_i`` on ``device``; cached, so one host-to-device copy per (spec, device)."""
-        device = torch.device(device)
-        cached = self._turns_by_device.get(device)
+        cached = self._turns_by_device.get(device)  # a torch.device already (weight.device): no conversion
         if cached is None:
-            cached = torch.tensor(self.turns_fixed_point, dtype=torch.int64, device=device).reshape(-1)
+            device = torch.device(device)
+            cached = self._turns_by_device.get(device)
+        if cached is None:
+            if not torch.compiler.is_compiling() and torch.is_inference_mode_enabled():  # a normal tensor: the cache outlives the inference_mode block
+                with torch.inference_mode(False):
+                    cached = torch.tensor(self.turns_fixed_point, dtype=torch.int64, device=device).reshape(-1)
+            else:
+                cached = torch.tensor(self.turns_fixed_point, dtype=torch.int64, device=device).reshape(-1)
             self._turns_by_device[device] = cached
         return cached
 
 
+_FLOAT64_MAX = 1.7976931348623157e308
+
+
 def is_finite_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """A real, finite int or float (not a bool).  One comparison instead of ``math.isfinite``: under
+    ``torch.compile(dynamic=True)`` a float may be symbolic, and only comparisons trace (NaN fails it)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, torch.SymInt, torch.SymFloat)):
+        return False
+    if isinstance(value, int) and abs(value) > _FLOAT64_MAX:  # a huge int: float() would overflow
+        return False
+    return abs(value) <= _FLOAT64_MAX

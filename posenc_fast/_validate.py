@@ -14,10 +14,12 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from ._spec import LAYOUTS, MODES, PRECISIONS, PESpec, default_frequencies, host_cache, is_finite_number
+from ._spec import (LAYOUTS, MAX_ROW_WIDTH, MAX_SCALE, MODES, PRECISIONS, PEColumns, PESpec, default_frequencies,
+                    host_cache, is_finite_number)
 
 ID_DTYPES = (torch.int32, torch.int64)
 _INTEGER_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+_INT64_MIN, _INT64_END = -(1 << 63), 1 << 63
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +52,35 @@ class Batch:
 def _check_scale(name: str, value) -> float:
     if not is_finite_number(value):
         raise ValueError(f"{name} must be a finite number, got {value!r}")
+    # The kernels multiply in fp32: a larger scale would round to inf there (and inf * 0 = NaN
+    # where the float64 definition gives 0), so every backend refuses it alike.
+    if abs(value) > MAX_SCALE:
+        raise ValueError(f"{name}={value!r} is beyond the float32 range; |{name}| must be <= {MAX_SCALE!r}")
     return float(value)
+
+
+def _frequency_values(frequencies) -> Tuple[float, ...]:
+    """Explicit frequencies as a tuple of Python floats, or a TypeError/ValueError naming them."""
+    if isinstance(frequencies, (str, bytes)):  # a string is a sequence of characters, not of numbers
+        raise TypeError(f"frequencies must be a sequence of numbers, got {frequencies!r}")
+    if isinstance(frequencies, torch.Tensor):
+        if frequencies.is_meta:
+            raise ValueError("frequencies are a tensor on the meta device, which holds no values; pass them "
+                             "as numbers or as a tensor on a real device")
+        if frequencies.is_complex() or frequencies.dtype == torch.bool:
+            raise TypeError(f"frequencies must be real numbers, got a tensor of dtype {frequencies.dtype}")
+        frequencies = frequencies.detach().cpu().double().reshape(-1).tolist()
+    try:
+        values = tuple(frequencies)
+    except TypeError:
+        raise TypeError(f"frequencies must be a sequence of numbers, got {frequencies!r}") from None
+    for w in values:
+        if isinstance(w, (bool, str, bytes, complex)) or (isinstance(w, torch.Tensor) and w.numel() != 1):
+            raise TypeError(f"frequencies must be a sequence of real numbers, got element {w!r}")
+    try:
+        return tuple(float(w) for w in values)
+    except (TypeError, ValueError, OverflowError, RuntimeError):
+        raise TypeError(f"frequencies must be a sequence of real numbers, got {frequencies!r}") from None
 
 
 def make_spec(
@@ -81,16 +111,13 @@ def make_spec(
     for name, value in (("base", base), ("embed_scale", embed_scale), ("pe_scale", pe_scale)):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TypeError(f"{name} must be a number, got {value!r}")
+        if not is_finite_number(value):  # before float(): a huge int would raise OverflowError there
+            raise ValueError(f"{name} must be a finite number, got {value!r}")
     for name, value in (("d_pos", d_pos), ("padding_idx", padding_idx)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise TypeError(f"{name} must be an int or None, got {value!r}")
     if frequencies is not None:
-        if isinstance(frequencies, torch.Tensor):
-            frequencies = frequencies.detach().cpu().double().reshape(-1).tolist()
-        try:
-            frequencies = tuple(float(w) for w in frequencies)
-        except (TypeError, ValueError):
-            raise TypeError(f"frequencies must be a sequence of numbers, got {frequencies!r}") from None
+        frequencies = _frequency_values(frequencies)
     if not isinstance(zero_pe_at_padding, bool):
         raise TypeError(f"zero_pe_at_padding must be a bool, got {zero_pe_at_padding!r}")
     if not isinstance(precision, str) or precision not in PRECISIONS:
@@ -126,6 +153,10 @@ def _make_spec_cached(num_embeddings, token_width, mode, d_pos, base, layout, em
                 f"token width {token_width})"
             )
         pe_width = d_pos
+    width = token_width + pe_width if mode == "concat" else token_width
+    if width > MAX_ROW_WIDTH:
+        raise ValueError(f"the output row width {width} (d_model) exceeds the supported maximum of {MAX_ROW_WIDTH} "
+                         "columns (the kernels' launch grids)")
     embed_scale = _check_scale("embed_scale", embed_scale)
     pe_scale = _check_scale("pe_scale", pe_scale)
     if padding_idx is not None:
@@ -136,7 +167,10 @@ def _make_spec_cached(num_embeddings, token_width, mode, d_pos, base, layout, em
         raise ValueError("zero_pe_at_padding=True needs a padding_idx")
     half = pe_width // 2
     if frequencies is None:
-        frequencies = default_frequencies(pe_width, float(base))
+        try:
+            frequencies = default_frequencies(pe_width, float(base))
+        except OverflowError:  # base ** (-2 i / D) beyond float64 for a base close to 0
+            raise ValueError(f"base={base!r} is too small: its frequencies base ** (-2 i / D) overflow float64") from None
     else:
         allowed = (half, half + 1) if pe_width % 2 else (half,)
         if len(frequencies) not in allowed:
@@ -169,13 +203,48 @@ def check_weight(weight) -> None:
         raise ValueError(f"weight must be 2-D [num_embeddings, width], got shape {list(weight.shape)}")
     if not weight.is_floating_point():
         raise TypeError(f"weight must be a floating-point tensor, got dtype {weight.dtype}")
+    if weight.layout != torch.strided:
+        raise TypeError(f"weight must be a dense (strided) tensor, got layout {weight.layout}")
+
+
+def check_weight_for_spec(weight, spec: PESpec) -> None:
+    """``weight`` is a table the layer ``spec`` was built for (a module's weight may have been replaced)."""
+    if isinstance(weight, torch.Tensor):
+        shape = weight.shape
+        if len(shape) == 2 and shape[1] == spec.token_width and weight.is_floating_point() and (
+                spec.padding_idx is None or spec.padding_idx < shape[0]) and weight.layout == torch.strided:
+            return  # the common case, first: this runs on every call
+    check_weight(weight)
+    if weight.shape[1] != spec.token_width:
+        raise ValueError(f"weight has shape {list(weight.shape)}, but the layer was built for a table of "
+                         f"{spec.token_width} columns; build a new layer for another width")
+    if spec.padding_idx is not None and spec.padding_idx >= weight.shape[0]:
+        raise ValueError(f"weight has {weight.shape[0]} rows, too few for the layer's padding_idx={spec.padding_idx}")
 
 
 def _check_integer_tensor(name: str, value: torch.Tensor, device: torch.device) -> None:
     if value.dtype not in _INTEGER_DTYPES:
         raise TypeError(f"{name} must be an integer tensor, got dtype {value.dtype}")
+    if value.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {value.layout}")
     if value.device != device:
         raise ValueError(f"{name} is on {value.device} but ids are on {device}")
+
+
+def check_offset(offset, ids: torch.Tensor, name: str = "offset") -> None:
+    """``offset`` is an int in int64 range, or an integer tensor, 0-d or of shape ``ids.shape[:-1]``."""
+    if isinstance(offset, torch.Tensor):
+        _check_integer_tensor(name, offset, ids.device)
+        sequences_shape = tuple(ids.shape[:-1]) if ids.dim() > 0 else ()
+        if offset.dim() != 0 and tuple(offset.shape) != sequences_shape:
+            raise ValueError(
+                f"{name} tensor has shape {list(offset.shape)}; expected ids.shape[:-1] = "
+                f"{list(sequences_shape)} (one start position per sequence) or a 0-d tensor"
+            )
+    elif isinstance(offset, bool) or not isinstance(offset, int):
+        raise TypeError(f"{name} must be an int or an integer tensor, got {offset!r}")
+    elif not _INT64_MIN <= offset < _INT64_END:
+        raise ValueError(f"{name}={offset} does not fit in int64")
 
 
 def make_batch(ids, weight: torch.Tensor, spec: PESpec, positions, offset) -> Batch:
@@ -184,6 +253,8 @@ def make_batch(ids, weight: torch.Tensor, spec: PESpec, positions, offset) -> Ba
         raise TypeError(f"ids must be a torch.Tensor, got {type(ids).__name__}")
     if ids.dtype not in ID_DTYPES:
         raise TypeError(f"ids must be int32 or int64, got dtype {ids.dtype}")
+    if ids.layout != torch.strided:
+        raise TypeError(f"ids must be a dense (strided) tensor, got layout {ids.layout}")
     if ids.device != weight.device:
         raise ValueError(f"ids are on {ids.device} but weight is on {weight.device}; move them to one device")
     seq_len = ids.shape[-1] if ids.dim() > 0 else 1
@@ -195,20 +266,14 @@ def make_batch(ids, weight: torch.Tensor, spec: PESpec, positions, offset) -> Ba
 
     offsets = None
     scalar_offset = 0
-    if isinstance(offset, torch.Tensor):
-        _check_integer_tensor("offset", offset, ids.device)
-        if offset.dim() != 0 and tuple(offset.shape) != sequences_shape:
-            raise ValueError(
-                f"offset tensor has shape {list(offset.shape)}; expected ids.shape[:-1] = "
-                f"{list(sequences_shape)} (one start position per sequence) or a 0-d tensor"
-            )
-        offsets = offset.to(torch.int64).expand(sequences_shape).reshape(-1).contiguous()
-    elif isinstance(offset, bool) or not isinstance(offset, int):
-        raise TypeError(f"offset must be an int or an integer tensor, got {offset!r}")
-    elif not -(1 << 63) <= offset < (1 << 63):
-        raise ValueError(f"offset={offset} does not fit in int64")
+    if type(offset) is int and _INT64_MIN <= offset < _INT64_END:
+        scalar_offset = offset
     else:
-        scalar_offset = int(offset)
+        check_offset(offset, ids)
+        if isinstance(offset, torch.Tensor):
+            offsets = offset.to(torch.int64).expand(sequences_shape).reshape(-1).contiguous()
+        else:
+            scalar_offset = int(offset)
 
     flat_positions = None
     if positions is not None:
@@ -247,11 +312,104 @@ def check_id_range(ids: torch.Tensor, num_embeddings: int, vocab_start: int = 0)
     ``ids`` may be shifted by ``vocab_start`` (a vocabulary-parallel shard's local ids): the
     check and the message are about the global id ``ids + vocab_start`` in ``[0, num_embeddings)``.
     """
-    if ids.numel() == 0:
+    if ids.numel() == 0 or ids.is_meta:  # a meta tensor has no values to check
         return
     low, high = torch.aminmax(ids)
-    low, high = int(low) + vocab_start, int(high) + vocab_start
-    if low < 0 or high >= num_embeddings:
-        bad = low if low < 0 else high
-        raise IndexError(f"id {bad} is out of range for an embedding table of {num_embeddings} rows "
-                         f"(valid: 0..{num_embeddings - 1})")
+    # Local ids are global ids minus vocab_start in int64, which wraps for a global id within
+    # vocab_start of -2**63; wrapping back recovers the global id to name it.
+    low, high = (_wrap_int64(int(v) + vocab_start) for v in (low, high))
+    for bad in (low, high):
+        if not 0 <= bad < num_embeddings:
+            valid = f"valid: 0..{num_embeddings - 1}" if num_embeddings else "the table has no rows"
+            raise IndexError(f"id {bad} is out of range for an embedding table of {num_embeddings} rows ({valid})")
+
+
+def _wrap_int64(value: int) -> int:
+    return (value - _INT64_MIN) % (1 << 64) + _INT64_MIN
+
+
+def check_cu_seqlens(cu_seqlens: torch.Tensor, total_tokens: int) -> None:
+    """Raise ValueError unless ``cu_seqlens`` starts at 0, never decreases and ends at ``total_tokens``
+    (one device-to-host copy on GPU; skipped by the caller when the id check is off)."""
+    if cu_seqlens.is_meta:
+        return
+    starts = cu_seqlens.to(torch.int64)
+    steps = starts[1:] - starts[:-1]
+    first, last, smallest_step = (int(v) for v in torch.stack([starts[0], starts[-1], steps.min()]).tolist())
+    if first == 0 and last == total_tokens and smallest_step >= 0:
+        return
+    shown = starts[:12].tolist()
+    text = str(shown) if starts.numel() <= 12 else str(shown)[:-1] + ", ...]"
+    if first != 0:
+        why = f"it starts at {first}, not 0"
+    elif smallest_step < 0:
+        k = int(torch.nonzero(steps < 0)[0, 0])
+        why = f"it decreases from {int(starts[k])} to {int(starts[k + 1])} at index {k + 1}"
+    else:
+        why = f"it ends at {last}, but ids have {total_tokens} tokens along their last axis"
+    raise ValueError(f"cu_seqlens={text} must hold the cumulative lengths [0, l0, l0 + l1, ..., total] of the "
+                     f"packed sequences: {why}")
+
+
+_VALID_COLUMNS = {}  # (pe_width, number of frequencies) -> the column lists of every layout
+
+
+def _valid_columns(pe_width: int, num_turns: int):
+    """The ``PEColumns.as_list()`` of every layout for a PE of width ``pe_width`` with ``num_turns`` frequencies."""
+    key = (pe_width, num_turns)
+    valid = _VALID_COLUMNS.get(key)
+    if valid is None:
+        tail_is_sin = num_turns > pe_width // 2
+        valid = _VALID_COLUMNS[key] = [PEColumns.of(layout, pe_width, tail_is_sin).as_list() for layout in LAYOUTS]
+    return valid
+
+
+def _check_index_vector(name: str, value: torch.Tensor, numel: int, device: torch.device) -> None:
+    if value.dtype != torch.int64 or value.dim() != 1 or value.shape[0] != numel or not value.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous 1-D int64 tensor of {numel} elements, got dtype {value.dtype}, "
+                         f"shape {list(value.shape)}, strides {list(value.stride())}")
+    if value.device != device:
+        raise ValueError(f"{name} is on {value.device} but weight is on {device}")
+
+
+def check_op_inputs(ids, weight, turns, positions, offsets, seq_len: int, concat: bool, pe_width: int,
+                    pe_columns, dropout_seed) -> None:
+    """What every backend's forward kernel assumes of the op's arguments: each bound a kernel uses
+    follows from the tensors given.  The public API always passes consistent arguments (this is
+    metadata only, about 1 us); a direct call of the torch.library op may not."""
+    device = weight.device
+    if ids.dim() != 1 or ids.dtype not in ID_DTYPES or ids.device != device or not ids.is_contiguous():
+        raise ValueError(f"ids must be a contiguous 1-D int32 or int64 tensor on {device}, got dtype {ids.dtype}, "
+                         f"shape {list(ids.shape)}, strides {list(ids.stride())} on {ids.device}")
+    weight_shape = weight.shape
+    if len(weight_shape) != 2:
+        raise ValueError(f"weight must be 2-D [num_embeddings, width], got shape {list(weight_shape)}")
+    token_width = weight_shape[1]
+    if (pe_width != token_width and not concat) or pe_width < 1 or token_width + pe_width > 2 * MAX_ROW_WIDTH or (
+            concat and token_width + pe_width > MAX_ROW_WIDTH):
+        raise ValueError(f"pe_width={pe_width} does not fit a weight of shape {list(weight_shape)} in "
+                         f"{'concat' if concat else 'add'} mode (add: pe_width == weight.shape[1]; "
+                         f"rows of at most {MAX_ROW_WIDTH} columns)")
+    turns_shape = turns.shape
+    num_turns = turns_shape[0] if len(turns_shape) == 1 else -1
+    half = pe_width >> 1
+    if (turns.dtype != torch.int64 or not half <= num_turns <= pe_width - half or turns.device != device
+            or not turns.is_contiguous()):
+        raise ValueError(f"turns must be a contiguous 1-D int64 tensor of {half} (or, for an odd "
+                         f"pe_width, {half + 1}) elements on {device}, got dtype {turns.dtype}, "
+                         f"shape {list(turns_shape)} on {turns.device}")
+    if pe_columns not in _valid_columns(pe_width, num_turns):
+        raise ValueError(f"pe_columns={list(pe_columns)} is not the column layout of any layout for a PE of width "
+                         f"{pe_width} with {num_turns} frequencies")
+    num_tokens = ids.shape[0]
+    if positions is not None:
+        _check_index_vector("positions", positions, num_tokens, device)
+    elif num_tokens:
+        if not 1 <= seq_len <= num_tokens:
+            raise ValueError(f"seq_len={seq_len} must be in [1, {num_tokens}] for {num_tokens} tokens")
+        if offsets is not None:
+            _check_index_vector("offsets", offsets, -(-num_tokens // seq_len), device)
+    if dropout_seed is not None and (dropout_seed.dtype != torch.int64 or dropout_seed.numel() != 1
+                                     or dropout_seed.device != device):
+        raise ValueError(f"dropout_seed must be an int64 tensor of one element on {device}, got dtype "
+                         f"{dropout_seed.dtype}, shape {list(dropout_seed.shape)} on {dropout_seed.device}")

@@ -9,9 +9,10 @@ import torch
 from ._dispatch import resolve_backend
 from ._dropout import check_dropout_p, draw_seed
 from ._spec import PESpec
-from ._validate import check_weight, make_batch, make_spec
-from .ops import sinusoidal_embedding_forward, sinusoidal_embedding_op
+from ._validate import check_offset, check_weight, check_weight_for_spec, make_batch, make_spec
+from .ops import sinusoidal_embedding_op, validated_forward
 from .positions import make_positions, packed_positions
+from .presets import POSITION_RULES
 
 
 def sinusoidal_embedding(
@@ -64,6 +65,8 @@ def sinusoidal_embedding(
 
 def _positions_by_rule(ids, spec: PESpec, positions, offset, cu_seqlens, position_rule: str):
     """Turn cu_seqlens or a position rule into explicit positions (on the device, no host sync)."""
+    if position_rule not in POSITION_RULES:  # a module attribute may have been changed after construction
+        raise ValueError(f"unknown position_rule {position_rule!r}; expected one of {POSITION_RULES}")
     if cu_seqlens is not None:
         if positions is not None or isinstance(offset, torch.Tensor) or offset != 0:
             raise ValueError("cu_seqlens already gives the positions; do not also pass positions or a nonzero offset")
@@ -74,6 +77,7 @@ def _positions_by_rule(ids, spec: PESpec, positions, offset, cu_seqlens, positio
         length = ids.shape[-1] if isinstance(ids, torch.Tensor) and ids.dim() else 1
         return packed_positions(cu_seqlens, length), 0
     if position_rule == "fairseq" and positions is None and isinstance(ids, torch.Tensor):
+        check_offset(offset, ids)  # make_positions would name it past_length
         return make_positions(ids, spec.padding_idx, past_length=offset), 0
     return positions, offset
 
@@ -87,7 +91,22 @@ def _eager_inference(ids, weight) -> bool:
     """
     return (not torch.compiler.is_compiling()
             and not (torch.is_grad_enabled() and weight.requires_grad)
-            and type(ids) is torch.Tensor and type(weight) in (torch.Tensor, torch.nn.Parameter))
+            and type(ids) is torch.Tensor and type(weight) in (torch.Tensor, torch.nn.Parameter)
+            and not torch._C._is_tracing() and not torch._C._are_functorch_transforms_active())
+
+
+def _check_function_transforms() -> None:
+    """torch.vmap runs the op slice by slice (PyTorch's fallback for ops without a batching rule);
+    torch.func's grad, jvp, jacrev... cannot differentiate a torch.library op here: refuse them clearly."""
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    for interpreter in retrieve_all_functorch_interpreters():
+        kind = interpreter.key()
+        if kind != torch._C._functorch.TransformType.Vmap:
+            raise RuntimeError(
+                f"posenc_fast does not support the torch.func transform {kind.name} (torch.func.grad, jvp, "
+                "jacrev, jacfwd, hessian): differentiate with torch.autograd.grad / .backward() instead; "
+                "torch.vmap is supported")
 
 
 def apply_spec(ids, weight, spec: PESpec, turns: torch.Tensor, positions, offset, backend: str, *,
@@ -103,16 +122,21 @@ def apply_spec(ids, weight, spec: PESpec, turns: torch.Tensor, positions, offset
     dropout_p = check_dropout_p(dropout_p)  # checked even when not training, as F.dropout does
     if not training:
         dropout_p = 0.0
+    check_weight_for_spec(weight, spec)  # a module's weight may have been replaced since it was built
+    if torch._C._are_functorch_transforms_active():
+        _check_function_transforms()
     positions, offset = _positions_by_rule(ids, spec, positions, offset, cu_seqlens, position_rule)
     vocab_start, vocab_size = 0, weight.shape[0]
     if vocab_range is not None:
         vocab_start, vocab_size = vocab_range
-        if isinstance(ids, torch.Tensor) and vocab_start:
-            ids = ids - vocab_start  # local rows; other shards' ids fall outside and read nothing
+        if isinstance(ids, torch.Tensor) and ids.dtype in (torch.int32, torch.int64) and vocab_start:
+            # Local rows; other shards' ids fall outside and read nothing.  In int64: an int32 id near
+            # -2**31 would wrap into the positive range.
+            ids = ids.to(torch.int64) - vocab_start
     batch = make_batch(ids, weight, spec, positions, offset)
     name = resolve_backend(backend, weight.device, weight.dtype, float64_math=spec.precision == "float64")
     dropout_seed = draw_seed(weight.device) if dropout_p > 0.0 else None
-    op = sinusoidal_embedding_forward if _eager_inference(batch.ids, weight) else sinusoidal_embedding_op
+    op = validated_forward if _eager_inference(batch.ids, weight) else sinusoidal_embedding_op
     out = op(
         batch.ids, weight, turns, batch.positions, batch.offsets, batch.offset, batch.seq_len,
         spec.mode == "concat", spec.pe_width, spec.columns.as_list(), spec.embed_scale, spec.pe_scale,

@@ -10,7 +10,7 @@ from torch import nn
 from . import presets
 from ._dispatch import check_backend_name
 from ._dropout import check_dropout_p
-from ._validate import make_spec
+from ._validate import check_weight, make_spec
 from .functional import apply_spec
 from .presets import POSITION_RULES
 
@@ -65,8 +65,8 @@ class SinusoidalEmbedding(nn.Module):
     ):
         super().__init__()
         for name, value in (("num_embeddings", num_embeddings), ("d_model", d_model)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < 2**63:
+                raise ValueError(f"{name} must be an int in [1, 2**63), got {value!r}")
         if mode == "concat" and isinstance(d_pos, int) and not isinstance(d_pos, bool) and not 1 <= d_pos < d_model:
             raise ValueError(f"d_pos={d_pos} must satisfy 1 <= d_pos < d_model={d_model}")
         if position_rule not in POSITION_RULES:
@@ -88,14 +88,35 @@ class SinusoidalEmbedding(nn.Module):
         self.d_model = d_model
         self.backend = backend
         self.weight = nn.Parameter(torch.empty((rows, token_width), device=device, dtype=dtype))
-        # Fixed-point frequencies (see _spec): a buffer so that .to()/.cuda() move them with the module
-        # and torch.compile sees a tensor, not host code.
-        self.register_buffer(
-            "turns_fixed_point",
-            torch.tensor(self.spec.turns_fixed_point, dtype=torch.int64, device=device).reshape(-1),
-            persistent=False,
-        )
+        # The fixed-point frequencies are not a buffer: they follow from the spec and are cached per
+        # device there (``PESpec.turns_tensor``), so no cast (.half(), .type()), to_empty(), meta-device
+        # or FSDP deferred init can leave them wrong, and load_state_dict has nothing to restore.
         self.reset_parameters()
+        self._prepare_turns()
+
+    def _prepare_turns(self) -> None:
+        """Copy the frequencies to the weight's device now rather than in the first forward (which may
+        be inside a CUDA graph capture, where a host-to-device copy is not allowed)."""
+        weight = self.weight
+        if isinstance(weight, torch.Tensor) and not weight.is_meta:
+            self.spec.turns_tensor(weight.device)
+
+    def _apply(self, fn, recurse=True):  # .to(), .cuda(), to_empty(): every move of the weight
+        result = super()._apply(fn, recurse)
+        self._prepare_turns()
+        return result
+
+    @property
+    def turns_fixed_point(self) -> torch.Tensor:
+        """The fixed-point frequencies (``_spec``) on the weight's device (derived, not state)."""
+        return self.spec.turns_tensor(self.weight.device)
+
+    def __prepare_scriptable__(self):
+        # torch.jit.script calls this first: refuse before TorchScript compiles (and half-registers) anything.
+        raise TypeError(
+            "SinusoidalEmbedding does not support TorchScript (torch.jit.script): its forward validates "
+            "arguments in Python and calls a torch.library op. Use torch.compile, or torch.export for a "
+            "graph to deploy; eager and compiled modules are fully supported.")
 
     @staticmethod
     def _shard(num_embeddings, vocab_range, padding_idx, pe_scale, zero_pe_at_padding, position_rule):
@@ -103,9 +124,11 @@ class SinusoidalEmbedding(nn.Module):
         if vocab_range is None:
             return num_embeddings, None, padding_idx, pe_scale
         try:
-            start, end = (int(v) for v in vocab_range)
+            start, end = vocab_range
         except (TypeError, ValueError):
             raise ValueError(f"vocab_range must be a pair (start, end), got {vocab_range!r}") from None
+        if any(isinstance(v, bool) or not isinstance(v, int) for v in (start, end)):
+            raise TypeError(f"vocab_range must be a pair of ints (start, end), got {vocab_range!r}")
         if not 0 <= start < end <= num_embeddings:
             raise ValueError(f"vocab_range={vocab_range!r} must satisfy 0 <= start < end <= "
                              f"num_embeddings={num_embeddings}")
@@ -132,7 +155,9 @@ class SinusoidalEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor, positions: Optional[torch.Tensor] = None,
                 offset: Union[int, torch.Tensor] = 0, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return apply_spec(ids, self.weight, self.spec, self.turns_fixed_point, positions, offset, self.backend,
+        weight = self.weight
+        spec = self.spec
+        return apply_spec(ids, weight, spec, spec.turns_tensor(weight.device), positions, offset, self.backend,
                           cu_seqlens=cu_seqlens, position_rule=self.position_rule, vocab_range=self.vocab_range,
                           dropout_p=self.dropout, training=self.training)
 
@@ -156,8 +181,7 @@ class SinusoidalEmbedding(nn.Module):
         ``weight`` is ``[num_embeddings, token_width]``; ``d_model`` is its width (plus ``d_pos`` in
         concat mode).  ``preset`` names a library convention; other keyword arguments as the constructor.
         """
-        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-            raise ValueError(f"weight must be a 2-D tensor, got {getattr(weight, 'shape', weight)!r}")
+        check_weight(weight)  # a 2-D floating-point table
         concat_width = kwargs.get("d_pos") or 0 if kwargs.get("mode") == "concat" else 0
         d_model = weight.shape[1] + concat_width
         # Build on the meta device: no table is allocated or randomly initialised only to be replaced.
@@ -168,7 +192,7 @@ class SinusoidalEmbedding(nn.Module):
         else:
             module = cls(weight.shape[0], d_model, padding_idx=padding_idx, **kwargs)
         module.weight = nn.Parameter(weight, requires_grad=not freeze)
-        module.register_buffer("turns_fixed_point", module.spec.turns_tensor(weight.device).clone(), persistent=False)
+        module._prepare_turns()
         return module
 
     def extra_repr(self) -> str:

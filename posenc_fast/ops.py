@@ -4,8 +4,11 @@ Registered as opaque custom ops so ``torch.compile(fullgraph=True)`` traces
 through them without graph breaks and autograd sees one node.  Arguments are
 plain numbers and tensors; the backend is chosen by name before the call
 (``_dispatch``), and the data-dependent id range check runs here, at run time,
-before any kernel (skipped while a CUDA graph is being captured).  Fused dropout takes its seed as a tensor
-input: autograd keeps it (8 bytes) and backward regenerates the mask from it.
+before any kernel (skipped while a CUDA graph is being captured), after the metadata checks that keep
+every kernel inside the tensors it is given (``_validate.check_op_inputs``).  Fused dropout takes its
+seed as a tensor input: autograd keeps it (8 bytes) and backward regenerates the mask from it.  The
+weight gradient is linear in the output gradient, so it has its own autograd formula: double
+backward (e.g. a gradient penalty) works.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from . import config
 from ._dispatch import get_backend
 from ._dropout import dropout_for
 from ._spec import PEColumns
-from ._validate import check_id_range
+from ._validate import check_id_range, check_op_inputs
+from .reference import dropout_keep
 from .backends import KernelParams
 
 
@@ -59,6 +63,17 @@ def sinusoidal_embedding_forward(
     and no PE when ``zero_pe_at_padding``.  ``dropout_seed`` (int64, one element; None: no
     dropout) and ``dropout_p`` select the fused dropout mask (``reference.dropout_keep``).
     """
+    check_op_inputs(ids, weight, turns, positions, offsets, seq_len, concat, pe_width, pe_columns, dropout_seed)
+    return validated_forward(ids, weight, turns, positions, offsets, offset, seq_len, concat, pe_width, pe_columns,
+                             embed_scale, pe_scale, padding_idx, zero_pe_at_padding, float64_math, vocab_start,
+                             vocab_size, dropout_seed, dropout_p, backend)
+
+
+def validated_forward(ids, weight, turns, positions, offsets, offset, seq_len, concat, pe_width, pe_columns,
+                      embed_scale, pe_scale, padding_idx, zero_pe_at_padding, float64_math, vocab_start, vocab_size,
+                      dropout_seed, dropout_p, backend):
+    """:func:`sinusoidal_embedding_forward` less its metadata checks, for a caller whose arguments come
+    from a validated ``Batch`` and ``PESpec`` (``functional.apply_spec``'s eager path, where ~1 us counts)."""
     if config.id_check_enabled() and not _capturing(ids):
         check_id_range(ids, vocab_size, vocab_start)
     interleaved, sin_base, num_sin, cos_base, num_cos = pe_columns
@@ -70,8 +85,8 @@ def sinusoidal_embedding_forward(
                                         dropout_for(dropout_seed, dropout_p))
 
 
-# Registered under its own name; ``sinusoidal_embedding_forward`` stays callable directly (see
-# ``functional.call_forward``: eager inference skips the dispatcher, ~20 us of Python per call).
+# Registered under its own name; ``validated_forward`` stays callable directly (see
+# ``functional._eager_inference``: eager inference skips the dispatcher, ~20 us of Python per call).
 sinusoidal_embedding_op = torch.library.custom_op("posenc_fast::sinusoidal_embedding", mutates_args=())(
     sinusoidal_embedding_forward)
 
@@ -98,6 +113,14 @@ def sinusoidal_embedding_backward_op(
 ) -> Tensor:
     """Weight gradient ``[num_embeddings, token_width]`` in ``weight_dtype``; deterministic.
     With dropout, the forward's mask is regenerated from the same seed."""
+    if (grad_out.dim() != 2 or ids.dim() != 1 or grad_out.shape[0] != ids.shape[0]
+            or grad_out.shape[1] < token_width or num_embeddings < 0 or token_width < 0):
+        raise ValueError(f"grad_out of shape {list(grad_out.shape)} and ids of shape {list(ids.shape)} do not fit a "
+                         f"weight gradient of shape [{num_embeddings}, {token_width}]: expected grad_out "
+                         f"[len(ids), >= {token_width}]")
+    if ids.device != grad_out.device or not grad_out.is_floating_point() or ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"grad_out (dtype {grad_out.dtype} on {grad_out.device}) must be floating point and ids "
+                         f"(dtype {ids.dtype} on {ids.device}) int32 or int64 on the same device")
     return get_backend(backend).backward(
         grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype,
         dropout_for(dropout_seed, dropout_p),
@@ -136,3 +159,38 @@ def _backward(ctx, grad_out):
 
 
 sinusoidal_embedding_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _backward_setup_context(ctx, inputs, output):
+    (grad_out, ids, _num_embeddings, token_width, embed_scale, padding_idx, _weight_dtype, dropout_seed, dropout_p,
+     _backend) = inputs
+    ctx.save_for_backward(ids, dropout_seed)
+    ctx.grad_out_shape, ctx.grad_out_dtype = tuple(grad_out.shape), grad_out.dtype
+    ctx.token_width, ctx.embed_scale, ctx.padding_idx, ctx.dropout_p = token_width, embed_scale, padding_idx, dropout_p
+    ctx.num_inputs = len(inputs)
+
+
+def _backward_backward(ctx, grad_grad_weight):
+    """The weight gradient is linear in ``grad_out``: ``grad_weight[v] = sum over tokens n with ids[n] = v
+    of embed_scale * keep[n] * grad_out[n, :token_width]``.  Its adjoint gathers rows of
+    ``grad_grad_weight`` back to the tokens (PE columns get nothing), in float64, rounded once."""
+    ids, dropout_seed = ctx.saved_tensors
+    grad_grad_out = None
+    if ctx.needs_input_grad[0]:
+        ids64 = ids.to(torch.int64)
+        num_embeddings = grad_grad_weight.shape[0]
+        counted = (ids64 >= 0) & (ids64 < num_embeddings) & (ids64 != ctx.padding_idx)
+        rows = grad_grad_weight.to(torch.float64)[torch.where(counted, ids64, 0)] if num_embeddings else \
+            grad_grad_weight.new_zeros((ids64.shape[0], ctx.token_width), dtype=torch.float64)
+        rows = torch.where(counted.unsqueeze(-1), rows * ctx.embed_scale, 0.0)
+        dropout = dropout_for(dropout_seed, ctx.dropout_p)
+        if dropout is not None:
+            keep = dropout_keep(dropout.seed, ids64.shape[0], ctx.token_width, dropout.threshold)
+            rows = torch.where(keep, rows * dropout.scale, 0.0)
+        grad_grad_out = rows.new_zeros(ctx.grad_out_shape)
+        grad_grad_out[:, : ctx.token_width] = rows
+        grad_grad_out = grad_grad_out.to(ctx.grad_out_dtype)
+    return (grad_grad_out,) + (None,) * (ctx.num_inputs - 1)
+
+
+sinusoidal_embedding_backward_op.register_autograd(_backward_backward, setup_context=_backward_setup_context)

@@ -10,6 +10,9 @@ from typing import Union
 
 import torch
 
+from . import config
+from ._validate import check_cu_seqlens
+
 
 def make_positions(ids: torch.Tensor, padding_idx: int, past_length: Union[int, torch.Tensor] = 0) -> torch.Tensor:
     """fairseq's padding-aware positions (also HF FSMT, M2M100/NLLB, Speech2Text).
@@ -33,6 +36,8 @@ def make_positions(ids: torch.Tensor, padding_idx: int, past_length: Union[int, 
         past_length = past_length.to(device=ids.device, dtype=torch.int64).unsqueeze(-1)
     elif isinstance(past_length, bool) or not isinstance(past_length, int):
         raise TypeError(f"past_length must be an int or an integer tensor, got {past_length!r}")
+    elif not -(1 << 63) <= past_length < (1 << 63):
+        raise ValueError(f"past_length={past_length} does not fit in int64")
     real = (ids != padding_idx).to(torch.int64)
     return (torch.cumsum(real, dim=-1) + past_length) * real + padding_idx
 
@@ -42,15 +47,28 @@ def packed_positions(cu_seqlens: torch.Tensor, total_tokens: int) -> torch.Tenso
 
     ``cu_seqlens`` holds cumulative lengths ``[0, l0, l0 + l1, ...]`` (flash-attention /
     TransformerEngine convention); returns int64 ``[total_tokens]``, token t of sequence
-    k at position ``t - cu_seqlens[k]``.  Computed on cu_seqlens' device (searchsorted),
-    no host sync.
+    k at position ``t - cu_seqlens[k]``.  Computed on cu_seqlens' device (searchsorted).
+
+    Its contents are checked (start at 0, never decrease, end at ``total_tokens``; ValueError
+    otherwise) together with the ids, under the same switch (``posenc_fast.set_id_check``): one
+    device-to-host copy on GPU.  The check is skipped while the id check is off, under
+    ``torch.compile``, ``torch.vmap`` and CUDA graph capture; invalid contents then give wrong
+    positions, never an out-of-bounds access.
     """
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1:
         raise ValueError(f"cu_seqlens must be a 1-D integer tensor, got {getattr(cu_seqlens, 'shape', cu_seqlens)!r}")
-    if cu_seqlens.is_floating_point() or cu_seqlens.dtype == torch.bool:
+    if cu_seqlens.is_floating_point() or cu_seqlens.is_complex() or cu_seqlens.dtype == torch.bool:
         raise TypeError(f"cu_seqlens must be integer, got dtype {cu_seqlens.dtype}")
+    if cu_seqlens.layout != torch.strided:
+        raise TypeError(f"cu_seqlens must be a dense (strided) tensor, got layout {cu_seqlens.layout}")
     if cu_seqlens.numel() < 2:
         raise ValueError(f"cu_seqlens needs at least 2 entries ([0, total]), got {cu_seqlens.numel()}")
+    if isinstance(total_tokens, bool) or not isinstance(total_tokens, (int, torch.SymInt)) or total_tokens < 0:
+        raise ValueError(f"total_tokens must be an int >= 0, got {total_tokens!r}")
+    if (config.id_check_enabled() and not torch.compiler.is_compiling()
+            and not torch._C._are_functorch_transforms_active()
+            and not (cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing())):
+        check_cu_seqlens(cu_seqlens, total_tokens)
     starts = cu_seqlens.to(torch.int64)
     t = torch.arange(total_tokens, device=cu_seqlens.device, dtype=torch.int64)
     sequence = torch.searchsorted(starts[1:-1].contiguous(), t, right=True)

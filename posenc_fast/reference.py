@@ -114,8 +114,12 @@ def embed_flat(
     """
     ids = ids.to(torch.int64)
     in_range = (ids >= 0) & (ids < weight.shape[0])
-    rows = F.embedding(torch.where(in_range, ids, 0), weight, padding_idx=padding_idx)
-    tokens = rows.to(torch.float64) * embed_scale * in_range.unsqueeze(-1)
+    if weight.shape[0]:
+        rows = F.embedding(torch.where(in_range, ids, 0), weight, padding_idx=padding_idx)
+    else:  # an empty table: every id is out of range (nothing to gather from, even row 0)
+        rows = weight.new_zeros((ids.shape[0], weight.shape[1])) + weight.sum()  # keeps the autograd link
+    # Selected, not multiplied by the mask: row 0 stands in for out-of-range ids and may hold inf.
+    tokens = torch.where(in_range.unsqueeze(-1), rows.to(torch.float64) * embed_scale, 0.0)
     pe = exact_sinusoid(positions, turns, pe_width, columns) * pe_scale
     if zero_pe_at_padding:
         pe = pe * (ids != padding_idx).unsqueeze(-1)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import threading
 from typing import NamedTuple, Optional
 
 import torch
@@ -52,6 +53,7 @@ class _Extension(NamedTuple):
 
 
 _state: Optional[_Extension] = None  # None until the first lookup
+_lookup_lock = threading.Lock()
 # True while a host-emulation build of the kernels is loaded (tests without a GPU, see
 # use_host_emulation): the backend then runs on CPU tensors, and only on them.
 _host_emulation = False
@@ -67,9 +69,14 @@ def _load_file(path: str):
 
 def _lookup() -> _Extension:
     """Import posenc_fast._C, else a cached on-demand build; remember the outcome."""
-    global _state
     if _state is not None:
         return _state
+    with _lookup_lock:  # threads: one lookup, one load
+        return _state if _state is not None else _lookup_once()
+
+
+def _lookup_once() -> _Extension:
+    global _state
     try:
         from .. import _C
 

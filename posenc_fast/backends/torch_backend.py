@@ -36,9 +36,11 @@ def forward(ids, weight, turns, positions, offsets, offset, seq_len, params: Ker
 
 def backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype, dropout):
     ids64 = ids.to(torch.int64)
+    if num_embeddings == 0 or token_width == 0 or ids64.numel() == 0:
+        return torch.zeros((num_embeddings, token_width), dtype=weight_dtype, device=grad_out.device)
     in_range = (ids64 >= 0) & (ids64 < num_embeddings)
-    grad_tokens = grad_out[:, :token_width].to(torch.float64) * embed_scale
-    grad_tokens = grad_tokens * in_range.unsqueeze(-1)
+    # Selected, not multiplied by the mask: an out-of-range token's gradient may be inf (inf * 0 = NaN).
+    grad_tokens = torch.where(in_range.unsqueeze(-1), grad_out[:, :token_width].to(torch.float64) * embed_scale, 0.0)
     if dropout is not None:  # the forward's mask, regenerated (token columns are the first ones)
         keep = reference.dropout_keep(dropout.seed, ids.numel(), token_width, dropout.threshold)
         grad_tokens = torch.where(keep, grad_tokens * dropout.scale, 0.0)

@@ -4,12 +4,18 @@ Triton's interpreter when TRITON_INTERPRET=1 is set before the first launch).
 Triton decides between compiling and interpreting when a kernel is *defined*, so the
 kernel module is imported lazily, at the first launch, and the mode it was defined
 in is remembered: ``import posenc_fast`` never imports Triton.
+
+Threads: the lazy load is done once, under a lock.  Triton's interpreter is not thread-safe
+(each launch patches ``triton.language`` module-wide for its duration and runs on one global
+builder holding the grid index), so interpreted launches are serialised here; compiled launches
+on a GPU are not.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import threading
 from typing import Optional
 
 import torch
@@ -26,6 +32,8 @@ GRAD_CHUNK = 32
 triton = None  # the triton package, once loaded
 _kernels = None  # the triton_kernels module, once loaded
 _kernels_interpreted: Optional[bool] = None  # whether they were defined under TRITON_INTERPRET=1
+_load_lock = threading.Lock()
+_interpreter_lock = threading.Lock()  # one interpreted launch at a time (see the module docstring)
 
 
 def interpreting() -> bool:
@@ -35,11 +43,14 @@ def interpreting() -> bool:
 def _load_kernels():
     global triton, _kernels, _kernels_interpreted
     if _kernels is None:
-        import triton as triton_package
+        with _load_lock:
+            if _kernels is None:
+                import triton as triton_package
 
-        from . import triton_kernels
+                from . import triton_kernels
 
-        triton, _kernels, _kernels_interpreted = triton_package, triton_kernels, interpreting()
+                triton, _kernels_interpreted = triton_package, interpreting()
+                _kernels = triton_kernels  # last: another thread that sees it sees the rest
     return _kernels
 
 
@@ -102,6 +113,20 @@ def _dropout_grouped(params: KernelParams, block_p: int) -> bool:
 
 
 def forward(ids, weight, turns, positions, offsets, offset, seq_len, params: KernelParams, dropout):
+    if _kernels_interpreted is False:  # compiled kernels: launches may overlap
+        return _forward(ids, weight, turns, positions, offsets, offset, seq_len, params, dropout)
+    with _interpreter_lock:
+        return _forward(ids, weight, turns, positions, offsets, offset, seq_len, params, dropout)
+
+
+def backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype, dropout):
+    if _kernels_interpreted is False:
+        return _backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype, dropout)
+    with _interpreter_lock:
+        return _backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype, dropout)
+
+
+def _forward(ids, weight, turns, positions, offsets, offset, seq_len, params: KernelParams, dropout):
     num_tokens = ids.numel()
     out = new_buffer((num_tokens, params.width), weight.dtype, weight.device)
     if num_tokens == 0:
@@ -129,7 +154,7 @@ def forward(ids, weight, turns, positions, offsets, offset, seq_len, params: Ker
     return out
 
 
-def backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype, dropout):
+def _backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype, dropout):
     grad_weight = torch.zeros((num_embeddings, token_width), dtype=weight_dtype, device=grad_out.device)
     num_tokens = ids.numel()
     if num_tokens == 0 or num_embeddings == 0:
