@@ -128,6 +128,17 @@ def kosmos2_text():
     return modeling_kosmos2.Kosmos2TextForCausalLM(config)
 
 
+def kosmos2():
+    config = transformers.Kosmos2Config(
+        text_config=dict(vocab_size=VOCAB, embed_dim=D, layers=1, attention_heads=2, ffn_dim=32, dropout=0.0,
+                         attention_dropout=0.0, activation_dropout=0.0, max_position_embeddings=64,
+                         pad_token_id=PAD, bos_token_id=0, eos_token_id=EOS, scale_embedding=True, init_std=0.5),
+        vision_config=dict(hidden_size=D, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=16, patch_size=8, dropout=0.0, attention_dropout=0.0),
+        latent_query_num=3)
+    return transformers.Kosmos2ForConditionalGeneration(config)
+
+
 @dataclasses.dataclass(frozen=True)
 class Family:
     name: str
@@ -147,12 +158,13 @@ FAMILIES = [
     Family("fsmt", fsmt, "seq2seq",
            trainable_pe=("model.encoder.embed_positions.weight", "model.decoder.embed_positions.weight")),
     Family("speech_to_text", speech_to_text, "speech"),
-    Family("whisper", whisper, "whisper", generates=False),
+    Family("whisper", whisper, "whisper"),
     Family("xlm", xlm, "causal", trainable_pe=("transformer.position_embeddings.weight",)),
     Family("distilbert", distilbert, "mlm", generates=False,
            trainable_pe=("distilbert.embeddings.position_embeddings.weight",)),
     Family("musicgen", musicgen, "musicgen"),
     Family("kosmos2_text", kosmos2_text, "causal"),
+    Family("kosmos2_image_rows", kosmos2, "kosmos2"),
 ]
 
 
@@ -184,6 +196,14 @@ def make_inputs(family: Family, model, generator) -> dict:
         return dict(input_ids=ids, attention_mask=mask)
     if family.kind == "musicgen":
         return dict(input_ids=torch.randint(0, VOCAB, (3 * 2, 6), generator=generator))
+    if family.kind == "kosmos2":  # image vectors substituted into token rows 1..3
+        ids, mask = _padded_ids(generator, length=9)
+        ids[0, :2] = 4  # no left padding before the image rows (the model takes image rows at fixed places)
+        mask = (ids != PAD).long()
+        image_rows = torch.zeros_like(ids)
+        image_rows[:, 1:4] = 1
+        return dict(input_ids=ids, attention_mask=mask, image_embeds_position_mask=image_rows,
+                    pixel_values=torch.randn(3, 3, 16, 16, generator=generator))
     raise AssertionError(family.kind)
 
 
@@ -367,3 +387,19 @@ def test_cached_step_with_a_padding_token(family, seed):
             logits.append(m(**inputs, decoder_input_ids=step, past_key_values=first.past_key_values,
                             use_cache=True).logits)
     torch.testing.assert_close(logits[0], logits[1], atol=LOGITS_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f.kind in ("speech", "whisper")], ids=lambda f: f.name)
+def test_speech_encoder_outputs_hidden_states_and_attentions(family, seed):
+    """The replaced speech-encoder forward keeps the model's output capture (hidden states, attentions)."""
+    model, original = _pair(family)
+    inputs = make_inputs(family, model, torch.Generator().manual_seed(seed))
+    inputs.pop("decoder_input_ids")
+    pf.patch_model(model)
+    with torch.no_grad():
+        expected = original.get_encoder()(**inputs, output_hidden_states=True, output_attentions=True)
+        actual = model.get_encoder()(**inputs, output_hidden_states=True, output_attentions=True)
+    assert len(actual.hidden_states) == len(expected.hidden_states) == model.config.encoder_layers + 1
+    assert len(actual.attentions) == len(expected.attentions)
+    for got, want in zip(actual.hidden_states + actual.attentions, expected.hidden_states + expected.attentions):
+        torch.testing.assert_close(got, want, atol=LOGITS_ATOL, rtol=0)
