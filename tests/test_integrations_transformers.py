@@ -403,3 +403,15 @@ def test_speech_encoder_outputs_hidden_states_and_attentions(family, seed):
     assert len(actual.attentions) == len(expected.attentions)
     for got, want in zip(actual.hidden_states + actual.attentions, expected.hidden_states + expected.attentions):
         torch.testing.assert_close(got, want, atol=LOGITS_ATOL, rtol=0)
+
+
+def test_patched_model_compiles_fullgraph():
+    """The patched forward (argument binding, fused op) traces without graph breaks."""
+    model, original = _pair(FAMILIES[3])  # marian
+    pf.patch_model(model)
+    ids = torch.randint(3, VOCAB, (2, 7))
+    decoder = torch.randint(3, VOCAB, (2, 5))
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(input_ids=ids, decoder_input_ids=decoder).logits,
+                                   original(input_ids=ids, decoder_input_ids=decoder).logits, atol=LOGITS_ATOL, rtol=0)

@@ -150,8 +150,7 @@ def _call_model_forward(side: nn.Module, bound: inspect.BoundArguments):
     return type(side).forward(side, **kwargs)
 
 
-def _lookup(side: nn.Module, state: _State, weight: torch.Tensor, ids: torch.Tensor, positions=None,
-            offset=0) -> torch.Tensor:
+def _lookup(state: _State, weight: torch.Tensor, ids: torch.Tensor, positions=None, offset=0) -> torch.Tensor:
     rule = state.position_rule if positions is None else "offset"
     return apply_spec(ids, weight, state.lookup, state.lookup.turns_tensor(weight.device), positions, offset, "auto",
                       position_rule=rule)
@@ -176,7 +175,7 @@ def _token_side_forward(self, *args, **kwargs):
     ids, embeds = arguments.get("input_ids"), arguments.get("inputs_embeds")
     past = _past_length(arguments.get("past_key_values"))
     if embeds is None and ids is not None:
-        arguments["inputs_embeds"] = _lookup(self, state, self.embed_tokens.weight, ids, offset=past)
+        arguments["inputs_embeds"] = _lookup(state, self.embed_tokens.weight, ids, offset=past)
         arguments["input_ids"] = None
     elif embeds is not None:
         if state.embeds_offset is None:
@@ -257,7 +256,7 @@ def _xlm_forward(self, *args, **kwargs):
         ids = ids[:, -new:]  # as XLM slices (all of them when nothing is new)
         positions = positions[:, -new:] if positions is not None else None
         offset = seq_len - ids.shape[1] if positions is None else 0
-        arguments["inputs_embeds"] = _lookup(self, state, self.embeddings.weight, ids, positions, offset)
+        arguments["inputs_embeds"] = _lookup(state, self.embeddings.weight, ids, positions, offset)
     elif embeds is not None:
         arguments["inputs_embeds"] = _add(state, embeds, positions)
     return _call_model_forward(self, bound)
@@ -279,7 +278,7 @@ def _xlm(side) -> _SidePatch:
 def _distilbert_embeddings_forward(self, input_ids, inputs_embeds=None, position_ids=None):
     state: _State = self._posenc_fast
     if input_ids is not None:
-        embeddings = _lookup(self, state, self.word_embeddings.weight, input_ids, position_ids)
+        embeddings = _lookup(state, self.word_embeddings.weight, input_ids, position_ids)
     else:
         embeddings = _add(state, inputs_embeds, position_ids)
     return self.dropout(self.LayerNorm(embeddings))
@@ -307,7 +306,7 @@ def _kosmos2_forward_embedding(self, input_ids, inputs_embeds=None, image_embeds
     state: _State = self._posenc_fast
     pad = state.padding_idx
     if inputs_embeds is None and image_embeds is None:
-        hidden = _lookup(self, state, self.embed_tokens.weight, input_ids, position_ids,
+        hidden = _lookup(state, self.embed_tokens.weight, input_ids, position_ids,
                          past_key_values_length if position_ids is None else 0)
     else:
         if inputs_embeds is None:
@@ -488,6 +487,10 @@ def patch_model(model: nn.Module) -> nn.Module:
     side that cannot be patched raises ``ValueError``, and in both cases nothing is changed.  A side
     patched already is left as it is.  Parameters, buffers, tying and ``state_dict`` are untouched; see
     the module docstring for what changes, and README "Use it in a Hugging Face model".
+
+    FSMT, XLM and DistilBERT keep their sinusoidal table as a trainable Parameter; once patched it is
+    not read, so it gets no gradient (``.grad`` stays None, optimizers skip it) and the PE stays the
+    exact sinusoid.  MusicGen's sum of its K codebook lookups stays unfused (the PE add is fused).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"patch_model takes a transformers model (an nn.Module), got {type(model).__name__}")
