@@ -167,8 +167,9 @@ def apply_add_spec(x, spec: PESpec, turns: torch.Tensor, positions, offset, cu_s
     if x.shape[-1] != spec.pe_width:
         raise ValueError(f"x has width {x.shape[-1]} but the PE has width {spec.pe_width}")
     rows = x.reshape(-1, x.shape[-1])
-    # Token n of the embedding op is row n of x: its ids are 0..N-1 (shape x.shape[:-1]).
-    row_ids = torch.arange(rows.shape[0], device=x.device, dtype=torch.int64).reshape(x.shape[:-1])
+    # Row n of x is token n of the embedding op (the op makes its ids 0..N-1); the batch and position
+    # checks need only the shape of those ids, so an unfilled tensor stands in for them.
+    row_ids = torch.empty(x.shape[:-1], device=x.device, dtype=torch.int64)
     positions, offset = _positions_by_rule(row_ids, spec, positions, offset, cu_seqlens, "offset")
     batch = make_batch(row_ids, rows, spec, positions, offset)
     name = resolve_backend(backend, x.device, x.dtype, float64_math=spec.precision == "float64")

@@ -347,18 +347,29 @@ def test_learned_position_embeddings_are_refused():
         pf.patch_model(transformers.DistilBertModel(config))
 
 
-def test_user_inputs_embeds_get_the_pe_as_in_the_model(seed):
-    """inputs_embeds instead of ids: the fused add numbers them as the model does."""
-    for build in (m2m100, marian, pegasus):
-        model, original = _pair(Family("x", build, "seq2seq"))
-        generator = torch.Generator().manual_seed(seed)
-        embeds = torch.randn(2, 6, D, generator=generator)
-        decoder_embeds = torch.randn(2, 4, D, generator=generator)
-        pf.patch_model(model)
-        with torch.no_grad():
-            expected = original(inputs_embeds=embeds, decoder_inputs_embeds=decoder_embeds).logits
-            actual = model(inputs_embeds=embeds, decoder_inputs_embeds=decoder_embeds).logits
-        torch.testing.assert_close(actual, expected, atol=LOGITS_ATOL, rtol=0)
+EMBEDS_FAMILIES = ["m2m100", "nllb_moe", "marian", "pegasus", "xlm", "distilbert", "kosmos2_text", "musicgen"]
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f.name in EMBEDS_FAMILIES], ids=lambda f: f.name)
+def test_user_inputs_embeds_get_the_pe_as_in_the_model(family, seed):
+    """inputs_embeds instead of ids: the fused add numbers (and scales) them as the model does."""
+    model, original = _pair(family)
+    generator = torch.Generator().manual_seed(seed)
+    inputs = dict(inputs_embeds=torch.randn(2, 6, D, generator=generator))
+    if family.kind == "seq2seq":
+        inputs["decoder_inputs_embeds"] = torch.randn(2, 4, D, generator=generator)
+    pf.patch_model(model)
+    with torch.no_grad():
+        expected = original(**inputs).logits
+        actual = model(**inputs).logits
+    torch.testing.assert_close(actual, expected, atol=LOGITS_ATOL, rtol=0)
+
+
+def test_fsmt_inputs_embeds_is_refused_clearly():
+    """FSMT's own inputs_embeds path cannot number positions (it indexes its table with floats)."""
+    model = pf.patch_model(fsmt())
+    with pytest.raises(ValueError, match="takes input_ids, not inputs_embeds"):
+        model(inputs_embeds=torch.randn(2, 5, D), decoder_input_ids=torch.randint(3, VOCAB, (2, 3)))
 
 
 def test_families_cover_the_registry():
