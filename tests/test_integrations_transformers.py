@@ -426,3 +426,18 @@ def test_patched_model_compiles_fullgraph():
     with torch.no_grad():
         torch.testing.assert_close(compiled(input_ids=ids, decoder_input_ids=decoder).logits,
                                    original(input_ids=ids, decoder_input_ids=decoder).logits, atol=LOGITS_ATOL, rtol=0)
+
+
+def test_deepcopy_and_pickle_keep_a_working_patch(tmp_path):
+    """A deep copy or a pickled (torch.save) patched model runs its own modules, still patched."""
+    model, original = _pair(FAMILIES[0])  # m2m100
+    pf.patch_model(model)
+    ids = torch.randint(3, VOCAB, (2, 6))
+    expected = original(input_ids=ids, decoder_input_ids=ids).logits.detach()
+    torch.save(model, tmp_path / "model.pt")
+    for twin in (copy.deepcopy(model), torch.load(tmp_path / "model.pt", weights_only=False)):
+        sides = [m for m in twin.modules() if getattr(m, "_posenc_fast", None) is not None]
+        assert len(sides) == 2 and all(m.forward.args[0] is m for m in sides)
+        with torch.no_grad():
+            torch.testing.assert_close(twin(input_ids=ids, decoder_input_ids=ids).logits, expected,
+                                       atol=LOGITS_ATOL, rtol=0)

@@ -26,10 +26,9 @@ token table is read from the side's own ``embed_tokens.weight`` at every call.  
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
-import math
 import sys
-import types
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -67,10 +66,11 @@ class _SidePatch:
     def apply(self) -> None:
         self.side._posenc_fast = self.state
         for name, function in self.methods.items():
-            # Bound to the instance: deepcopy rebinds a bound method to the copy.
-            setattr(self.side, name, types.MethodType(function, self.side))
+            # A partial of a module-level function and the instance: deepcopy binds it to the copy,
+            # pickle (torch.save of the whole model) stores the function by name.
+            setattr(self.side, name, functools.partial(function, self.side))
         for module in self.zero_positions:
-            module.forward = types.MethodType(_zero_positions, module)
+            module.forward = functools.partial(_zero_positions, module)
         for name, value in self.attributes.items():
             setattr(self.side, name, value)
 
