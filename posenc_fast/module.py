@@ -160,10 +160,10 @@ class SinusoidalEmbedding(nn.Module):
 
         An ``nn.Parameter`` is kept: the layer's ``weight`` *is* that Parameter, so a table tied to
         an output projection stays one Parameter, its gradient lands where the model's optimizer
-        looks, and weight decay and clipping see it once.  ``freeze=True`` cannot be honoured for a
-        trainable Parameter without freezing it for its other users too, so it raises; pass the
-        tensor (``weight.detach()``) for a frozen copy-free table of one's own.  A plain tensor
-        becomes a new Parameter over the same storage (``requires_grad=not freeze``).
+        looks, and weight decay and clipping see it once.  ``freeze=True`` with a trainable
+        Parameter raises, since freezing it would freeze it for its other users too; to freeze the
+        table in this layer only, pass ``weight.detach()``.  A plain tensor becomes a new Parameter
+        over the same storage (``requires_grad=not freeze``), as in ``nn.Embedding.from_pretrained``.
         """
         if isinstance(weight, nn.Parameter) and freeze and weight.requires_grad:
             raise ValueError("freeze=True with a trainable nn.Parameter: the layer keeps the Parameter it is given, "
