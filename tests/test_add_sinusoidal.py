@@ -33,8 +33,10 @@ def _arguments(case, device, dtype, seed):
         positions = kwargs["positions"].cpu().to(torch.int64).expand(ids.shape)
     elif isinstance(kwargs.get("offset"), torch.Tensor):
         positions = kwargs["offset"].cpu().unsqueeze(-1) + t
+    elif ids.dim():
+        positions = (kwargs.get("offset", 0) + t).expand(ids.shape)
     else:
-        positions = (kwargs.get("offset", 0) + t).expand(ids.shape) if ids.dim() else torch.tensor(kwargs.get("offset", 0))
+        positions = torch.tensor(kwargs.get("offset", 0))
     return x, add_kwargs, positions
 
 

@@ -112,8 +112,8 @@ def musicgen():
                                                 num_attention_heads=2, ffn_dim=32, num_codebooks=2, dropout=0.0,
                                                 attention_dropout=0.0, activation_dropout=0.0,
                                                 max_position_embeddings=64, pad_token_id=VOCAB,
-                                                bos_token_id=VOCAB, eos_token_id=None, decoder_start_token_id=VOCAB, initializer_factor=0.5,
-                                                scale_embedding=True)
+                                                bos_token_id=VOCAB, eos_token_id=None, decoder_start_token_id=VOCAB,
+                                                initializer_factor=0.5, scale_embedding=True)
     return transformers.MusicgenForCausalLM(config)
 
 
