@@ -7,15 +7,31 @@
 
 from . import presets, reference
 from .config import id_check, id_check_enabled, set_id_check
-from .functional import sinusoidal_embedding
-from .module import SinusoidalEmbedding
+from .functional import add_sinusoidal, sinusoidal_embedding
+from .module import SinusoidalEmbedding, SinusoidalPositionalEncoding
 from .positions import make_positions, packed_positions
+
+
+
+def patch_model(model):
+    """Make a Hugging Face transformers model use the fused layers, in place; returns ``model``.
+
+    See :func:`posenc_fast.integrations.transformers.patch_model` (imported on first use, so
+    posenc_fast does not import transformers).
+    """
+    from .integrations.transformers import patch_model as _patch_model
+
+    return _patch_model(model)
+
 
 __version__ = "0.1.0"
 
 __all__ = [
     "sinusoidal_embedding",
     "SinusoidalEmbedding",
+    "add_sinusoidal",
+    "SinusoidalPositionalEncoding",
+    "patch_model",
     "reference",
     "presets",
     "make_positions",

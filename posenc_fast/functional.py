@@ -10,7 +10,7 @@ from ._dispatch import resolve_backend
 from ._dropout import check_dropout_p, draw_seed
 from ._spec import PESpec
 from ._validate import check_offset, check_weight, check_weight_for_spec, make_batch, make_spec
-from .ops import sinusoidal_embedding_op, validated_forward
+from .ops import add_sinusoidal_forward, add_sinusoidal_op, sinusoidal_embedding_op, validated_forward
 from .positions import make_positions, packed_positions
 from .presets import POSITION_RULES
 
@@ -79,6 +79,12 @@ def _positions_by_rule(ids, spec: PESpec, positions, offset, cu_seqlens, positio
     if position_rule == "fairseq" and positions is None and isinstance(ids, torch.Tensor):
         check_offset(offset, ids)  # make_positions would name it past_length
         return make_positions(ids, spec.padding_idx, past_length=offset), 0
+    if position_rule == "fsmt" and positions is None and isinstance(ids, torch.Tensor):
+        if isinstance(offset, torch.Tensor):
+            raise ValueError("position_rule='fsmt' takes the past length as an int (as FSMT passes it): whether "
+                             "padding has a PE depends on it")
+        check_offset(offset, ids)
+        return make_positions(ids, spec.padding_idx, past_length=offset, shift_padding=True), 0
     return positions, offset
 
 
@@ -125,6 +131,9 @@ def apply_spec(ids, weight, spec: PESpec, turns: torch.Tensor, positions, offset
     check_weight_for_spec(weight, spec)  # a module's weight may have been replaced since it was built
     if torch._C._are_functorch_transforms_active():
         _check_function_transforms()
+    zero_pe_at_padding = spec.zero_pe_at_padding
+    if position_rule == "fsmt" and positions is None and isinstance(offset, int) and offset != 0:
+        zero_pe_at_padding = False  # padding is at padding_idx + past: it has a PE (see make_positions)
     positions, offset = _positions_by_rule(ids, spec, positions, offset, cu_seqlens, position_rule)
     vocab_start, vocab_size = 0, weight.shape[0]
     if vocab_range is not None:
@@ -140,7 +149,57 @@ def apply_spec(ids, weight, spec: PESpec, turns: torch.Tensor, positions, offset
     out = op(
         batch.ids, weight, turns, batch.positions, batch.offsets, batch.offset, batch.seq_len,
         spec.mode == "concat", spec.pe_width, spec.columns.as_list(), spec.embed_scale, spec.pe_scale,
-        -1 if spec.padding_idx is None else spec.padding_idx, spec.zero_pe_at_padding, spec.precision == "float64",
+        -1 if spec.padding_idx is None else spec.padding_idx, zero_pe_at_padding, spec.precision == "float64",
         vocab_start, vocab_size, dropout_seed, dropout_p, name,
     )
     return out.reshape(batch.out_shape)
+
+
+def add_sinusoidal(
+    x: torch.Tensor,
+    *,
+    positions: Optional[torch.Tensor] = None,
+    offset: Union[int, torch.Tensor] = 0,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    base: float = 10000.0,
+    layout: str = "interleaved",
+    frequencies: Optional[Sequence[float]] = None,
+    x_scale: float = 1.0,
+    pe_scale: float = 1.0,
+    precision: str = "float32",
+    backend: str = "auto",
+) -> torch.Tensor:
+    """The PE added to an existing float tensor, fused: ``y = x_scale * x + pe_scale * PE(position)``.
+
+    ``x`` is ``[..., seq_len, D]`` (conv features of a speech encoder, summed codebook
+    embeddings, token rows with image vectors substituted); the PE has its last width D.
+    Positions, ``offset`` (int or one per sequence, shape ``x.shape[:-2]``) and ``cu_seqlens``
+    follow the axis before the last exactly as they follow the last axis of ``ids`` in
+    :func:`sinusoidal_embedding`.  Returns ``x.shape`` in ``x.dtype``; the gradient to ``x`` is
+    ``x_scale * grad``.  Same kernels as the embedding (``x`` plays the table, row n read by
+    token n), so the same accuracy.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() < 1 or not x.is_floating_point():
+        raise TypeError(f"x must be a floating-point tensor [..., D], got dtype {x.dtype} and shape {list(x.shape)}")
+    spec = make_spec(1, x.shape[-1], "add", None, base, layout, x_scale, pe_scale, None, frequencies, False, precision)
+    return apply_add_spec(x, spec, spec.turns_tensor(x.device), positions, offset, cu_seqlens, backend)
+
+
+def apply_add_spec(x, spec: PESpec, turns: torch.Tensor, positions, offset, cu_seqlens, backend: str) -> torch.Tensor:
+    """Run :func:`add_sinusoidal` as ``spec`` describes it (``spec.embed_scale`` is ``x_scale``)."""
+    if x.shape[-1] != spec.pe_width:
+        raise ValueError(f"x has width {x.shape[-1]} but the PE has width {spec.pe_width}")
+    rows = x.reshape(-1, x.shape[-1]).contiguous()  # the kernels read rows of x as rows of a dense table
+    # Row n of x is token n of the embedding op (the op makes its ids 0..N-1); the batch and position
+    # checks need only the shape of those ids, so an unfilled tensor stands in for them.
+    row_ids = torch.empty(x.shape[:-1], device=x.device, dtype=torch.int64)
+    positions, offset = _positions_by_rule(row_ids, spec, positions, offset, cu_seqlens, "offset")
+    batch = make_batch(row_ids, rows, spec, positions, offset)
+    name = resolve_backend(backend, x.device, x.dtype, float64_math=spec.precision == "float64")
+    eager = _eager_inference(batch.ids, x)
+    op = add_sinusoidal_forward if eager else add_sinusoidal_op
+    out = op(rows, turns, batch.positions, batch.offsets, batch.offset, batch.seq_len, spec.columns.as_list(),
+             spec.embed_scale, spec.pe_scale, spec.precision == "float64", name)
+    return out.reshape(x.shape)

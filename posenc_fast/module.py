@@ -1,4 +1,5 @@
-"""``SinusoidalEmbedding``: the fused layer as an nn.Module (a drop-in for nn.Embedding + PE)."""
+"""The fused layers as nn.Modules: ``SinusoidalEmbedding`` (a drop-in for nn.Embedding + PE) and
+``SinusoidalPositionalEncoding`` (the PE added to an existing tensor)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from . import presets
 from ._dispatch import check_backend_name
 from ._dropout import check_dropout_p
 from ._validate import check_weight, make_spec
-from .functional import apply_spec
-from .presets import POSITION_RULES
+from .functional import apply_add_spec, apply_spec
+from .presets import PADDING_AWARE_RULES, POSITION_RULES
 
 
 class SinusoidalEmbedding(nn.Module):
@@ -28,7 +29,8 @@ class SinusoidalEmbedding(nn.Module):
     :func:`posenc_fast.sinusoidal_embedding`); eval mode is exact.
 
     ``position_rule="fairseq"`` numbers positions as fairseq does (padding-aware, see
-    ``posenc_fast.make_positions``; ``offset`` is then the past length).
+    ``posenc_fast.make_positions``; ``offset`` is then the past length); ``"fsmt"`` is HF FSMT's
+    variant, where the past length also moves padding tokens (and gives them a PE).
 
     ``vocab_range=(start, end)`` makes a vocabulary-parallel shard (Megatron style): ``weight``
     holds rows start..end-1 of the ``num_embeddings`` rows, ids stay global, ids of other
@@ -71,8 +73,8 @@ class SinusoidalEmbedding(nn.Module):
             raise ValueError(f"d_pos={d_pos} must satisfy 1 <= d_pos < d_model={d_model}")
         if position_rule not in POSITION_RULES:
             raise ValueError(f"unknown position_rule {position_rule!r}; expected one of {POSITION_RULES}")
-        if position_rule == "fairseq" and padding_idx is None:
-            raise ValueError("position_rule='fairseq' needs a padding_idx (fairseq's default is 1)")
+        if position_rule in PADDING_AWARE_RULES and padding_idx is None:
+            raise ValueError(f"position_rule={position_rule!r} needs a padding_idx (fairseq's default is 1)")
         token_width = d_model - d_pos if mode == "concat" and isinstance(d_pos, int) else d_model
         rows, vocab_range, padding_idx, pe_scale = self._shard(num_embeddings, vocab_range, padding_idx, pe_scale,
                                                                zero_pe_at_padding, position_rule)
@@ -180,8 +182,19 @@ class SinusoidalEmbedding(nn.Module):
 
         ``weight`` is ``[num_embeddings, token_width]``; ``d_model`` is its width (plus ``d_pos`` in
         concat mode).  ``preset`` names a library convention; other keyword arguments as the constructor.
+
+        An ``nn.Parameter`` is kept: the layer's ``weight`` *is* that Parameter, so a table tied to
+        an output projection stays one Parameter, its gradient lands where the model's optimizer
+        looks, and weight decay and clipping see it once.  ``freeze=True`` with a trainable
+        Parameter raises, since freezing it would freeze it for its other users too; to freeze the
+        table in this layer only, pass ``weight.detach()``.  A plain tensor becomes a new Parameter
+        over the same storage (``requires_grad=not freeze``), as in ``nn.Embedding.from_pretrained``.
         """
         check_weight(weight)  # a 2-D floating-point table
+        if isinstance(weight, nn.Parameter) and freeze and weight.requires_grad:
+            raise ValueError("freeze=True with a trainable nn.Parameter: the layer keeps the Parameter it is given, "
+                             "so freezing would freeze it for its other users; call weight.requires_grad_(False) "
+                             "yourself, or pass weight.detach()")
         concat_width = kwargs.get("d_pos") or 0 if kwargs.get("mode") == "concat" else 0
         d_model = weight.shape[1] + concat_width
         # Build on the meta device: no table is allocated or randomly initialised only to be replaced.
@@ -191,7 +204,7 @@ class SinusoidalEmbedding(nn.Module):
             module = cls.from_preset(preset, weight.shape[0], d_model, padding_idx=padding_idx, **kwargs)
         else:
             module = cls(weight.shape[0], d_model, padding_idx=padding_idx, **kwargs)
-        module.weight = nn.Parameter(weight, requires_grad=not freeze)
+        module.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=not freeze)
         module._prepare_turns()
         return module
 
@@ -220,6 +233,74 @@ class SinusoidalEmbedding(nn.Module):
             parts.append(f"position_rule={self.position_rule!r}")
         if self.dropout:
             parts.append(f"dropout={self.dropout:g}")
+        if self.backend != "auto":
+            parts.append(f"backend={self.backend!r}")
+        return ", ".join(parts)
+
+
+class SinusoidalPositionalEncoding(nn.Module):
+    """The fixed sinusoidal PE added to an existing float tensor in one kernel:
+    ``forward(x, positions=None, offset=0, cu_seqlens=None) = x_scale * x + pe_scale * PE(position)``.
+
+    For inputs that are not token ids: a speech encoder's conv features (Whisper, Speech2Text),
+    MusicGen's sum of codebook embeddings, token rows with image vectors substituted (Kosmos-2).
+    ``x`` is ``[..., seq_len, d_model]``; positions follow the axis before the last as they follow
+    the ids in :class:`SinusoidalEmbedding`.  No parameters; the gradient to ``x`` is
+    ``x_scale * grad``.  Library conventions: :meth:`from_preset` (its embed scale becomes ``x_scale``).
+    """
+
+    def __init__(self, d_model: int, *, base: float = 10000.0, layout: str = "interleaved",
+                 frequencies: Optional[Sequence[float]] = None, x_scale: float = 1.0, pe_scale: float = 1.0,
+                 precision: str = "float32", backend: str = "auto", device=None):
+        super().__init__()
+        if isinstance(d_model, bool) or not isinstance(d_model, int) or d_model < 1:
+            raise ValueError(f"d_model must be an int >= 1, got {d_model!r}")
+        self.spec = make_spec(1, d_model, "add", None, base, layout, x_scale, pe_scale, None, frequencies, False,
+                              precision)
+        check_backend_name(backend)
+        self.d_model = d_model
+        self.backend = backend
+        self.preset: Optional[str] = None
+        # No buffer (as in SinusoidalEmbedding): the frequencies follow from the spec, cached per device.
+        # With no weight to follow, the device is x's; ``device`` copies them there now, before any capture.
+        if device is not None and torch.device(device).type != "meta":
+            self.spec.turns_tensor(torch.device(device))
+
+    @classmethod
+    def from_preset(cls, name: str, d_model: int, **overrides) -> "SinusoidalPositionalEncoding":
+        """The PE of library ``name`` (``posenc_fast.presets``); its ``embed_scale`` is ``x_scale``.
+
+        A padding-aware preset's position rule needs ids, which this layer does not see: pass its
+        ``positions`` (``posenc_fast.make_positions``) to ``forward``.
+        """
+        preset = presets.get(name)
+        kwargs = preset.kwargs(d_model)
+        kwargs["x_scale"] = kwargs.pop("embed_scale")
+        kwargs.pop("zero_pe_at_padding")
+        kwargs.update(overrides)
+        module = cls(d_model, **kwargs)
+        module.preset = name
+        return module
+
+    def forward(self, x: torch.Tensor, positions: Optional[torch.Tensor] = None,
+                offset: Union[int, torch.Tensor] = 0, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            raise TypeError(f"x must be a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+        return apply_add_spec(x, self.spec, self.spec.turns_tensor(x.device), positions, offset, cu_seqlens,
+                              self.backend)
+
+    def extra_repr(self) -> str:
+        s = self.spec
+        parts = [f"{self.d_model}"]
+        if self.preset is not None:
+            parts.append(f"preset={self.preset!r}")
+        parts.append(f"layout={s.layout!r}")
+        if s.embed_scale != 1.0:
+            parts.append(f"x_scale={s.embed_scale:g}")
+        if s.pe_scale != 1.0:
+            parts.append(f"pe_scale={s.pe_scale:g}")
+        if s.precision != "float32":
+            parts.append(f"precision={s.precision!r}")
         if self.backend != "auto":
             parts.append(f"backend={self.backend!r}")
         return ", ".join(parts)

@@ -194,3 +194,56 @@ def _backward_backward(ctx, grad_grad_weight):
 
 
 sinusoidal_embedding_backward_op.register_autograd(_backward_backward, setup_context=_backward_setup_context)
+
+
+# The PE added to an existing float tensor (speech encoders: conv features; MusicGen: summed codebooks):
+# ``y = x_scale * x + pe_scale * PE(position)``.  It is the embedding op with ``weight = x`` viewed as
+# [N, D] and ids 0..N-1, so every backend's forward kernel serves it unchanged; its gradient to x is
+# ``x_scale * grad_y`` row for row (no sort, no scatter).
+def add_sinusoidal_forward(
+    x: Tensor,
+    turns: Tensor,
+    positions: Optional[Tensor],
+    offsets: Optional[Tensor],
+    offset: int,
+    seq_len: int,
+    pe_columns: List[int],
+    x_scale: float,
+    pe_scale: float,
+    float64_math: bool,
+    backend: str,
+) -> Tensor:
+    """Flat forward: ``[N, D]`` for ``x`` ``[N, D]`` (the position of row n as for token n of the embedding op)."""
+    interleaved, sin_base, num_sin, cos_base, num_cos = pe_columns
+    params = KernelParams(
+        False, x.shape[1], x.shape[1], PEColumns(bool(interleaved), sin_base, num_sin, cos_base, num_cos),
+        x_scale, pe_scale, -1, float64_math,
+    )
+    rows = torch.arange(x.shape[0], device=x.device, dtype=torch.int64)
+    if x.dim() != 2 or not x.is_contiguous():
+        raise ValueError(f"x must be a contiguous 2-D tensor [N, D], got shape {list(x.shape)}, strides {list(x.stride())}")
+    check_op_inputs(rows, x, turns, positions, offsets, seq_len, False, x.shape[1], pe_columns, None)
+    return get_backend(backend).forward(rows, x, turns, positions, offsets, offset, seq_len, params, None)
+
+
+add_sinusoidal_op = torch.library.custom_op("posenc_fast::add_sinusoidal", mutates_args=())(add_sinusoidal_forward)
+
+
+@add_sinusoidal_op.register_fake
+def _(x, turns, positions, offsets, offset, seq_len, pe_columns, x_scale, pe_scale, float64_math, backend):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _add_setup_context(ctx, inputs, output):
+    ctx.x_scale = inputs[7]
+    ctx.num_inputs = len(inputs)
+
+
+def _add_backward(ctx, grad_out):
+    grad_x = None
+    if ctx.needs_input_grad[0]:
+        grad_x = grad_out if ctx.x_scale == 1.0 else grad_out * ctx.x_scale
+    return (grad_x,) + (None,) * (ctx.num_inputs - 1)
+
+
+add_sinusoidal_op.register_autograd(_add_backward, setup_context=_add_setup_context)

@@ -14,14 +14,17 @@ from . import config
 from ._validate import check_cu_seqlens
 
 
-def make_positions(ids: torch.Tensor, padding_idx: int, past_length: Union[int, torch.Tensor] = 0) -> torch.Tensor:
-    """fairseq's padding-aware positions (also HF FSMT, M2M100/NLLB, Speech2Text).
+def make_positions(ids: torch.Tensor, padding_idx: int, past_length: Union[int, torch.Tensor] = 0,
+                   shift_padding: bool = False) -> torch.Tensor:
+    """fairseq's padding-aware positions (also HF M2M100/NLLB, Speech2Text, Kosmos-2, and FSMT).
 
     Non-padding tokens are numbered ``padding_idx + 1, padding_idx + 2, ...`` along the
     last axis, counting only non-padding tokens (so left and right padding both work),
     shifted by ``past_length`` when decoding with a cache; padding tokens get position
     ``padding_idx`` (whose PE fairseq zeroes: use ``zero_pe_at_padding=True``).
     ``past_length``: an int, or one per sequence (shape ``ids.shape[:-1]``).
+    ``shift_padding=True`` is HF FSMT's variant: the past length moves padding tokens too
+    (to ``padding_idx + past_length``, which has a PE once the past length is not 0).
     """
     if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"ids must be an int32 or int64 tensor, got {getattr(ids, 'dtype', type(ids).__name__)}")
@@ -39,6 +42,8 @@ def make_positions(ids: torch.Tensor, padding_idx: int, past_length: Union[int, 
     elif not -(1 << 63) <= past_length < (1 << 63):
         raise ValueError(f"past_length={past_length} does not fit in int64")
     real = (ids != padding_idx).to(torch.int64)
+    if shift_padding:
+        return torch.cumsum(real, dim=-1) * real + past_length + padding_idx
     return (torch.cumsum(real, dim=-1) + past_length) * real + padding_idx
 
 

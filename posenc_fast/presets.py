@@ -21,7 +21,11 @@ import math
 import types
 from typing import Callable, Dict, List, Tuple
 
-POSITION_RULES = ("offset", "fairseq")
+# "offset": start + t.  "fairseq": make_positions (padding stays at padding_idx, with no PE).
+# "fsmt": HF FSMT's variant, where the past length moves padding too (make_positions(..., shift_padding=True)):
+# a padding token decoded after step 0 gets position padding_idx + past and its PE, as in FSMT.
+POSITION_RULES = ("offset", "fairseq", "fsmt")
+PADDING_AWARE_RULES = ("fairseq", "fsmt")
 
 
 def _half(pe_width: int) -> int:
@@ -77,7 +81,7 @@ class Preset:
     frequencies: Callable[[int], Tuple[float, ...]]  # PE width D -> rates (h, or h + 1 for a sin tail)
     embed_scale: Callable[[int], float]  # d_model -> scale of the token embedding
     pe_scale: Callable[[int], float]  # d_model -> scale of the PE
-    position_rule: str = "offset"  # "offset": start + t; "fairseq": make_positions, no PE at padding
+    position_rule: str = "offset"  # one of POSITION_RULES
     odd_width: bool = True  # whether the library itself supports an odd width
     precision: str = "float32"  # "float64" where the library builds its table in float64
     notes: str = ""
@@ -92,7 +96,7 @@ class Preset:
             frequencies=self.frequencies(d_model),
             embed_scale=self.embed_scale(d_model),
             pe_scale=self.pe_scale(d_model),
-            zero_pe_at_padding=self.position_rule == "fairseq",
+            zero_pe_at_padding=self.position_rule in PADDING_AWARE_RULES,
             precision=self.precision,
         )
 
@@ -117,11 +121,21 @@ _register(Preset(
     notes="odd width: a zero last column (the library pads with one)",
 ))
 _register(Preset(
-    "fairseq", "fairseq, HF FSMT, M2M100/NLLB, Speech2Text",
+    "fairseq", "fairseq, HF M2M100/NLLB, NLLB-MoE, Speech2Text, Kosmos-2",
     "fairseq SinusoidalPositionalEmbedding.get_embedding + utils.make_positions",
     "split", _log_spaced_endpoints, _sqrt_width, _one, position_rule="fairseq",
     notes="first real token at padding_idx + 1, counting only non-padding tokens; padding gets no PE; "
-          "offset= is the past length when decoding; odd width: a zero last column",
+          "offset= is the past length when decoding; odd width: a zero last column; embed_scale=sqrt(d_model) "
+          "is scale_embedding=True (pass embed_scale=1.0 for a model without it, e.g. M2M100 configs with "
+          "scale_embedding=False)",
+))
+_register(Preset(
+    "fsmt", "HF FSMT (fairseq WMT19 ports)",
+    "transformers FSMT SinusoidalPositionalEmbedding.forward: make_positions(input) + past_key_values_length",
+    "split", _log_spaced_endpoints, _sqrt_width, _one, position_rule="fsmt",
+    notes="as fairseq, except that when decoding with a cache (past length > 0) a padding token gets "
+          "position padding_idx + past and its PE (a finished row in generate()), where fairseq keeps it at "
+          "padding_idx with no PE",
 ))
 _register(Preset(
     "whisper", "OpenAI Whisper, HF Whisper (encoder)",
@@ -145,7 +159,8 @@ _register(Preset(
     "musicgen", "HF MusicGen (decoder)",
     "MusicgenSinusoidalPositionalEmbedding.get_embedding: cat([cos, sin])",
     "split_cos_first", _log_spaced_endpoints, _one, _one,
-    notes="embed_scale=1 is config.scale_embedding=False (the default); offset= is the past length",
+    notes="embed_scale=1 always: MusicgenDecoder computes embed_scale from config.scale_embedding but never "
+          "applies it; the token vector is the sum of the codebook tables; offset= is the past length",
 ))
 _register(Preset(
     "nemo_nlp", "NVIDIA NeMo NLP TransformerEmbedding",

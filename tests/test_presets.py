@@ -103,6 +103,7 @@ LIBRARY = {
     "vaswani": (vaswani_table, math.sqrt, None, False),
     "tensor2tensor": (tensor2tensor_table, math.sqrt, 9, False),
     "fairseq": (fairseq_table, math.sqrt, 9, False),
+    "fsmt": (fairseq_table, math.sqrt, 9, False),  # fairseq's table; FSMT's rule differs only when decoding
     "whisper": (whisper_table, lambda d: 1.0, None, False),
     "marian": (marian_table, math.sqrt, 7, True),
     "xlm": (xlm_table, lambda d: 1.0, 7, True),
@@ -135,7 +136,7 @@ def _widths(name):
 
 def _positions(name, seed):
     g = torch.Generator().manual_seed(seed)
-    low = 2 if name == "fairseq" else 0  # fairseq: padding_idx 1, real tokens from 2
+    low = 2 if name in ("fairseq", "fsmt") else 0  # fairseq: padding_idx 1, real tokens from 2
     sample = torch.randint(low, MAX_POSITION + 1, (40,), generator=g)
     return torch.cat([torch.tensor([low, low + 1, MAX_POSITION - 1, MAX_POSITION]), sample])
 
@@ -148,7 +149,7 @@ CASES = [(name, d) for name in LIBRARY for d in _widths(name)]
 def test_preset_forward_matches_library_formula(name, d, backend, device, seed):
     table, scale_of, _, _ = LIBRARY[name]
     pos = _positions(name, seed)
-    padding_idx = 1 if name == "fairseq" else None
+    padding_idx = 1 if name in ("fairseq", "fsmt") else None
     layer = pf.SinusoidalEmbedding.from_preset(name, 50, d, padding_idx=padding_idx, backend=backend).to(device)
     g = torch.Generator().manual_seed(seed + 7)
     ids = torch.randint(2, 50, (len(pos),), generator=g)
@@ -173,7 +174,7 @@ def test_preset_at_least_as_accurate_as_the_library_table(name, backend, device,
     table, _, _, float64_table = LIBRARY[name]
     pos = _positions(name, seed)
     d = 64
-    layer = pf.SinusoidalEmbedding.from_preset(name, 4, d, padding_idx=1 if name == "fairseq" else None,
+    layer = pf.SinusoidalEmbedding.from_preset(name, 4, d, padding_idx=1 if name in ("fairseq", "fsmt") else None,
                                                backend=backend).to(device)
     with torch.no_grad():
         layer.weight.zero_()
@@ -197,7 +198,7 @@ def test_preset_at_least_as_accurate_as_the_library_table(name, backend, device,
 def test_preset_gradient(name, d, backend, device, seed):
     _, scale_of, _, _ = LIBRARY[name]
     vocab = 9
-    padding_idx = 1 if name == "fairseq" else None
+    padding_idx = 1 if name in ("fairseq", "fsmt") else None
     layer = pf.SinusoidalEmbedding.from_preset(name, vocab, d, padding_idx=padding_idx, backend=backend).to(device)
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (3, 20), generator=g)
@@ -222,7 +223,7 @@ class LibraryStyleEmbedding(nn.Module):
         table, scale_of, _, _ = LIBRARY[name]
         self.embed = nn.Embedding.from_pretrained(weight, freeze=False, padding_idx=padding_idx)
         self.scale = scale_of(weight.shape[1])
-        self.fairseq = name == "fairseq"
+        self.fairseq = name in ("fairseq", "fsmt")
         self.padding_idx = padding_idx
         self.register_buffer("table", table(torch.arange(max_len), weight.shape[1], torch.float32))
 
@@ -241,7 +242,7 @@ def test_swap_into_a_library_style_encoder(name, backend, device):
     """Same weights, same encoder on top: outputs and gradients agree with the library's way."""
     torch.manual_seed(0)
     d, vocab = 16, 40
-    padding_idx = 1 if name in ("fairseq", "marian") else None
+    padding_idx = 1 if name in ("fairseq", "fsmt", "marian") else None
     weight = torch.randn(vocab, d)
     if padding_idx is not None:
         weight[padding_idx] = 0
@@ -289,3 +290,55 @@ def test_from_pretrained_shares_storage_and_freezes():
     concat = pf.SinusoidalEmbedding.from_pretrained(weight, mode="concat", d_pos=4)
     assert concat.d_model == 12 and concat(torch.tensor([1, 2])).shape == (2, 12)
     assert "preset='whisper'" in repr(pf.SinusoidalEmbedding.from_pretrained(weight, preset="whisper"))
+
+
+@pytest.mark.parametrize("backend,device", TARGETS)
+def test_fsmt_rule_moves_padding_with_the_past_length(backend, device):
+    """HF FSMT numbers a padding token decoded at past length p > 0 as padding_idx + p, with that
+    position's PE (a finished row in generate()); at p = 0 it is the padding position, with no PE."""
+    torch.manual_seed(0)
+    pad, d = 1, 12
+    fsmt = pf.SinusoidalEmbedding.from_preset("fsmt", 30, d, padding_idx=pad, backend=backend).to(device)
+    fairseq = pf.SinusoidalEmbedding.from_preset("fairseq", 30, d, padding_idx=pad, backend=backend).to(device)
+    with torch.no_grad():
+        fsmt.weight.copy_(fairseq.weight)
+    step = torch.tensor([[7], [pad]], device=device)
+    table = fairseq_table(torch.arange(40), d, torch.float64, padding_idx=pad)
+    for past in (0, 5):
+        got = fsmt(step, offset=past)
+        token = fsmt.weight.detach().double().cpu()[step.cpu()] * math.sqrt(d)
+        expected = token + table[torch.tensor([[pad + 1 + past], [pad + past]])]
+        assert_within(got, expected, output_bound(expected, torch.float32), f"fsmt step at past {past}")
+        # fairseq keeps padding at padding_idx: no PE, whatever the past length
+        assert torch.count_nonzero(fairseq(step, offset=past)[1]) == 0
+    assert torch.count_nonzero(fsmt(step, offset=5)[1]) > 0
+    with pytest.raises(ValueError, match="fsmt"):
+        fsmt(step, offset=torch.tensor([5, 5], device=device))
+
+
+def test_make_positions_shift_padding():
+    ids = torch.tensor([[1, 1, 5, 6], [5, 6, 1, 1]])
+    assert pf.make_positions(ids, 1, 3).tolist() == [[1, 1, 5, 6], [5, 6, 1, 1]]
+    assert pf.make_positions(ids, 1, 3, shift_padding=True).tolist() == [[4, 4, 5, 6], [5, 6, 4, 4]]
+
+
+def test_from_pretrained_keeps_the_parameter_it_is_given():
+    """A model's Parameter (tied to its output projection) stays the one Parameter: the layer's gradient
+    lands on it, and the model holds no second Parameter over the same storage."""
+    model = nn.Module()
+    model.embed = nn.Embedding(12, 8, padding_idx=1)
+    model.head = nn.Linear(8, 12, bias=False)
+    model.head.weight = model.embed.weight  # tied
+    layer = pf.SinusoidalEmbedding.from_pretrained(model.embed.weight, preset="fairseq", padding_idx=1)
+    model.fused = layer
+    assert layer.weight is model.embed.weight
+    assert len(list(model.parameters())) == 1
+    ids = torch.tensor([[2, 3, 1]])
+    model.head(layer(ids)).sum().backward()
+    grad = model.embed.weight.grad
+    expected_token_part = torch.zeros(12, 8).index_add_(0, ids[0, :2], torch.ones(2, 1) * model.head.weight.sum(0)
+                                                         * math.sqrt(8))
+    expected_head_part = (layer(ids).detach().sum(dim=(0, 1))).expand(12, 8)
+    torch.testing.assert_close(grad, expected_token_part + expected_head_part)
+    with pytest.raises(ValueError, match="freeze=True"):
+        pf.SinusoidalEmbedding.from_pretrained(model.embed.weight, freeze=True)
