@@ -172,7 +172,8 @@ class PESpec:
             device = torch.device(device)
             cached = self._turns_by_device.get(device)
         if cached is None:
-            if not torch.compiler.is_compiling() and torch.is_inference_mode_enabled():  # a normal tensor: the cache outlives the inference_mode block
+            # A normal tensor even under inference_mode: the cache outlives the block.
+            if not torch.compiler.is_compiling() and torch.is_inference_mode_enabled():
                 with torch.inference_mode(False):
                     cached = torch.tensor(self.turns_fixed_point, dtype=torch.int64, device=device).reshape(-1)
             else:

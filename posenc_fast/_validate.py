@@ -170,7 +170,8 @@ def _make_spec_cached(num_embeddings, token_width, mode, d_pos, base, layout, em
         try:
             frequencies = default_frequencies(pe_width, float(base))
         except OverflowError:  # base ** (-2 i / D) beyond float64 for a base close to 0
-            raise ValueError(f"base={base!r} is too small: its frequencies base ** (-2 i / D) overflow float64") from None
+            raise ValueError(f"base={base!r} is too small: its frequencies base ** (-2 i / D) overflow "
+                             "float64") from None
     else:
         allowed = (half, half + 1) if pe_width % 2 else (half,)
         if len(frequencies) not in allowed:

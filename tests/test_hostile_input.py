@@ -485,7 +485,8 @@ def test_double_backward(dropout, backend, device, seed):
     fused = lambda v: pf.sinusoidal_embedding(ids.to(device), v, dropout_p=dropout, backend=backend, **kwargs)  # noqa
     (got,) = torch.autograd.grad(penalty(fused, w), w)
     w64 = weight.clone().requires_grad_()
-    exact_fn = lambda v: reference.sinusoidal_embedding(ids, v, dropout_p=dropout, dropout_seed=seed_tensor, **kwargs)  # noqa
+    exact_fn = lambda v: reference.sinusoidal_embedding(  # noqa: E731
+        ids, v, dropout_p=dropout, dropout_seed=seed_tensor, **kwargs)
     (want,) = torch.autograd.grad(penalty(exact_fn, w64), w64)
     torch.testing.assert_close(got.cpu().double(), want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
     assert torch.count_nonzero(got[2]) == 0
@@ -591,7 +592,8 @@ def test_other_unusual_arguments(make, error, fragment, no_kernel):
 def test_meta_tensors_give_meta_results():
     """Shape inference on the meta device: no values, so no id or cu_seqlens check, and no kernel."""
     ids = torch.zeros(2, 3, dtype=torch.int64, device="meta")
-    out = pf.sinusoidal_embedding(ids, torch.empty(10, 8, device="meta"), cu_seqlens=torch.tensor([0, 3], device="meta"))
+    out = pf.sinusoidal_embedding(ids, torch.empty(10, 8, device="meta"),
+                                  cu_seqlens=torch.tensor([0, 3], device="meta"))
     assert out.device.type == "meta" and out.shape == (2, 3, 8)
     m = pf.SinusoidalEmbedding(10, 8, mode="concat", d_pos=3, device="meta")
     assert m(ids).shape == (2, 3, 8)

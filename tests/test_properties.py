@@ -173,7 +173,8 @@ def _check_call(backend, device, ids, weight, kwargs, check_ids):
         # Arithmetic error is relative to the terms, not to their sum: with scales like 1e30 and a token
         # and a PE term that cancel, fp32 (or float64) rounding of each term is what bounds the result.
         terms = _term_magnitude(ids.cpu(), weight.detach().cpu(), kwargs)
-        bound = output_bound(exact, weight.dtype, precision) + terms * (2.0**-50 if precision == "float64" else 2.0**-22)
+        relative = 2.0**-50 if precision == "float64" else 2.0**-22
+        bound = output_bound(exact, weight.dtype, precision) + terms * relative
         _assert_matches(out.detach().cpu(), exact, bound, f"{backend} forward")
         if trainable and out.numel():
             grad_out = torch.randn(out.shape, dtype=torch.float64)
