@@ -238,7 +238,7 @@ def _run(command: List[str], log, what: str, progress=None) -> None:
         print(line, end="", file=log, flush=True)
         if progress is not None and _NINJA_STEP.match(line):
             try:
-                progress.write(line)
+                progress.write("\r" + line)
                 progress.flush()
             except OSError:
                 pass
@@ -411,8 +411,8 @@ def _say(line: str, log, progress=None) -> None:
     if log is not None:
         print(line, file=log, flush=True)
     if progress is not None:
-        try:
-            print(line, file=progress, flush=True)
+        try:  # "\r": start at the line's beginning, over pip's spinner
+            print("\r" + line, file=progress, flush=True)
         except OSError:
             pass
 
