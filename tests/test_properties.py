@@ -127,11 +127,10 @@ def _reference(ids, weight, kwargs):
     return reference.sinusoidal_embedding(ids, weight.double() if weight.is_floating_point() else weight, **kwargs)
 
 
-def _term_magnitude(ids, weight, kwargs):
-    """|embed_scale * W[id]| + |pe_scale| per element: a bound on the terms an element sums."""
+def _token_terms(ids, weight, kwargs):
+    """|embed_scale * W[id]| per element (0 in PE-only columns)."""
     token_kwargs = dict(kwargs, embed_scale=abs(kwargs.get("embed_scale", 1.0)), pe_scale=0.0)
-    tokens = _reference(ids, weight.abs().nan_to_num(posinf=0.0), token_kwargs).abs().double()
-    return tokens + abs(kwargs.get("pe_scale", 1.0))
+    return _reference(ids, weight.abs().nan_to_num(posinf=0.0), token_kwargs).abs().double()
 
 
 def _assert_matches(actual, exact, bound, what):
@@ -172,10 +171,19 @@ def _check_call(backend, device, ids, weight, kwargs, check_ids):
         assert out.dtype == weight.dtype and out.shape == exact.shape
         # Arithmetic error is relative to the terms, not to their sum: with scales like 1e30 and a token
         # and a PE term that cancel, fp32 (or float64) rounding of each term is what bounds the result.
-        terms = _term_magnitude(ids.cpu(), weight.detach().cpu(), kwargs)
+        # |embed_scale * W[id]| + |pe_scale| bounds the terms an element sums.
+        token_terms = _token_terms(ids.cpu(), weight.detach().cpu(), kwargs)
+        terms = token_terms + abs(kwargs.get("pe_scale", 1.0))
         relative = 2.0**-50 if precision == "float64" else 2.0**-22
         bound = output_bound(exact, weight.dtype, precision) + terms * relative
-        _assert_matches(out.detach().cpu(), exact, bound, f"{backend} forward")
+        actual = out.detach().cpu()
+        if precision == "float32" and backend != "torch":
+            # Documented limit of float32 arithmetic (docs/design.md, "Hostile input"): a token term
+            # beyond the float32 range overflows to inf before the PE is added, even where the float64
+            # sum is back in range.  Such elements may be that inf; every other element is checked.
+            overflow = (token_terms > torch.finfo(torch.float32).max) & torch.isinf(actual)
+            actual, exact = torch.where(overflow, 0.0, actual), torch.where(overflow, 0.0, exact.double())
+        _assert_matches(actual, exact, bound, f"{backend} forward")
         if trainable and out.numel():
             grad_out = torch.randn(out.shape, dtype=torch.float64)
             (grad,) = torch.autograd.grad(out, weight, grad_out.to(device).float())
