@@ -63,3 +63,5 @@ from .run import (  # noqa: F401
 from .cli import (  # noqa: F401
     add_subcommand, summarize, run_command,
 )
+
+

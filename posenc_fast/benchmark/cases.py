@@ -11,7 +11,6 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 
-
 OPS = ("forward", "backward", "step")
 IMPLS = ("eager", "compile", "compile-max-autotune", "triton", "cuda", "torch")
 JSON_IMPLS = ("eager", "compile", "compile-max-autotune", "triton", "cuda")  # the schema's impl enum

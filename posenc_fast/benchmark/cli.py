@@ -16,7 +16,6 @@ from .results import MergeError, validate_document
 from .report import target_report, format_table, plot_results
 from .run import run_benchmark
 
-
 # In the current directory; a clear name, not a folder of this repository's layout (bench/results/
 # holds the committed results; copy a run's files there by hand).
 DEFAULT_OUT = "posenc_fast-bench-results"

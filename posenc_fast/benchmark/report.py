@@ -7,7 +7,6 @@ import math
 import os
 from typing import Dict, List, Optional, Sequence, Tuple
 
-
 from .cases import JSON_IMPLS, COMPILE_IMPLS, TARGETS, DECODE_TARGET_X_EAGER, Case
 from .results import Measurement, _key
 
