@@ -12,7 +12,8 @@ the tiles and warps ``triton_backend`` would launch for the headline shape; the 
 **Hot path.** The SASS of a kernel is cut into basic blocks; loops are the backward branches.  The
 hot path of one thread is the path from the entry to an EXIT that moves the most bytes of its main
 stream (forward: every global store, which all write the output; gradient: the 128-bit loads of
-grad_out rows), and among those the one with the fewest instructions.  That selects the vector
+grad_out rows), then (forward) loads the most bytes in 128-bit loads (valid ids read their rows), then uses the
+fewest global accesses (the widest), and among those has the fewest instructions.  That selects the vector
 store/load paths over the element-by-element fallbacks, the 32-bit over the 64-bit division, and
 in the gradient the tokens whose run of ids does not end.  A subroutine call (Triton's 64-bit
 remainder) costs the fewest instructions from the subroutine's entry to its RET.  Blocks inside a
@@ -212,19 +213,21 @@ def basic_blocks(instrs: List[Instr]) -> List[Block]:
     return blocks
 
 
-# (stream bytes, -stream accesses, -instructions), maximised lexicographically: the most bytes, moved
-# in the fewest (widest) accesses, with the fewest instructions.
-Score = Tuple[int, int, int]
+# (stream bytes, secondary bytes, -global accesses, -instructions), maximised lexicographically: the
+# most bytes of the stream, then of the secondary accesses (forward: the loads, so that valid ids
+# read their rows), moved in the fewest (widest) accesses, with the fewest instructions.
+Score = Tuple[int, int, int, int]
 
 
-def _block_cost(block: Block, stream, callee_cost: Dict[int, int], trips: int) -> Tuple[int, int, int]:
+def _block_cost(block: Block, stream, secondary, callee_cost: Dict[int, int], trips: int) -> Score:
     instructions = sum(1 for ins in block.instrs if ins.base != "NOP")
     stream_bytes = sum(access_width(ins.op) // 8 for ins in block.instrs if stream(ins))
-    stream_accesses = sum(1 for ins in block.instrs if stream(ins))
+    secondary_bytes = sum(access_width(ins.op) // 8 for ins in block.instrs if secondary(ins))
+    accesses = sum(1 for ins in block.instrs if ins.base in ("LDG", "STG"))
     for ins in block.instrs:
         if ins.base == "CALL":
             instructions += callee_cost.get(_target(ins.args), 0)
-    return stream_bytes * trips, -stream_accesses * trips, -instructions * trips
+    return stream_bytes * trips, secondary_bytes * trips, -accesses * trips, -instructions * trips
 
 
 def _loop_trips(blocks: List[Block], trips: int) -> List[int]:
@@ -256,18 +259,18 @@ def _add(a: Score, b: Score) -> Score:
 class Path:
     instructions: int
     stream_bytes: int
-    stream_accesses: int
+    accesses: int
     instrs: List[Instr]
 
 
-def hot_paths(instrs: List[Instr], stream, trips: int = 1) -> List[Path]:
+def hot_paths(instrs: List[Instr], stream, secondary=lambda ins: False, trips: int = 1) -> List[Path]:
     """The best entry-to-exit path through each block holding a stream access (module docstring)."""
     blocks = basic_blocks(instrs)
     index = {b.start: i for i, b in enumerate(blocks)}
     callees = {_target(ins.args) for ins in instrs if ins.base == "CALL"}
     callee_cost = {t: _min_path_to_ret(blocks, index[t]) for t in callees if t in index}
     factor = _loop_trips(blocks, trips)
-    cost = [_block_cost(b, stream, callee_cost, f) for b, f in zip(blocks, factor)]
+    cost = [_block_cost(b, stream, secondary, callee_cost, f) for b, f in zip(blocks, factor)]
     n = len(blocks)
     neg = None
     # Forward: best score from the entry through block i (inclusive).
@@ -288,7 +291,7 @@ def hot_paths(instrs: List[Instr], stream, trips: int = 1) -> List[Path]:
     for i in range(n - 1, -1, -1):
         for s in blocks[i].succs:
             if s == -1:
-                cand, nxt = (0, 0, 0), -1
+                cand, nxt = (0, 0, 0, 0), -1
             elif s > i and bwd[s] is not None:
                 cand, nxt = _add(bwd[s], cost[s]), s
             else:
@@ -315,7 +318,7 @@ def hot_paths(instrs: List[Instr], stream, trips: int = 1) -> List[Path]:
             for j in chain:
                 flat.extend(ins for ins in blocks[j].instrs if ins.base != "NOP")
             score = _add(fwd[i], bwd[i])
-            paths[key] = Path(-score[2], score[0], -score[1], flat)
+            paths[key] = Path(-score[3], score[0], -score[2], flat)
     return list(paths.values())
 
 
@@ -508,7 +511,7 @@ def cuda_function(variant: Variant, arch: int, workdir: str) -> Tuple[str, str, 
         cubin = cuda_cubin(f"forward_{variant.dtype}.cu", arch, workdir)
         math = "float" if variant.math == "float32" else "double"
         interleaved = "true" if variant.layout == "interleaved" else "false"
-        wanted = f"forward_kernel<{cpp}, {math}, long, {interleaved}, false>("
+        wanted = f"forward_kernel<{cpp}, {math}, long, {interleaved}, false, false>("
         variant.warps_per_block = 8
     else:
         cubin = cuda_cubin("weight_grad.cu", arch, workdir)
@@ -547,9 +550,11 @@ def analyze(variant: Variant, cubin: str, function: str, variant_arch: int) -> d
     forward = variant.kernel == "forward"
     if forward:
         def stream(ins): return ins.base == "STG"
+        def secondary(ins): return ins.base == "LDG" and access_width(ins.op) == 128
     else:
         def stream(ins): return ins.base == "LDG" and access_width(ins.op) == 128
-    paths = hot_paths(instrs, stream, variant.trips)
+        def secondary(ins): return False
+    paths = hot_paths(instrs, stream, secondary, variant.trips)
     roles: Dict[str, Path] = {}
     for p in paths:
         role = "pe" if any(ins.base == "I2F" for ins in p.instrs) else "copy"
