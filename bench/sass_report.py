@@ -444,7 +444,8 @@ def triton_cubins(variant: Variant, arch: int, workdir: str) -> Tuple[str, str, 
                       "positions_ptr": None, "offsets_ptr": None, "seed_ptr": None}
         fn, warps = kernels.forward_kernel, backend.FORWARD_WARPS
     else:
-        block_d = min(backend.GRAD_BLOCK_D, D_MODEL)
+        block_bytes = getattr(backend, "GRAD_BLOCK_BYTES", None)
+        block_d = min(block_bytes // variant.elem_bytes if block_bytes else backend.GRAD_BLOCK_D, D_MODEL)
         constexprs = {"CHUNK": backend.GRAD_CHUNK, "BLOCK_D": block_d, "SOFTWARE_BF16": False}
         if variant.kernel == "grad_chunk":
             sig = {"sorted_ids_ptr": "*i32", "order_ptr": "*i64", "grad_out_ptr": f"*{tl_dtype}",
@@ -670,10 +671,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--backend", nargs="+", default=["triton", "cuda"], choices=["triton", "cuda"])
     parser.add_argument("--kernels", default="all", choices=["all", "forward", "grad"])
     parser.add_argument("--only", default=None, help="substring of the variant names to keep")
+    parser.add_argument("--json", action="store_true", help="print the entries as one JSON list last")
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results"),
                         help="directory for sass-sm<arch>.json (not written with --only)")
     args = parser.parse_args(argv)
     results = run(args.arch, args.backend, args.only, args.kernels)
+    if args.json:
+        print(json.dumps([e for rows in results.values() for e in rows]))
     if args.only is None and args.out:
         os.makedirs(args.out, exist_ok=True)
         for arch, rows in results.items():
