@@ -209,6 +209,8 @@ def basic_blocks(instrs: List[Instr]) -> List[Block]:
     for i, b in enumerate(blocks):
         for head in [s for s in b.succs if 0 <= s <= i]:
             exits = {s for j in range(head, i + 1) for s in blocks[j].succs if s == -1 or s > i}
+            if not exits and i + 1 < len(blocks):  # left through a BREAK/BSYNC region: at the latch
+                exits = {i + 1}
             b.succs.extend(sorted(exits - set(b.succs)))
     return blocks
 
