@@ -12,8 +12,11 @@ the tiles and warps ``triton_backend`` would launch for the headline shape; the 
 **Hot path.** The SASS of a kernel is cut into basic blocks; loops are the backward branches.  The
 hot path of one thread is the path from the entry to an EXIT that moves the most bytes of its main
 stream (forward: every global store, which all write the output; gradient: the 128-bit loads of
-grad_out rows), then (forward) loads the most bytes in 128-bit loads (valid ids read their rows), then uses the
-fewest global accesses (the widest), and among those has the fewest instructions.  That selects the vector
+grad_out rows), then (forward) loads the most bytes in 128-bit loads (valid ids read their rows),
+then uses the fewest global accesses (the widest), and among those has the fewest instructions.
+The search does not know correlated branches (one condition tested twice): kernel code whose
+hot path must be counted should not test a skippable condition separately per step, or the
+count is a lower bound (bench/NOTES.md says where that applied).  That selects the vector
 store/load paths over the element-by-element fallbacks, the 32-bit over the 64-bit division, and
 in the gradient the tokens whose run of ids does not end.  A subroutine call (Triton's 64-bit
 remainder) costs the fewest instructions from the subroutine's entry to its RET.  Blocks inside a
@@ -35,7 +38,9 @@ instructions per output element).
 the SM's warp and block limits.  **Roofline** (headline: 2^19 tokens, d_model 1024):
 T_mem = bytes_moved / copy bandwidth; T_issue = warp-instructions * tokens / (SMs * 4 schedulers *
 clock * efficiency), with FP64 arithmetic counted at its pipe's cost in issue cycles; the
-prediction is T = max(T_mem, T_issue) and the percentage is T_mem / T.  The numbers assumed are in
+prediction is T = max(T_mem, T_issue) and the percentage is T_mem / T; gradient stage 1 adds
+T_latency, each warp having ``rows_in_flight`` grad_out rows per two dependent memory latencies
+(order, then row; Little's law).  The numbers assumed are in
 GPUS.  It is a model, not a measurement: the GPU session compares against it (bench/NOTES.md).
 """
 
