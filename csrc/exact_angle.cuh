@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 #include "platform.cuh"
 
@@ -31,10 +32,30 @@ template <typename Math>
 __device__ __forceinline__ Math reduced_angle(uint64_t turn_units, unsigned& quadrant) {
   const uint64_t shifted = turn_units + kEighthTurn;  // wraps: top two bits = nearest quarter turn
   quadrant = static_cast<unsigned>(shifted >> 62);
-  // In [-2^61, 2^61).  Both operands fit in int64, so the subtraction is exact.
-  const int64_t remainder = static_cast<int64_t>(shifted & kQuarterTurnMask) - static_cast<int64_t>(kEighthTurn);
+  // In [-2^61, 2^61): the low 62 bits of turn_units as a signed number, (shifted mod 2^62) - 2^61.
+  // The same value is the high word sign-extended from its bit 29 (32-bit shifts), low word as is.
+  const int32_t high = static_cast<int32_t>(static_cast<uint32_t>(turn_units >> 32) << 2) >> 2;
+  const int64_t remainder = static_cast<int64_t>((static_cast<uint64_t>(static_cast<int64_t>(high)) << 32) |
+                                                 (turn_units & 0xFFFFFFFFu));
   // Round-to-nearest conversion, then one multiply by the constant rounded to Math (as Triton does).
   return static_cast<Math>(remainder) * static_cast<Math>(kRadiansPerUnit);
+}
+
+// x with its sign bit flipped where `sign` (0 or 0x80000000) has it: -x without a select.
+__device__ __forceinline__ float flip_sign(float x, uint32_t sign) {
+  uint32_t bits;
+  memcpy(&bits, &x, sizeof bits);
+  bits ^= sign;
+  memcpy(&x, &bits, sizeof x);
+  return x;
+}
+
+__device__ __forceinline__ double flip_sign(double x, uint32_t sign) {
+  uint64_t bits;
+  memcpy(&bits, &x, sizeof bits);
+  bits ^= static_cast<uint64_t>(sign) << 32;
+  memcpy(&x, &bits, sizeof x);
+  return x;
 }
 
 __device__ __forceinline__ void taylor_sin_cos(float a, float& sin_a, float& cos_a) {
@@ -68,11 +89,17 @@ __device__ __forceinline__ void sin_cos_of_turns(uint64_t turn_units, Math& sin_
   Math sin_a, cos_a;
   taylor_sin_cos(a, sin_a, cos_a);
   // Rotate by quadrant * 90 degrees: (sin, cos) -> (cos, -sin) -> (-sin, -cos) -> (-cos, sin).
-  const bool odd = (quadrant & 1u) != 0;
+  // The quadrant is the top two bits of high + 2^29 (the high word of turn_units + 1/8 turn): odd
+  // quadrants swap, sin is negative in quadrants 2 and 3 (bit 31), cos in 1 and 2 (bit 31 of the
+  // quadrant plus one).  The signs flip by XOR (exactly -x), on 32-bit words.
+  const uint32_t high = static_cast<uint32_t>(turn_units >> 32);
+  const uint32_t quarter = high + 0x20000000u;
+  const bool odd = (quarter & 0x40000000u) != 0;
   const Math sin_unsigned = odd ? cos_a : sin_a;
   const Math cos_unsigned = odd ? sin_a : cos_a;
-  sin_out = quadrant >= 2 ? -sin_unsigned : sin_unsigned;
-  cos_out = (quadrant == 1 || quadrant == 2) ? -cos_unsigned : cos_unsigned;
+  sin_out = flip_sign(sin_unsigned, quarter & 0x80000000u);
+  cos_out = flip_sign(cos_unsigned, (high + 0x60000000u) & 0x80000000u);
+  (void)quadrant;
 }
 
 }  // namespace posenc

@@ -116,6 +116,47 @@ __device__ __forceinline__ int64_t token_position(const Args& a, int64_t token) 
   return static_cast<int64_t>(static_cast<uint64_t>(start) + static_cast<uint64_t>(within));
 }
 
+// Positions of a thread's tokens first + k * step (k < K; zero for tokens past the end).  Only the
+// first token divides: the others step its (sequence, within) forward by `step`, which crosses at
+// most one sequence boundary when step < seq_len (always, but for tiny sequences).
+// kPositions: explicit positions (a.positions), a kernel of its own so that the computed positions'
+// path has no branch on it.
+template <int K, bool kPositions, typename Args>
+__device__ __forceinline__ void token_positions(const Args& a, const int64_t (&token)[K], int64_t (&position)[K]) {
+  if constexpr (kPositions) {
+#pragma unroll
+    for (int k = 0; k < K; ++k) position[k] = token[k] < a.num_tokens ? __ldg(a.positions + token[k]) : 0;
+    return;
+  }
+  const int64_t step = K > 1 ? token[1] - token[0] : 0;
+  const bool incremental = step < a.seq_len &&
+                           ((static_cast<uint64_t>(token[0]) | static_cast<uint64_t>(a.seq_len)) >> 31) == 0;
+  if (!incremental) {
+    // Tokens past the end take the last token's position (never stored); no branch per token.
+#pragma unroll
+    for (int k = 0; k < K; ++k) position[k] = token_position(a, token[k] < a.num_tokens ? token[k] : a.num_tokens - 1);
+    return;
+  }
+  // 32-bit: token[0] and seq_len are below 2^31, so within + step < 2^32.
+  const uint32_t s = static_cast<uint32_t>(a.seq_len), step32 = static_cast<uint32_t>(step);
+  uint32_t sequence = static_cast<uint32_t>(token[0]) / s;
+  uint32_t within = static_cast<uint32_t>(token[0]) - sequence * s;
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    if (k > 0) {
+      within += step32;
+      if (within >= s) {
+        within -= s;
+        ++sequence;
+      }
+    }
+    int64_t start = a.offset;
+    if (a.offsets != nullptr) start = token[k] < a.num_tokens ? __ldg(a.offsets + sequence) : 0;
+    // Wraps like torch's int64 addition.
+    position[k] = static_cast<int64_t>(static_cast<uint64_t>(start) + within);
+  }
+}
+
 template <typename T, typename Math>
 __device__ __forceinline__ Math pe_scale_of(const KernelArgs<T, Math>& a, int64_t id) {
   return (a.pe_zero_id >= 0 && id == a.pe_zero_id) ? Math(0) : a.pe_scale;  // fairseq: padding gets no PE
@@ -185,7 +226,7 @@ __device__ __forceinline__ void copy_token_columns(const KernelArgs<T, Math>& a,
 }
 
 // Interleaved layout: PE columns [col, col + V) hold sin, cos of pairs col/2 .. col/2 + V/2.
-template <typename T, typename Math, typename IdT, int K, bool kDropout>
+template <typename T, typename Math, typename IdT, int K, bool kDropout, bool kPositions>
 __device__ __forceinline__ void interleaved_pe_columns(const KernelArgs<T, Math>& a, const DropoutMask& mask,
                                                        int64_t pe_unit, int64_t first, int64_t step) {
   constexpr int V = vector_elems<T>();
@@ -197,8 +238,7 @@ __device__ __forceinline__ void interleaved_pe_columns(const KernelArgs<T, Math>
   load_rates(a, pair0, rate);
   int64_t token[K], id[K], position[K];
   load_ids<IdT>(a, first, step, token, id);
-#pragma unroll
-  for (int k = 0; k < K; ++k) position[k] = token[k] < a.num_tokens ? token_position(a, token[k]) : 0;
+  token_positions<K, kPositions>(a, token, position);
   Span<T, V> w[K];
   if (a.add_tokens) load_token_spans(a, token, id, col, count, w);
   uint32_t keep[K];
@@ -212,8 +252,9 @@ __device__ __forceinline__ void interleaved_pe_columns(const KernelArgs<T, Math>
     for (int p = 0; p < P; ++p) {
       Math s, c;
       sin_cos_of_turns(phase_of(position[k], rate[p]), s, c);
+      // An odd D's tail cos (column D) is past `count`: never stored, so no mask.
       values[2 * p] = s * scale;
-      values[2 * p + 1] = pair0 + p < a.num_pairs ? c * scale : Math(0);
+      values[2 * p + 1] = c * scale;
     }
     if (a.add_tokens) {
       Math tokens[V];
@@ -228,7 +269,7 @@ __device__ __forceinline__ void interleaved_pe_columns(const KernelArgs<T, Math>
 
 // Block layouts: pair slots [pair0, pair0 + V) put their sins at sin_base + i (i < num_sin) and
 // their coses at cos_base + i (i < num_cos; a slot at or past h is a zero column).
-template <typename T, typename Math, typename IdT, int K, bool kDropout>
+template <typename T, typename Math, typename IdT, int K, bool kDropout, bool kPositions>
 __device__ __forceinline__ void block_pe_columns(const KernelArgs<T, Math>& a, const DropoutMask& mask,
                                                  int64_t pe_unit, int64_t first, int64_t step) {
   constexpr int V = vector_elems<T>();
@@ -240,8 +281,9 @@ __device__ __forceinline__ void block_pe_columns(const KernelArgs<T, Math>& a, c
   load_rates(a, pair0, rate);
   int64_t token[K], id[K], position[K];
   load_ids<IdT>(a, first, step, token, id);
-#pragma unroll
-  for (int k = 0; k < K; ++k) position[k] = token[k] < a.num_tokens ? token_position(a, token[k]) : 0;
+  token_positions<K, kPositions>(a, token, position);
+  // Slots at or past h have a zero cos column: the count of slots with a cos, once per thread.
+  const int with_cos = elems_inside<V>(pair0, a.num_pairs);
   Span<T, V> w_sin[K], w_cos[K];
   if (a.add_tokens) {
     load_token_spans(a, token, id, sin_col, sin_count, w_sin);
@@ -260,7 +302,7 @@ __device__ __forceinline__ void block_pe_columns(const KernelArgs<T, Math>& a, c
       Math s, c;
       sin_cos_of_turns(phase_of(position[k], rate[p]), s, c);
       sins[p] = s * scale;
-      coses[p] = pair0 + p < a.num_pairs ? c * scale : Math(0);
+      coses[p] = p < with_cos ? c * scale : Math(0);
     }
     if (a.add_tokens) {
       Math tokens[V];
@@ -281,7 +323,7 @@ __device__ __forceinline__ void block_pe_columns(const KernelArgs<T, Math>& a, c
 
 // Grid: (token groups, unit blocks); block: (units, tokens).  No shared memory and no barriers,
 // so a thread without a unit simply returns.
-template <typename T, typename Math, typename IdT, bool kInterleaved, bool kDropout>
+template <typename T, typename Math, typename IdT, bool kInterleaved, bool kDropout, bool kPositions>
 __global__ void __launch_bounds__(kThreads) forward_kernel(const KernelArgs<T, Math> a) {
   constexpr int K = tokens_per_thread<kInterleaved>();
   const int64_t unit = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
@@ -294,15 +336,15 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const KernelArgs<T, M
   if (unit < a.num_copy_units) {
     copy_token_columns<T, Math, IdT, K, kDropout>(a, mask, unit, first, step);
   } else if constexpr (kInterleaved) {
-    interleaved_pe_columns<T, Math, IdT, K, kDropout>(a, mask, unit - a.num_copy_units, first, step);
+    interleaved_pe_columns<T, Math, IdT, K, kDropout, kPositions>(a, mask, unit - a.num_copy_units, first, step);
   } else {
-    block_pe_columns<T, Math, IdT, K, kDropout>(a, mask, unit - a.num_copy_units, first, step);
+    block_pe_columns<T, Math, IdT, K, kDropout, kPositions>(a, mask, unit - a.num_copy_units, first, step);
   }
 }
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-template <typename T, typename Math, typename IdT, bool kInterleaved, bool kDropout>
+template <typename T, typename Math, typename IdT, bool kInterleaved, bool kDropout, bool kPositions>
 cudaError_t launch_kernel(const ForwardArgs& args, cudaStream_t stream) {
   constexpr int V = vector_elems<T>();
   constexpr int K = tokens_per_thread<kInterleaved>();
@@ -352,19 +394,26 @@ cudaError_t launch_kernel(const ForwardArgs& args, cudaStream_t stream) {
   if (grid_x > INT32_MAX || grid_y > 65535) return cudaErrorInvalidConfiguration;
   const dim3 grid(static_cast<unsigned>(grid_x), static_cast<unsigned>(grid_y));
   const dim3 block(static_cast<unsigned>(units_x), static_cast<unsigned>(tokens_y));
-  return launch(forward_kernel<T, Math, IdT, kInterleaved, kDropout>, grid, block, stream, a);
+  return launch(forward_kernel<T, Math, IdT, kInterleaved, kDropout, kPositions>, grid, block, stream, a);
 }
 
-// Dispatch on the runtime choices that change the generated code: math, ids dtype, layout, dropout.
-template <typename T, typename Math, typename IdT>
-cudaError_t launch_for_types(const ForwardArgs& args, cudaStream_t stream) {
+// Dispatch on the runtime choices that change the generated code: math, ids dtype, layout, dropout,
+// explicit positions.
+template <typename T, typename Math, typename IdT, bool kPositions>
+cudaError_t launch_for_positions(const ForwardArgs& args, cudaStream_t stream) {
   const bool interleaved = args.columns.interleaved;
   if (args.dropout_seed != nullptr) {
-    return interleaved ? launch_kernel<T, Math, IdT, true, true>(args, stream)
-                       : launch_kernel<T, Math, IdT, false, true>(args, stream);
+    return interleaved ? launch_kernel<T, Math, IdT, true, true, kPositions>(args, stream)
+                       : launch_kernel<T, Math, IdT, false, true, kPositions>(args, stream);
   }
-  return interleaved ? launch_kernel<T, Math, IdT, true, false>(args, stream)
-                     : launch_kernel<T, Math, IdT, false, false>(args, stream);
+  return interleaved ? launch_kernel<T, Math, IdT, true, false, kPositions>(args, stream)
+                     : launch_kernel<T, Math, IdT, false, false, kPositions>(args, stream);
+}
+
+template <typename T, typename Math, typename IdT>
+cudaError_t launch_for_types(const ForwardArgs& args, cudaStream_t stream) {
+  return args.positions != nullptr ? launch_for_positions<T, Math, IdT, true>(args, stream)
+                                   : launch_for_positions<T, Math, IdT, false>(args, stream);
 }
 
 template <typename T>

@@ -108,28 +108,69 @@ __device__ __forceinline__ void widen_span(const Span<T, N>& span, Math (&values
   for (int e = 0; e < N; ++e) values[e] = static_cast<Math>(Element<T>::widen(span.elems[e]));
 }
 
+// Two elements of T packed into one 32-bit word, `lo` at the lower address.
+template <typename T>
+__device__ __forceinline__ uint32_t pack_pair(T lo, T hi) {
+  static_assert(sizeof(T) == 2, "pairs of 16-bit elements");
+  uint16_t l, h;
+  memcpy(&l, &lo, sizeof l);
+  memcpy(&h, &hi, sizeof h);
+  return static_cast<uint32_t>(l) | (static_cast<uint32_t>(h) << 16);
+}
+
+// 16 bytes of T rounded from values[first .. first + vector_elems), as four 32-bit words: an
+// explicit 128-bit vector, so that the store is one STG.128 (a byte copy into a uint4 compiled to
+// four 32-bit stores).
+template <typename T, typename Math, int N>
+__device__ __forceinline__ uint4 pack_vector(const Math (&values)[N], int first) {
+  uint32_t words[4];
+  if constexpr (sizeof(T) == 4) {
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      const T x = Element<T>::narrow(values[first + w]);
+      memcpy(&words[w], &x, sizeof x);
+    }
+  } else {
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      words[w] = pack_pair(Element<T>::narrow(values[first + 2 * w]), Element<T>::narrow(values[first + 2 * w + 1]));
+    }
+  }
+  uint4 vector;
+  vector.x = words[0];
+  vector.y = words[1];
+  vector.z = words[2];
+  vector.w = words[3];
+  return vector;
+}
+
+// One 16-byte store.  On the GPU an explicit st.global.v4: given a uint4 built from separately
+// computed words, the compiler split the assignment into four 32-bit stores (4x the store
+// instructions and L2 write requests).
+__device__ __forceinline__ void store_vector(uint4* p, const uint4& v) {
+#if defined(__CUDA_ARCH__)
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+#else
+  *p = v;
+#endif
+}
+
 // Rounds `values` (float or double) to T, to nearest even, once, and stores the first `count`
 // (0..N) of them at p.
 template <typename T, typename Math, int N>
 __device__ __forceinline__ void store_span(T* __restrict__ p, const Math (&values)[N], int count) {
-  Span<T, N> span;
-#pragma unroll
-  for (int e = 0; e < N; ++e) span.elems[e] = Element<T>::narrow(values[e]);
   if constexpr (Span<T, N>::kVectors > 0) {
     if (count == N && is_vector_aligned(p)) {
       uint4* vectors = reinterpret_cast<uint4*>(p);
 #pragma unroll
-      for (int v = 0; v < Span<T, N>::kVectors; ++v) {
-        uint4 raw;
-        memcpy(&raw, &span.elems[v * vector_elems<T>()], kVectorBytes);
-        vectors[v] = raw;
-      }
+      for (int v = 0; v < Span<T, N>::kVectors; ++v) store_vector(vectors + v, pack_vector<T>(values, v * vector_elems<T>()));
       return;
     }
   }
 #pragma unroll
   for (int e = 0; e < N; ++e) {
-    if (e < count) p[e] = span.elems[e];
+    if (e < count) p[e] = Element<T>::narrow(values[e]);
   }
 }
 

@@ -97,9 +97,14 @@ def _forward_blocks(params: KernelParams, num_tokens: int):
 
 
 FORWARD_WARPS = 4
-# Weight-gradient column block: one warp, 8 consecutive columns per thread (16-byte rows in bf16).
-GRAD_BLOCK_D = 256
+# Weight-gradient column block: one warp, 1 KiB of a grad_out row per program (32 bytes, two 16-byte
+# vectors, per thread: 512 columns of bf16, 256 of fp32), so the per-token run logic is paid once
+# per 1 KiB.
+GRAD_BLOCK_BYTES = 1024
 GRAD_WARPS = 1
+# grad_out rows each stage-1 program has requested ahead of the one it adds (grad_chunk_kernel's
+# prefetch depth; read by bench/sass_report.py's latency model).
+GRAD_ROWS_IN_FLIGHT = 4
 
 
 def _dropout_grouped(params: KernelParams, block_p: int) -> bool:
@@ -166,7 +171,7 @@ def _backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_i
     num_chunks = triton.cdiv(num_tokens, GRAD_CHUNK)
     partials = new_buffer((num_chunks, 2, token_width), torch.float32, grad_out.device)
     # At least 4 columns: the dropout mask is made four columns (one Philox call) at a time.
-    block_d = min(GRAD_BLOCK_D, max(4, triton.next_power_of_2(token_width)))
+    block_d = min(GRAD_BLOCK_BYTES // grad_out.element_size(), max(4, triton.next_power_of_2(token_width)))
     grid = (num_chunks, triton.cdiv(token_width, block_d))
     if dropout is not None:
         embed_scale = embed_scale * dropout.scale  # kept rows were scaled in forward

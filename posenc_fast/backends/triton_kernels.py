@@ -47,10 +47,13 @@ COS_18: tl.constexpr = tl.constexpr(-1.0 / 6402373705728000.0)
 def sin_cos_of_turns(turn_units, FLOAT64: tl.constexpr):
     """(sin, cos) of the angle 2*pi * turn_units / 2**64, for int64 turn_units of any value,
     in fp32 (or float64 when FLOAT64)."""
-    # Wrapping add: shifted's top two bits are the nearest quarter turn (mod 4).
+    # The nearest quarter turn is the top two bits of turn_units + 1/8 turn, i.e. of high + 2**29 on
+    # the high word (32-bit, wrapping).  The remainder, |a| <= pi/4, is the low 62 bits as a signed
+    # number: the high word sign-extended from its bit 29, the low word as is.  Same values as
+    # ((turn_units + 2**61) & (2**62 - 1)) - 2**61 and its top bits, on 32-bit words.
     shifted = turn_units + EIGHTH_TURN
-    quadrant = (shifted >> 62) & 3
     remainder = (shifted & QUARTER_TURN_MASK) - EIGHTH_TURN  # in [-2**61, 2**61): |a| <= pi/4
+    high = (turn_units >> 32).to(tl.int32)
     if FLOAT64:
         a = remainder.to(tl.float64) * RADIANS_PER_UNIT
         z = a * a
@@ -63,12 +66,21 @@ def sin_cos_of_turns(turn_units, FLOAT64: tl.constexpr):
         z = a * a
         sin_a = a + a * z * (SIN_3 + z * (SIN_5 + z * (SIN_7 + z * SIN_9)))
         cos_a = 1.0 + z * (COS_2 + z * (COS_4 + z * (COS_6 + z * (COS_8 + z * COS_10))))
-    # Rotate by quadrant * 90 degrees: (sin, cos) -> (cos, -sin) -> (-sin, -cos) -> (-cos, sin).
-    odd = (quadrant & 1) == 1
+    # Rotate by quadrant * 90 degrees: (sin, cos) -> (cos, -sin) -> (-sin, -cos) -> (-cos, sin):
+    # odd quadrants swap; sin is negative in quadrants 2 and 3 (bit 31 of high + 2**29), cos in 1
+    # and 2 (bit 31 of high + 3 * 2**29).  The sign flips by XOR of the sign bit (exactly -x).
+    quarter = high.to(tl.uint32, bitcast=True) + 0x20000000
+    odd = (quarter & 0x40000000) != 0
     sin_unsigned = tl.where(odd, cos_a, sin_a)
     cos_unsigned = tl.where(odd, sin_a, cos_a)
-    sin = tl.where(quadrant >= 2, -sin_unsigned, sin_unsigned)
-    cos = tl.where((quadrant == 1) | (quadrant == 2), -cos_unsigned, cos_unsigned)
+    sin_sign = (quarter >> 31) << 31
+    cos_sign = ((high.to(tl.uint32, bitcast=True) + 0x60000000) >> 31) << 31
+    if FLOAT64:  # 64-bit XORs cost more than the selects here
+        sin = tl.where(sin_sign != 0, -sin_unsigned, sin_unsigned)
+        cos = tl.where(cos_sign != 0, -cos_unsigned, cos_unsigned)
+    else:
+        sin = (sin_unsigned.to(tl.uint32, bitcast=True) ^ sin_sign).to(tl.float32, bitcast=True)
+        cos = (cos_unsigned.to(tl.uint32, bitcast=True) ^ cos_sign).to(tl.float32, bitcast=True)
     return sin, cos
 
 
@@ -254,16 +266,6 @@ def forward_kernel(
 
 
 @triton.jit
-def _cols_if(cols, width, cond):
-    """``(cols < width) & cond`` for a scalar ``cond``, written as one block comparison.
-
-    Combining a block mask with a scalar comparison splats the scalar, and Triton's
-    interpreter gives that splat the compared operands' integer type: a non-bool mask,
-    which Triton 3.9's interpreter rejects ("mask has unsupported dtype")."""
-    return cols < tl.where(cond, width, 0)
-
-
-@triton.jit
 def grad_chunk_kernel(
     sorted_ids_ptr, order_ptr, grad_out_ptr, grad_weight_ptr, partials_ptr, seed_ptr,
     num_tokens, num_embeddings, token_width, grad_out_row_stride, padding_idx, embed_scale, dropout_threshold,
@@ -288,13 +290,20 @@ def grad_chunk_kernel(
     current_id = tl.load(sorted_ids_ptr + start).to(tl.int64)
     started_here = previous_id != current_id
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    # Four rows in flight: the row of sorted token i + 4 is requested (its `order` entry, then the
+    # row) before row i is added, so a program waits on memory about once per four tokens instead
+    # of twice per token (triton_backend.GRAD_ROWS_IN_FLIGHT).
+    token0, row0 = _grad_row(order_ptr, grad_out_ptr, start, end, cols, token_width, grad_out_row_stride)
+    token1, row1 = _grad_row(order_ptr, grad_out_ptr, start + 1, end, cols, token_width, grad_out_row_stride)
+    token2, row2 = _grad_row(order_ptr, grad_out_ptr, start + 2, end, cols, token_width, grad_out_row_stride)
+    token3, row3 = _grad_row(order_ptr, grad_out_ptr, start + 3, end, cols, token_width, grad_out_row_stride)
     for j in range(CHUNK):
         i = start + j
         valid = i < end
-        token = tl.load(order_ptr + i, mask=valid, other=0)
-        row = tl.load(grad_out_ptr + token * grad_out_row_stride + cols, mask=_cols_if(cols, token_width, valid), other=0.0)
+        token4, row4 = _grad_row(order_ptr, grad_out_ptr, i + 4, end, cols, token_width, grad_out_row_stride)
+        row = row0
         if DROPOUT:
-            keep = dropout_keep(seed, tl.zeros([1], dtype=tl.int64) + token, cols, dropout_threshold, col0, True)
+            keep = dropout_keep(seed, tl.zeros([1], dtype=tl.int64) + token0, cols, dropout_threshold, col0, True)
             row = tl.where(tl.reshape(keep, (BLOCK_D,)), row, 0.0)
         acc += row.to(tl.float32)
         next_id = tl.load(sorted_ids_ptr + i + 1, mask=i + 1 < num_tokens, other=-1).to(tl.int64)
@@ -304,12 +313,34 @@ def grad_chunk_kernel(
         writable = (current_id != padding_idx) & (current_id < num_embeddings)
         final = run_ends & started_here & ~continues_after
         tl.store(grad_weight_ptr + current_id * token_width + cols,
-                 round_for_store(acc * embed_scale, grad_weight_ptr, SOFTWARE_BF16), mask=_cols_if(cols, token_width, final & writable))
+                 round_for_store(acc * embed_scale, grad_weight_ptr, SOFTWARE_BF16),
+                 mask=_columns_if(cols, token_width, final & writable))
         slot = tl.where(started_here, 1, 0)
-        tl.store(partials_ptr + (chunk * 2 + slot) * token_width + cols, acc, mask=_cols_if(cols, token_width, run_ends & ~final))
+        tl.store(partials_ptr + (chunk * 2 + slot) * token_width + cols, acc,
+                 mask=_columns_if(cols, token_width, run_ends & ~final))
         acc = tl.where(run_ends, 0.0, acc)
         started_here = started_here | run_ends
         current_id = tl.where(run_ends, next_id, current_id)
+        token0, token1, token2, token3 = token1, token2, token3, token4
+        row0, row1, row2, row3 = row1, row2, row3, row4
+
+
+@triton.jit
+def _columns_if(cols, token_width, condition):
+    """Mask of ``cols < token_width`` where the scalar ``condition`` holds, else none: one compare
+    against a selected limit (a tensor mask & a scalar condition is int32, not a mask, in Triton
+    3.9's interpreter)."""
+    return cols < tl.where(condition, token_width, 0)
+
+
+@triton.jit
+def _grad_row(order_ptr, grad_out_ptr, i, end, cols, token_width, grad_out_row_stride):
+    """Token order[i] and its grad_out row at ``cols`` (zeros past ``end``)."""
+    ok = i < end
+    token = tl.load(order_ptr + i, mask=ok, other=0)
+    row = tl.load(grad_out_ptr + token * grad_out_row_stride + cols, mask=_columns_if(cols, token_width, ok),
+                  other=0.0)
+    return token, row
 
 
 @triton.jit
@@ -331,7 +362,8 @@ def grad_carry_kernel(
     previous_id = tl.load(sorted_ids_ptr + start - 1, mask=start > 0, other=-1).to(tl.int64)
     started_before = (first_id == run_id) & (previous_id == run_id)
     owner = (next_id == run_id) & ~started_before
-    acc = tl.load(partials_ptr + (chunk * 2 + 1) * token_width + cols, mask=_cols_if(cols, token_width, owner), other=0.0)
+    acc = tl.load(partials_ptr + (chunk * 2 + 1) * token_width + cols, mask=_columns_if(cols, token_width, owner),
+                  other=0.0)
     later = chunk + 1
     going = owner
     while going:
@@ -342,4 +374,5 @@ def grad_carry_kernel(
         later += 1
     writable = owner & (run_id != padding_idx) & (run_id < num_embeddings)
     tl.store(grad_weight_ptr + run_id * token_width + cols,
-             round_for_store(acc * embed_scale, grad_weight_ptr, SOFTWARE_BF16), mask=_cols_if(cols, token_width, writable))
+             round_for_store(acc * embed_scale, grad_weight_ptr, SOFTWARE_BF16),
+             mask=_columns_if(cols, token_width, writable))
