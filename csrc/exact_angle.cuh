@@ -11,7 +11,7 @@
 
 #include <cstdint>
 
-#include "platform.cuh"
+#include "host_device.h"
 
 namespace posenc {
 

@@ -1,0 +1,480 @@
+// CPU kernels: the fused forward and the deterministic weight gradient (cpu_kernels.h), with the
+// exact-angle math of the CUDA kernels (exact_angle.cuh) and their Philox dropout mask (philox.cuh).
+//
+// Forward, one token row at a time (rows are split across threads):
+//   1. the sin and cos of every pair slot at the token's position, into two scratch arrays: a
+//      loop over pairs whose body is sin_cos_of_turns, which the compiler vectorises (one SIMD
+//      lane per pair: 64-bit phase products, the quarter-turn reduction, the polynomials and the
+//      quadrant selects), 16 fp32 pairs per AVX-512 instruction;
+//   2. the PE row, in the layout's columns, times pe_scale (zero at pe_zero_id);
+//   3. the token row times embed_scale, added (fused multiply-add where the ISA has one) or
+//      placed before the PE (concat);
+//   4. dropout: keep bits from Philox, one call per four columns, select-or-scale;
+//   5. one rounding to the output dtype (nearest even), one contiguous store.
+// Steps 2 to 5 work on one row in L1 (a few KiB); only the weight row and the output row touch
+// memory.  When the batch repeats positions (B sequences sharing a scalar offset), step 1 is done
+// once per distinct position into a table shared by the threads (PE rows are the same values
+// whichever token asks, so the results do not change).
+//
+// Weight gradient: the caller sorts the ids; here the runs of equal ids are found, and each work
+// item (a run and a block of 128 columns) sums its tokens' gradient rows in fp32 in sorted order,
+// scales once and stores.  No atomics, no order that depends on threads: bitwise reproducible.
+//
+// This file is compiled once per instruction set (POSENC_CPU_ISA: isa_baseline, isa_avx2 with
+// -march=x86-64-v3, isa_avx512 with -march=x86-64-v4), each into its own namespace; everything
+// here is inside it, and the shared headers' functions are always inlined, so no code compiled for
+// one variant can be linked into another.
+#include "cpu_kernels.h"
+
+#include <cstdint>
+#include <cstring>
+#include <new>
+
+#include "exact_angle.cuh"
+#include "philox.cuh"
+
+#ifndef POSENC_CPU_ISA
+#error "compile with -DPOSENC_CPU_ISA=isa_baseline (or isa_avx2, isa_avx512)"
+#endif
+
+namespace posenc {
+namespace cpu {
+namespace POSENC_CPU_ISA {
+namespace {
+
+#define POSENC_INLINE inline __attribute__((always_inline))
+
+POSENC_INLINE int64_t min_of(int64_t a, int64_t b) { return a < b ? a : b; }
+POSENC_INLINE int64_t max_of(int64_t a, int64_t b) { return a > b ? a : b; }
+
+// ---- element types: widen exactly to fp32; narrow from fp32 or float64 with one rounding ----
+
+struct BFloat16 {
+  uint16_t bits;
+};
+struct Float16 {
+  uint16_t bits;
+};
+
+POSENC_INLINE uint32_t bits_of(float x) {
+  uint32_t b;
+  std::memcpy(&b, &x, sizeof b);
+  return b;
+}
+
+POSENC_INLINE float float_of(uint32_t b) {
+  float x;
+  std::memcpy(&x, &b, sizeof x);
+  return x;
+}
+
+// float64 -> fp32 rounded to odd: the neighbour with an odd last bit when inexact.  Rounding that
+// once more to nearest even at <= 22 bits (bf16, fp16) equals rounding the double directly, so
+// float64 math is rounded once to bf16/fp16 although the hardware has no such conversion.
+POSENC_INLINE float round_to_odd_fp32(double x) {
+  const float f = static_cast<float>(x);
+  if (static_cast<double>(f) == x || x != x) return f;
+  uint32_t b = bits_of(f);
+  if ((b & 1u) == 0) {  // nearest-even landed on the even neighbour: take the other one, toward x
+    const double fa = f < 0 ? -static_cast<double>(f) : static_cast<double>(f);
+    const double xa = x < 0 ? -x : x;
+    b = fa > xa ? b - 1 : b + 1;  // magnitude down or up (from inf: down to the largest finite)
+  }
+  return float_of(b);
+}
+
+POSENC_INLINE uint16_t bf16_of(float x) {
+  const uint32_t b = bits_of(x);
+  if ((b & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((b >> 16) | 0x40u);  // NaN stays NaN
+  return static_cast<uint16_t>((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);  // nearest even (carries to inf)
+}
+
+POSENC_INLINE uint16_t fp16_of(float x) {
+  const uint32_t b = bits_of(x);
+  const uint32_t sign = (b >> 16) & 0x8000u;
+  const uint32_t a = b & 0x7fffffffu;
+  if (a >= 0x7f800000u) return static_cast<uint16_t>(sign | (a > 0x7f800000u ? 0x7e00u : 0x7c00u));
+  if (a >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // >= 65520: rounds to inf
+  if (a >= 0x38800000u) {  // normal fp16 (>= 2^-14): rebias the exponent, round 13 bits away
+    const uint32_t m = a - 0x38000000u;
+    return static_cast<uint16_t>(sign | ((m + 0xfffu + ((m >> 13) & 1u)) >> 13));
+  }
+  if (a <= 0x33000000u) return static_cast<uint16_t>(sign);  // <= 2^-25: rounds to zero (ties to even)
+  // Subnormal fp16: the value in units of 2^-24, rounded to nearest even.
+  const uint32_t exponent = a >> 23;
+  const uint32_t mantissa = (a & 0x7fffffu) | 0x800000u;
+  const uint32_t shift = 126u - exponent;  // 14..24
+  uint32_t q = mantissa >> shift;
+  const uint32_t rest = mantissa & ((1u << shift) - 1u), half = 1u << (shift - 1u);
+  if (rest > half || (rest == half && (q & 1u))) ++q;
+  return static_cast<uint16_t>(sign | q);
+}
+
+POSENC_INLINE float float_of_fp16(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
+  if (exponent == 0x1fu) return float_of(sign | 0x7f800000u | (mantissa << 13));
+  if (exponent == 0) {
+    const float v = static_cast<float>(mantissa) * 5.9604644775390625e-08f;  // 2^-24, exact
+    return sign ? -v : v;
+  }
+  return float_of(sign | ((exponent + 112u) << 23) | (mantissa << 13));
+}
+
+template <typename T>
+struct Element;
+
+template <>
+struct Element<float> {
+  static POSENC_INLINE float widen(float x) { return x; }
+  static POSENC_INLINE float narrow(float x) { return x; }
+  static POSENC_INLINE float narrow(double x) { return static_cast<float>(x); }
+};
+
+template <>
+struct Element<BFloat16> {
+  static POSENC_INLINE float widen(BFloat16 x) { return float_of(static_cast<uint32_t>(x.bits) << 16); }
+  static POSENC_INLINE BFloat16 narrow(float x) { return BFloat16{bf16_of(x)}; }
+  static POSENC_INLINE BFloat16 narrow(double x) { return BFloat16{bf16_of(round_to_odd_fp32(x))}; }
+};
+
+template <>
+struct Element<Float16> {
+  static POSENC_INLINE float widen(Float16 x) { return float_of_fp16(x.bits); }
+  static POSENC_INLINE Float16 narrow(float x) { return Float16{fp16_of(x)}; }
+  static POSENC_INLINE Float16 narrow(double x) { return Float16{fp16_of(round_to_odd_fp32(x))}; }
+};
+
+// ---- scratch: plain new[] (no standard-library templates in a per-ISA file) ----
+
+template <typename V>
+struct Scratch {
+  V* data = nullptr;
+  explicit Scratch(int64_t n) : data(n > 0 ? new (std::nothrow) V[n] : nullptr) {}
+  ~Scratch() { delete[] data; }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+};
+
+// ---- dropout ----
+
+// row[c] = keep(token, col0 + c) ? row[c] * scale : 0 for c < count; col0 is a multiple of 4.
+template <typename Math>
+POSENC_INLINE void apply_dropout(const DropoutMask& mask, int64_t token, int64_t col0, int64_t count, Math scale,
+                                 Math* row) {
+  const uint64_t t = static_cast<uint64_t>(token);
+  const uint32_t t_low = static_cast<uint32_t>(t), t_high = static_cast<uint32_t>(t >> 32);
+  const int64_t groups = (count + 3) / 4;
+  const uint32_t group0 = static_cast<uint32_t>(col0 >> 2);
+  for (int64_t g = 0; g < groups; ++g) {
+    const PhiloxWords r = philox4x32_10(group0 + static_cast<uint32_t>(g), t_low, t_high, 0, mask.key);
+    for (int w = 0; w < 4; ++w) {
+      const int64_t c = 4 * g + w;
+      if (c < count) row[c] = r.word[w] >= mask.threshold ? row[c] * scale : Math(0);
+    }
+  }
+}
+
+// ---- forward ----
+
+template <typename Math>
+struct ForwardPlan {
+  const ForwardArgs* args;
+  const int64_t* rates;  // [slots]: turns, then 0 (an odd D's zero tail)
+  int64_t slots;  // ceil(D / 2) pair slots
+  int64_t num_pairs;  // h = D / 2: slots at or past it have a zero cos
+  int64_t width;
+  int64_t pe_col0;
+  Math embed_scale, pe_scale, dropout_scale;
+  DropoutMask mask;
+  // Shared sin/cos table of positions offset + j, j < seq_len (when the batch repeats them), or null.
+  const Math* table_sin;
+  const Math* table_cos;
+};
+
+template <typename Math>
+POSENC_INLINE void sin_cos_row(int64_t position, const int64_t* __restrict__ rates, int64_t slots,
+                               Math* __restrict__ sins, Math* __restrict__ coses) {
+  for (int64_t i = 0; i < slots; ++i) {
+    Math s, c;
+    sin_cos_of_turns<Math>(phase_of(position, rates[i]), s, c);
+    sins[i] = s;
+    coses[i] = c;
+  }
+}
+
+POSENC_INLINE int64_t token_position(const ForwardArgs& a, int64_t token) {
+  if (a.positions != nullptr) return a.positions[token];
+  const int64_t sequence = token / a.seq_len, within = token - sequence * a.seq_len;
+  const int64_t start = a.offsets != nullptr ? a.offsets[sequence] : a.offset;
+  return static_cast<int64_t>(static_cast<uint64_t>(start) + static_cast<uint64_t>(within));  // wraps
+}
+
+template <typename IdT>
+POSENC_INLINE int64_t token_id(const ForwardArgs& a, int64_t token) {
+  return static_cast<int64_t>(static_cast<const IdT*>(a.ids)[token]);
+}
+
+// The PE of one token into pe[0, D), times `scale`, from its slots' sins and coses.
+template <typename Math>
+POSENC_INLINE void place_pe(const ForwardPlan<Math>& p, const Math* __restrict__ sins,
+                            const Math* __restrict__ coses, Math scale, Math* __restrict__ pe) {
+  const ForwardArgs& a = *p.args;
+  const int64_t h = p.num_pairs;
+  if (a.interleaved) {
+    for (int64_t i = 0; i < h; ++i) {
+      pe[2 * i] = sins[i] * scale;
+      pe[2 * i + 1] = coses[i] * scale;
+    }
+    if (a.pe_width > 2 * h) pe[2 * h] = sins[h] * scale;  // an odd D's tail: a sin or (rate 0) zero
+    return;
+  }
+  Math* __restrict__ sin_out = pe + a.sin_base;
+  for (int64_t i = 0; i < a.num_sin; ++i) sin_out[i] = sins[i] * scale;
+  Math* __restrict__ cos_out = pe + a.cos_base;
+  const int64_t with_cos = min_of(a.num_cos, h);
+  for (int64_t i = 0; i < with_cos; ++i) cos_out[i] = coses[i] * scale;
+  for (int64_t i = with_cos; i < a.num_cos; ++i) cos_out[i] = Math(0);  // cos slot h: a zero column
+}
+
+template <typename T, typename Math, typename IdT>
+struct ForwardTokens {
+  static void run(void* context, int64_t begin, int64_t end) {
+    const ForwardPlan<Math>& p = *static_cast<const ForwardPlan<Math>*>(context);
+    const ForwardArgs& a = *p.args;
+    Scratch<Math> scratch(p.width + 2 * p.slots);
+    Math* __restrict__ row = scratch.data;
+    Math* __restrict__ sins = row + p.width;
+    Math* __restrict__ coses = sins + p.slots;
+    const T* weight = static_cast<const T*>(a.weight);
+    T* out = static_cast<T*>(a.out);
+    const int64_t tw = a.token_width;
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t id = token_id<IdT>(a, t);
+      const bool has_row = id >= 0 && id < a.num_embeddings;
+      const Math pe_scale = (a.pe_zero_id >= 0 && id == a.pe_zero_id) ? Math(0) : p.pe_scale;
+      const Math* s = sins;
+      const Math* c = coses;
+      if (p.table_sin != nullptr) {
+        const int64_t j = t % a.seq_len;
+        s = p.table_sin + j * p.slots;
+        c = p.table_cos + j * p.slots;
+      } else {
+        sin_cos_row(token_position(a, t), p.rates, p.slots, sins, coses);
+      }
+      Math* __restrict__ pe = row + p.pe_col0;
+      place_pe(p, s, c, pe_scale, pe);
+      const T* __restrict__ w = has_row ? weight + id * a.weight_row_stride : weight;
+      if (a.concat) {
+        if (has_row) {
+          for (int64_t k = 0; k < tw; ++k) row[k] = static_cast<Math>(Element<T>::widen(w[k])) * p.embed_scale;
+        } else {
+          for (int64_t k = 0; k < tw; ++k) row[k] = Math(0);
+        }
+      } else if (has_row) {
+        // w * es + pe: contracted to one fused multiply-add where the ISA has it (the CUDA kernel's fma).
+        for (int64_t k = 0; k < tw; ++k) row[k] = static_cast<Math>(Element<T>::widen(w[k])) * p.embed_scale + row[k];
+      }
+      if (a.dropout_seed != nullptr) apply_dropout(p.mask, t, 0, p.width, p.dropout_scale, row);
+      T* __restrict__ y = out + t * p.width;
+      for (int64_t k = 0; k < p.width; ++k) y[k] = Element<T>::narrow(row[k]);
+    }
+  }
+};
+
+template <typename Math>
+struct TableRows {
+  static void run(void* context, int64_t begin, int64_t end) {
+    const ForwardPlan<Math>& p = *static_cast<const ForwardPlan<Math>*>(context);
+    Math* table_sin = const_cast<Math*>(p.table_sin);
+    Math* table_cos = const_cast<Math*>(p.table_cos);
+    for (int64_t j = begin; j < end; ++j) {
+      const int64_t position = static_cast<int64_t>(static_cast<uint64_t>(p.args->offset) + static_cast<uint64_t>(j));
+      sin_cos_row(position, p.rates, p.slots, table_sin + j * p.slots, table_cos + j * p.slots);
+    }
+  }
+};
+
+// Tokens per work item: enough to amortise the per-item scratch, small enough to balance threads.
+constexpr int64_t kTokenGrain = 16;
+// The shared table is used when every position repeats at least this often, up to this many bytes.
+constexpr int64_t kTableMinRepeats = 2;
+constexpr int64_t kTableMaxBytes = int64_t(16) << 20;
+
+template <typename T, typename Math, typename IdT>
+const char* forward_typed(const ForwardArgs& a) {
+  const int64_t slots = a.pe_width - a.pe_width / 2;
+  Scratch<int64_t> rates(slots);
+  if (slots > 0 && rates.data == nullptr) return "out of memory (rates)";
+  for (int64_t i = 0; i < slots; ++i) rates.data[i] = i < a.num_turns ? a.turns[i] : 0;
+  ForwardPlan<Math> p;
+  p.args = &a;
+  p.rates = rates.data;
+  p.slots = slots;
+  p.num_pairs = a.pe_width / 2;
+  p.width = a.concat ? a.token_width + a.pe_width : a.token_width;
+  p.pe_col0 = a.concat ? a.token_width : 0;
+  p.embed_scale = static_cast<Math>(a.embed_scale);  // fp32 math: the scales rounded to fp32, as on the GPU
+  p.pe_scale = static_cast<Math>(a.pe_scale);
+  p.dropout_scale = static_cast<Math>(a.dropout_scale);
+  p.mask = DropoutMask{};
+  if (a.dropout_seed != nullptr) {
+    const uint64_t seed = static_cast<uint64_t>(*a.dropout_seed);
+    p.mask = DropoutMask{{static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)}, a.dropout_threshold};
+  }
+  p.table_sin = p.table_cos = nullptr;
+  const bool shared_positions = a.positions == nullptr && a.offsets == nullptr;
+  const int64_t table_rows = min_of(a.seq_len, a.num_tokens);
+  const int64_t table_bytes = 2 * table_rows * slots * static_cast<int64_t>(sizeof(Math));
+  Scratch<Math> table(shared_positions && a.num_tokens >= kTableMinRepeats * table_rows && slots > 0 &&
+                              table_bytes <= kTableMaxBytes
+                          ? 2 * table_rows * slots
+                          : 0);
+  if (table.data != nullptr) {
+    p.table_sin = table.data;
+    p.table_cos = table.data + table_rows * slots;
+    parallel_for(table_rows, kTokenGrain, a.num_threads, &TableRows<Math>::run, &p);
+  }
+  parallel_for(a.num_tokens, kTokenGrain, a.num_threads, &ForwardTokens<T, Math, IdT>::run, &p);
+  return nullptr;
+}
+
+template <typename T, typename Math>
+const char* forward_ids(const ForwardArgs& a) {
+  if (a.ids_dtype == DType::kInt64) return forward_typed<T, Math, int64_t>(a);
+  if (a.ids_dtype == DType::kInt32) return forward_typed<T, Math, int32_t>(a);
+  return "ids: dtype code is not INT32 or INT64";
+}
+
+template <typename T>
+const char* forward_math(const ForwardArgs& a) {
+  return a.float64_math ? forward_ids<T, double>(a) : forward_ids<T, float>(a);
+}
+
+// ---- weight gradient ----
+
+constexpr int64_t kGradColumns = 128;  // columns per work item (a multiple of 4: whole Philox groups)
+
+struct GradPlan {
+  const WeightGradArgs* args;
+  const int64_t* run_starts;  // [num_runs + 1]
+  int64_t num_runs;
+  int64_t column_blocks;
+  float scale;  // embed_scale (times the dropout scale), rounded to fp32 once, as on the GPU
+  DropoutMask mask;
+};
+
+template <typename KeyT>
+POSENC_INLINE int64_t sorted_id(const WeightGradArgs& a, int64_t i) {
+  return static_cast<int64_t>(static_cast<const KeyT*>(a.sorted_ids)[i]);
+}
+
+template <typename G, typename W, typename KeyT>
+struct GradItems {
+  static void run(void* context, int64_t begin, int64_t end) {
+    const GradPlan& p = *static_cast<const GradPlan*>(context);
+    const WeightGradArgs& a = *p.args;
+    float sum[kGradColumns];
+    float row[kGradColumns];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t run = item / p.column_blocks;
+      const int64_t col0 = (item - run * p.column_blocks) * kGradColumns;
+      const int64_t count = min_of(kGradColumns, a.token_width - col0);
+      const int64_t first = p.run_starts[run], last = p.run_starts[run + 1];
+      const int64_t id = sorted_id<KeyT>(a, first);
+      if (id >= a.num_embeddings || id == a.padding_idx) continue;  // the sentinel, or no gradient
+      for (int64_t k = 0; k < count; ++k) sum[k] = 0.0f;
+      for (int64_t i = first; i < last; ++i) {
+        const int64_t token = a.order[i];
+        const G* __restrict__ g = static_cast<const G*>(a.grad_out) + token * a.grad_out_row_stride + col0;
+        if (a.dropout_seed != nullptr) {
+          for (int64_t k = 0; k < count; ++k) row[k] = Element<G>::widen(g[k]);
+          // A dropped element adds 0, even if its gradient is not finite (a select, as in the reference).
+          apply_dropout(p.mask, token, col0, count, 1.0f, row);
+          for (int64_t k = 0; k < count; ++k) sum[k] += row[k];
+        } else {
+          for (int64_t k = 0; k < count; ++k) sum[k] += Element<G>::widen(g[k]);
+        }
+      }
+      W* __restrict__ out = static_cast<W*>(a.grad_weight) + id * a.token_width + col0;
+      for (int64_t k = 0; k < count; ++k) out[k] = Element<W>::narrow(sum[k] * p.scale);
+    }
+  }
+};
+
+template <typename G, typename W>
+const char* weight_grad_typed(const WeightGradArgs& a) {
+  const bool keys64 = a.sorted_ids_dtype == DType::kInt64;
+  if (!keys64 && a.sorted_ids_dtype != DType::kInt32) return "sorted_ids: dtype code is not INT32 or INT64";
+  Scratch<int64_t> starts(a.num_tokens + 1);
+  if (starts.data == nullptr) return "out of memory (runs)";
+  int64_t num_runs = 0;
+  int64_t previous = -1;
+  for (int64_t i = 0; i < a.num_tokens; ++i) {
+    const int64_t id = keys64 ? sorted_id<int64_t>(a, i) : sorted_id<int32_t>(a, i);
+    if (i == 0 || id != previous) starts.data[num_runs++] = i;
+    previous = id;
+  }
+  starts.data[num_runs] = a.num_tokens;
+  GradPlan p;
+  p.args = &a;
+  p.run_starts = starts.data;
+  p.num_runs = num_runs;
+  p.column_blocks = (a.token_width + kGradColumns - 1) / kGradColumns;
+  const bool dropout = a.dropout_seed != nullptr;
+  p.scale = static_cast<float>(dropout ? a.embed_scale * a.dropout_scale : a.embed_scale);
+  p.mask = DropoutMask{};
+  if (dropout) {
+    const uint64_t seed = static_cast<uint64_t>(*a.dropout_seed);
+    p.mask = DropoutMask{{static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)}, a.dropout_threshold};
+  }
+  const int64_t items = num_runs * p.column_blocks;
+  const int64_t grain = max_of(1, 4096 / max_of(1, a.token_width));  // ~4k columns of rows per chunk
+  if (keys64) {
+    parallel_for(items, grain, a.num_threads, &GradItems<G, W, int64_t>::run, &p);
+  } else {
+    parallel_for(items, grain, a.num_threads, &GradItems<G, W, int32_t>::run, &p);
+  }
+  return nullptr;
+}
+
+template <typename W>
+const char* weight_grad_of_weight(const WeightGradArgs& a) {
+  if (a.grad_dtype == DType::kFloat32) return weight_grad_typed<float, W>(a);
+  if (a.grad_dtype != a.weight_dtype) return "grad_out must have the weight's dtype or FLOAT32";
+  if (a.grad_dtype == DType::kFloat16) return weight_grad_typed<Float16, W>(a);
+  return weight_grad_typed<BFloat16, W>(a);
+}
+
+}  // namespace
+
+const char* forward(const ForwardArgs& a) {
+  if (a.num_tokens < 0 || a.seq_len < 1 || a.token_width < 0 || a.pe_width < 0 || a.num_turns < 0 ||
+      a.num_embeddings < 0 || a.num_threads < 1 || (!a.concat && a.pe_width != a.token_width)) {
+    return "invalid forward arguments";
+  }
+  if (a.num_tokens == 0) return nullptr;
+  switch (a.dtype) {
+    case DType::kFloat32: return forward_math<float>(a);
+    case DType::kFloat16: return forward_math<Float16>(a);
+    case DType::kBFloat16: return forward_math<BFloat16>(a);
+    default: return "weight: dtype code is not FLOAT32, FLOAT16 or BFLOAT16";
+  }
+}
+
+const char* weight_grad(const WeightGradArgs& a) {
+  if (a.num_tokens < 0 || a.token_width < 0 || a.num_embeddings < 0 || a.num_threads < 1) {
+    return "invalid weight gradient arguments";
+  }
+  if (a.num_tokens == 0 || a.token_width == 0 || a.num_embeddings == 0) return nullptr;
+  switch (a.weight_dtype) {
+    case DType::kFloat32: return weight_grad_of_weight<float>(a);
+    case DType::kFloat16: return weight_grad_of_weight<Float16>(a);
+    case DType::kBFloat16: return weight_grad_of_weight<BFloat16>(a);
+    default: return "grad_weight: dtype code is not FLOAT32, FLOAT16 or BFLOAT16";
+  }
+}
+
+}  // namespace POSENC_CPU_ISA
+}  // namespace cpu
+}  // namespace posenc
