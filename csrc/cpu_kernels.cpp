@@ -19,6 +19,9 @@
 // Weight gradient: the caller sorts the ids; here the runs of equal ids are found, and each work
 // item (a run and a block of 128 columns) sums its tokens' gradient rows in fp32 in sorted order,
 // scales once and stores.  No atomics, no order that depends on threads: bitwise reproducible.
+// Every other row is zeroed here, by all threads, instead of by a serial torch.zeros: the dense
+// [V, d] gradient is the largest buffer of a step, and its first touch (page faults) is most of
+// its cost (the binding also advises the kernel to back it with huge pages).
 //
 // This file is compiled once per instruction set (POSENC_CPU_ISA: isa_baseline, isa_avx2 with
 // -march=x86-64-v3, isa_avx512 with -march=x86-64-v4), each into its own namespace; everything
@@ -402,6 +405,16 @@ struct GradItems {
   }
 };
 
+// Rows [begin, end) of grad_weight set to zero (+0.0 is all-zero bits in every float format).
+template <typename W>
+struct ZeroRows {
+  static void run(void* context, int64_t begin, int64_t end) {
+    const WeightGradArgs& a = *static_cast<const GradPlan*>(context)->args;
+    W* rows = static_cast<W*>(a.grad_weight) + begin * a.token_width;
+    std::memset(static_cast<void*>(rows), 0, static_cast<size_t>((end - begin) * a.token_width) * sizeof(W));
+  }
+};
+
 template <typename G, typename W>
 const char* weight_grad_typed(const WeightGradArgs& a) {
   const bool keys64 = a.sorted_ids_dtype == DType::kInt64;
@@ -428,6 +441,9 @@ const char* weight_grad_typed(const WeightGradArgs& a) {
     const uint64_t seed = static_cast<uint64_t>(*a.dropout_seed);
     p.mask = DropoutMask{{static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)}, a.dropout_threshold};
   }
+  // Zero the rows no run writes (padding_idx's too), in parallel, before the sums.
+  parallel_for(a.num_embeddings, max_of(1, (int64_t(1) << 18) / max_of(1, a.token_width)), a.num_threads,
+               &ZeroRows<W>::run, &p);
   const int64_t items = num_runs * p.column_blocks;
   const int64_t grain = max_of(1, 4096 / max_of(1, a.token_width));  // ~4k columns of rows per chunk
   if (keys64) {
@@ -466,7 +482,7 @@ const char* weight_grad(const WeightGradArgs& a) {
   if (a.num_tokens < 0 || a.token_width < 0 || a.num_embeddings < 0 || a.num_threads < 1) {
     return "invalid weight gradient arguments";
   }
-  if (a.num_tokens == 0 || a.token_width == 0 || a.num_embeddings == 0) return nullptr;
+  if (a.token_width == 0 || a.num_embeddings == 0) return nullptr;
   switch (a.weight_dtype) {
     case DType::kFloat32: return weight_grad_of_weight<float>(a);
     case DType::kFloat16: return weight_grad_of_weight<Float16>(a);

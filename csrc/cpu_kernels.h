@@ -59,8 +59,8 @@ struct ForwardArgs {
 
 // grad_W[v] = embed_scale * sum over tokens t with ids[t] == v of grad_out[t, :token_width] (fp32,
 // in sorted order), as posenc::WeightGradArgs.  The caller sorts the ids stably (out-of-range ids
-// become the sentinel num_embeddings) and zero-fills grad_weight; rows no token hits, padding_idx
-// and the sentinel are never written.
+// become the sentinel num_embeddings).  Unlike the CUDA kernel, this one writes every row of
+// grad_weight: rows no token hits, and padding_idx, become zero (the buffer needs no initial value).
 struct WeightGradArgs {
   const void* sorted_ids;
   DType sorted_ids_dtype;  // kInt32 or kInt64
@@ -68,7 +68,7 @@ struct WeightGradArgs {
   const void* grad_out;  // [num_tokens, >= token_width], unit column stride
   int64_t grad_out_row_stride;
   DType grad_dtype;  // the weight's dtype or kFloat32
-  void* grad_weight;  // [num_embeddings, token_width], contiguous, zero-filled
+  void* grad_weight;  // [num_embeddings, token_width], contiguous; every element is written
   DType weight_dtype;
   int64_t num_tokens;
   int64_t num_embeddings;

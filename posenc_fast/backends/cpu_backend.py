@@ -200,10 +200,11 @@ def forward(ids, weight, turns, positions, offsets, offset, seq_len, params: Ker
 
 def backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype,
              dropout: Optional[Dropout]):
-    grad_weight = torch.zeros((num_embeddings, token_width), dtype=weight_dtype, device=grad_out.device)
     num_tokens = ids.numel()
     if num_tokens == 0 or num_embeddings == 0 or token_width == 0:
-        return grad_weight
+        return torch.zeros((num_embeddings, token_width), dtype=weight_dtype, device=grad_out.device)
+    # Not zero-filled here: the kernel writes every row (zeros in parallel, huge-page backed; see csrc/cpu_kernels.cpp).
+    grad_weight = new_buffer((num_embeddings, token_width), weight_dtype, grad_out.device)
     module = _require()
     if grad_out.dtype != weight_dtype:
         grad_out = grad_out.float()  # the kernel takes the gradient in the weight's dtype or in fp32
