@@ -12,9 +12,9 @@
 //   4. dropout: keep bits from Philox, one call per four columns, select-or-scale;
 //   5. one rounding to the output dtype (nearest even), one contiguous store.
 // Steps 2 to 5 work on one row in L1 (a few KiB); only the weight row and the output row touch
-// memory.  When the batch repeats positions (B sequences sharing a scalar offset), step 1 is done
-// once per distinct position into a table shared by the threads (PE rows are the same values
-// whichever token asks, so the results do not change).
+// memory.  When the batch repeats positions (B sequences sharing a scalar offset), the work is
+// split by position instead of by token: steps 1 and 2 run once per distinct position, for all the
+// tokens at it (the same values whichever token asks, so the results do not change).
 //
 // Weight gradient: the caller sorts the ids; here the runs of equal ids are found, and each work
 // item (a run and a block of 128 columns) sums its tokens' gradient rows in fp32 in sorted order,
@@ -190,9 +190,6 @@ struct ForwardPlan {
   int64_t pe_col0;
   Math embed_scale, pe_scale, dropout_scale;
   DropoutMask mask;
-  // Shared sin/cos table of positions offset + j, j < seq_len (when the batch repeats them), or null.
-  const Math* table_sin;
-  const Math* table_cos;
 };
 
 template <typename Math>
@@ -240,6 +237,52 @@ POSENC_INLINE void place_pe(const ForwardPlan<Math>& p, const Math* __restrict__
   for (int64_t i = with_cos; i < a.num_cos; ++i) cos_out[i] = Math(0);  // cos slot h: a zero column
 }
 
+// One token's output row from its PE row (pe = row + pe_col0, already times its pe scale): the
+// token columns times embed_scale, added or placed first, dropout, one rounding, the store.
+template <typename T, typename Math>
+POSENC_INLINE void emit_row(const ForwardPlan<Math>& p, int64_t t, int64_t id, Math* __restrict__ row) {
+  const ForwardArgs& a = *p.args;
+  const int64_t tw = a.token_width;
+  const bool has_row = id >= 0 && id < a.num_embeddings;
+  const T* __restrict__ w = static_cast<const T*>(a.weight) + (has_row ? id * a.weight_row_stride : 0);
+  T* __restrict__ y = static_cast<T*>(a.out) + t * p.width;
+  if (a.dropout_seed == nullptr) {  // straight to the output: one pass over the row
+    if (a.concat) {
+      if (has_row) {
+        for (int64_t k = 0; k < tw; ++k) y[k] = Element<T>::narrow(static_cast<Math>(Element<T>::widen(w[k])) * p.embed_scale);
+      } else {
+        for (int64_t k = 0; k < tw; ++k) y[k] = Element<T>::narrow(Math(0));
+      }
+      for (int64_t k = tw; k < p.width; ++k) y[k] = Element<T>::narrow(row[k]);
+    } else if (has_row) {
+      // w * es + pe: contracted to one fused multiply-add where the ISA has it (the CUDA kernel's fma).
+      for (int64_t k = 0; k < tw; ++k) {
+        y[k] = Element<T>::narrow(static_cast<Math>(Element<T>::widen(w[k])) * p.embed_scale + row[k]);
+      }
+    } else {
+      for (int64_t k = 0; k < tw; ++k) y[k] = Element<T>::narrow(row[k]);
+    }
+    return;
+  }
+  if (a.concat) {
+    if (has_row) {
+      for (int64_t k = 0; k < tw; ++k) row[k] = static_cast<Math>(Element<T>::widen(w[k])) * p.embed_scale;
+    } else {
+      for (int64_t k = 0; k < tw; ++k) row[k] = Math(0);
+    }
+  } else if (has_row) {
+    for (int64_t k = 0; k < tw; ++k) row[k] = static_cast<Math>(Element<T>::widen(w[k])) * p.embed_scale + row[k];
+  }
+  apply_dropout(p.mask, t, 0, p.width, p.dropout_scale, row);
+  for (int64_t k = 0; k < p.width; ++k) y[k] = Element<T>::narrow(row[k]);
+}
+
+template <typename Math>
+POSENC_INLINE Math pe_scale_of(const ForwardPlan<Math>& p, int64_t id) {
+  return (p.args->pe_zero_id >= 0 && id == p.args->pe_zero_id) ? Math(0) : p.pe_scale;  // fairseq padding: no PE
+}
+
+// Token-major: any positions (a positions tensor, per-sequence offsets): one sin/cos row per token.
 template <typename T, typename Math, typename IdT>
 struct ForwardTokens {
   static void run(void* context, int64_t begin, int64_t end) {
@@ -249,60 +292,51 @@ struct ForwardTokens {
     Math* __restrict__ row = scratch.data;
     Math* __restrict__ sins = row + p.width;
     Math* __restrict__ coses = sins + p.slots;
-    const T* weight = static_cast<const T*>(a.weight);
-    T* out = static_cast<T*>(a.out);
-    const int64_t tw = a.token_width;
     for (int64_t t = begin; t < end; ++t) {
       const int64_t id = token_id<IdT>(a, t);
-      const bool has_row = id >= 0 && id < a.num_embeddings;
-      const Math pe_scale = (a.pe_zero_id >= 0 && id == a.pe_zero_id) ? Math(0) : p.pe_scale;
-      const Math* s = sins;
-      const Math* c = coses;
-      if (p.table_sin != nullptr) {
-        const int64_t j = t % a.seq_len;
-        s = p.table_sin + j * p.slots;
-        c = p.table_cos + j * p.slots;
-      } else {
-        sin_cos_row(token_position(a, t), p.rates, p.slots, sins, coses);
-      }
-      Math* __restrict__ pe = row + p.pe_col0;
-      place_pe(p, s, c, pe_scale, pe);
-      const T* __restrict__ w = has_row ? weight + id * a.weight_row_stride : weight;
-      if (a.concat) {
-        if (has_row) {
-          for (int64_t k = 0; k < tw; ++k) row[k] = static_cast<Math>(Element<T>::widen(w[k])) * p.embed_scale;
-        } else {
-          for (int64_t k = 0; k < tw; ++k) row[k] = Math(0);
-        }
-      } else if (has_row) {
-        // w * es + pe: contracted to one fused multiply-add where the ISA has it (the CUDA kernel's fma).
-        for (int64_t k = 0; k < tw; ++k) row[k] = static_cast<Math>(Element<T>::widen(w[k])) * p.embed_scale + row[k];
-      }
-      if (a.dropout_seed != nullptr) apply_dropout(p.mask, t, 0, p.width, p.dropout_scale, row);
-      T* __restrict__ y = out + t * p.width;
-      for (int64_t k = 0; k < p.width; ++k) y[k] = Element<T>::narrow(row[k]);
+      sin_cos_row(token_position(a, t), p.rates, p.slots, sins, coses);
+      place_pe(p, sins, coses, pe_scale_of(p, id), row + p.pe_col0);
+      emit_row<T>(p, t, id, row);
     }
   }
 };
 
-template <typename Math>
-struct TableRows {
+// Position-major, when every sequence starts at the same scalar offset: items are positions j
+// (offset + j); the sin/cos row of j is computed once and serves tokens j, S + j, 2S + j, ...
+// The same function of the same position: results are those of the token-major path.
+template <typename T, typename Math, typename IdT>
+struct ForwardPositions {
   static void run(void* context, int64_t begin, int64_t end) {
     const ForwardPlan<Math>& p = *static_cast<const ForwardPlan<Math>*>(context);
-    Math* table_sin = const_cast<Math*>(p.table_sin);
-    Math* table_cos = const_cast<Math*>(p.table_cos);
+    const ForwardArgs& a = *p.args;
+    Scratch<Math> scratch(2 * p.width + 2 * p.slots);
+    Math* __restrict__ pe_row = scratch.data;  // the PE at pe_scale
+    Math* __restrict__ row = pe_row + p.width;  // a token's working row (dropout, or no PE)
+    Math* __restrict__ sins = row + p.width;
+    Math* __restrict__ coses = sins + p.slots;
     for (int64_t j = begin; j < end; ++j) {
-      const int64_t position = static_cast<int64_t>(static_cast<uint64_t>(p.args->offset) + static_cast<uint64_t>(j));
-      sin_cos_row(position, p.rates, p.slots, table_sin + j * p.slots, table_cos + j * p.slots);
+      const int64_t position = static_cast<int64_t>(static_cast<uint64_t>(a.offset) + static_cast<uint64_t>(j));
+      sin_cos_row(position, p.rates, p.slots, sins, coses);
+      place_pe(p, sins, coses, p.pe_scale, pe_row + p.pe_col0);
+      for (int64_t t = j; t < a.num_tokens; t += a.seq_len) {
+        const int64_t id = token_id<IdT>(a, t);
+        const Math scale = pe_scale_of(p, id);
+        if (scale != p.pe_scale) {  // pe_zero_id: this token's own (zero) PE
+          place_pe(p, sins, coses, scale, row + p.pe_col0);
+          emit_row<T>(p, t, id, row);
+        } else if (a.dropout_seed != nullptr) {  // emit_row works in place: keep pe_row intact
+          for (int64_t k = p.pe_col0; k < p.width; ++k) row[k] = pe_row[k];
+          emit_row<T>(p, t, id, row);
+        } else {
+          emit_row<T>(p, t, id, pe_row);
+        }
+      }
     }
   }
 };
 
-// Tokens per work item: enough to amortise the per-item scratch, small enough to balance threads.
+// Work-item sizes: enough tokens to amortise the per-item scratch, small enough to balance threads.
 constexpr int64_t kTokenGrain = 16;
-// The shared table is used when every position repeats at least this often, up to this many bytes.
-constexpr int64_t kTableMinRepeats = 2;
-constexpr int64_t kTableMaxBytes = int64_t(16) << 20;
 
 template <typename T, typename Math, typename IdT>
 const char* forward_typed(const ForwardArgs& a) {
@@ -325,20 +359,14 @@ const char* forward_typed(const ForwardArgs& a) {
     const uint64_t seed = static_cast<uint64_t>(*a.dropout_seed);
     p.mask = DropoutMask{{static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)}, a.dropout_threshold};
   }
-  p.table_sin = p.table_cos = nullptr;
   const bool shared_positions = a.positions == nullptr && a.offsets == nullptr;
-  const int64_t table_rows = min_of(a.seq_len, a.num_tokens);
-  const int64_t table_bytes = 2 * table_rows * slots * static_cast<int64_t>(sizeof(Math));
-  Scratch<Math> table(shared_positions && a.num_tokens >= kTableMinRepeats * table_rows && slots > 0 &&
-                              table_bytes <= kTableMaxBytes
-                          ? 2 * table_rows * slots
-                          : 0);
-  if (table.data != nullptr) {
-    p.table_sin = table.data;
-    p.table_cos = table.data + table_rows * slots;
-    parallel_for(table_rows, kTokenGrain, a.num_threads, &TableRows<Math>::run, &p);
+  if (shared_positions && a.num_tokens >= 2 * a.seq_len) {
+    const int64_t sequences = (a.num_tokens + a.seq_len - 1) / a.seq_len;
+    const int64_t grain = max_of(1, kTokenGrain / sequences);
+    parallel_for(a.seq_len, grain, a.num_threads, &ForwardPositions<T, Math, IdT>::run, &p);
+  } else {
+    parallel_for(a.num_tokens, kTokenGrain, a.num_threads, &ForwardTokens<T, Math, IdT>::run, &p);
   }
-  parallel_for(a.num_tokens, kTokenGrain, a.num_threads, &ForwardTokens<T, Math, IdT>::run, &p);
   return nullptr;
 }
 
