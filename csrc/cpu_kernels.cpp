@@ -277,6 +277,18 @@ POSENC_INLINE void emit_row(const ForwardPlan<Math>& p, int64_t t, int64_t id, M
   for (int64_t k = 0; k < p.width; ++k) y[k] = Element<T>::narrow(row[k]);
 }
 
+// Asks for the weight row of a token about to be processed: rows are gathered at random from a
+// table far larger than the caches, and the hardware cannot guess the next one.
+template <typename T, typename IdT>
+POSENC_INLINE void prefetch_weight_row(const ForwardArgs& a, int64_t t) {
+  if (t >= a.num_tokens) return;
+  const int64_t id = token_id<IdT>(a, t);
+  if (id < 0 || id >= a.num_embeddings) return;
+  const char* w = reinterpret_cast<const char*>(static_cast<const T*>(a.weight) + id * a.weight_row_stride);
+  const int64_t bytes = a.token_width * static_cast<int64_t>(sizeof(T));
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(w + b, 0, 3);
+}
+
 template <typename Math>
 POSENC_INLINE Math pe_scale_of(const ForwardPlan<Math>& p, int64_t id) {
   return (p.args->pe_zero_id >= 0 && id == p.args->pe_zero_id) ? Math(0) : p.pe_scale;  // fairseq padding: no PE
@@ -294,6 +306,7 @@ struct ForwardTokens {
     Math* __restrict__ coses = sins + p.slots;
     for (int64_t t = begin; t < end; ++t) {
       const int64_t id = token_id<IdT>(a, t);
+      prefetch_weight_row<T, IdT>(a, t + 1);
       sin_cos_row(token_position(a, t), p.rates, p.slots, sins, coses);
       place_pe(p, sins, coses, pe_scale_of(p, id), row + p.pe_col0);
       emit_row<T>(p, t, id, row);
@@ -320,6 +333,7 @@ struct ForwardPositions {
       place_pe(p, sins, coses, p.pe_scale, pe_row + p.pe_col0);
       for (int64_t t = j; t < a.num_tokens; t += a.seq_len) {
         const int64_t id = token_id<IdT>(a, t);
+        prefetch_weight_row<T, IdT>(a, t + a.seq_len < a.num_tokens ? t + a.seq_len : j + 1);
         const Math scale = pe_scale_of(p, id);
         if (scale != p.pe_scale) {  // pe_zero_id: this token's own (zero) PE
           place_pe(p, sins, coses, scale, row + p.pe_col0);
