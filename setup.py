@@ -14,6 +14,10 @@ is needed to build it, and it does not link libtorch (docs/cuda_backend.md):
     POSENC_FAST_CUDA_ARCHS="80;90"    target GPUs (default "80;86;89;90+PTX")
     MAX_JOBS=4                        parallel compile jobs (ninja)
 
+The CPU extension ``posenc_fast._cpu`` (backend="cpu", what "auto" runs on CPU tensors) needs only
+a C++17 compiler (docs/cpu_backend.md): POSENC_FAST_BUILD_CPU=0 skips it, =1 makes a missing or
+failing compiler an error; unset, it is built when c++/g++/clang++ is found, else left out.
+
 The build logic lives in posenc_fast/_build.py (standard library only), shared with the
 on-demand build (``python -m posenc_fast._build``).
 """
@@ -56,10 +60,30 @@ if BUILD_MODE == "auto" and NVCC is None:
           "set CUDA_HOME or put nvcc on PATH to build it", file=sys.stderr)
 
 
+CPU_BUILD_MODE = _build.cpu_build_mode()
+CXX = _build.find_cxx() if CPU_BUILD_MODE != "skip" else None
+if CPU_BUILD_MODE == "require" and CXX is None:
+    raise SystemExit("POSENC_FAST_BUILD_CPU=1 but no C++ compiler was found (c++, g++ or clang++ on PATH, or $CXX)")
+if CPU_BUILD_MODE == "auto" and CXX is None:
+    print("posenc_fast: no C++ compiler found, installing without the CPU extension (backend='cpu'); 'auto' runs "
+          "the torch backend on CPU", file=sys.stderr)
+
+
 class BuildCudaExtension(build_ext):
-    """Builds posenc_fast._C with nvcc (through ninja when available) instead of the C compiler."""
+    """Builds posenc_fast._C with nvcc (through ninja when available) instead of the C compiler,
+    and posenc_fast._cpu with the C++ compiler (_build.build_cpu_extension)."""
 
     def build_extension(self, ext):
+        if ext.name == "posenc_fast._cpu":
+            try:
+                _build.build_cpu_extension(CSRC, os.path.join(self.build_temp, "posenc_fast_cpu"),
+                                           self.get_ext_fullpath(ext.name), CXX)
+            except RuntimeError as error:
+                if CPU_BUILD_MODE == "require":
+                    raise SystemExit(f"{error}\n\nposenc_fast: the CPU extension did not build.") from None
+                print(f"{error}\nposenc_fast: installing without the CPU extension (backend='cpu'); 'auto' runs "
+                      "the torch backend on CPU", file=sys.stderr)
+            return None
         if ext.name != "posenc_fast._C":
             return super().build_extension(ext)
         output = self.get_ext_fullpath(ext.name)
@@ -80,7 +104,7 @@ class BuildPyWithSources(build_py):
             return  # an editable install finds <repo>/csrc directly
         target = os.path.join(self.build_lib, "posenc_fast", "_csrc")
         self.mkpath(target)
-        for name in _build.SOURCES + _build.HEADERS:
+        for name in sorted(set(_build.SOURCES + _build.HEADERS + _build.CPU_SOURCES + _build.CPU_HEADERS)):
             self.copy_file(os.path.join(CSRC, name), os.path.join(target, name))
 
 
@@ -91,6 +115,8 @@ if NVCC is not None:
         sources=[os.path.join("csrc", name) for name in _build.SOURCES],
         depends=[os.path.join("csrc", name) for name in _build.HEADERS],
     ))
+if CXX is not None:
+    ext_modules.append(Extension("posenc_fast._cpu", sources=[os.path.join("csrc", n) for n in _build.CPU_SOURCES]))
 
 setup(
     name="posenc_fast",

@@ -138,14 +138,29 @@ template <>
 struct Element<BFloat16> {
   static POSENC_INLINE float widen(BFloat16 x) { return float_of(static_cast<uint32_t>(x.bits) << 16); }
   static POSENC_INLINE BFloat16 narrow(float x) { return BFloat16{bf16_of(x)}; }
-  static POSENC_INLINE BFloat16 narrow(double x) { return BFloat16{bf16_of(round_to_odd_fp32(x))}; }
+  static POSENC_INLINE BFloat16 narrow(double x) { return narrow(round_to_odd_fp32(x)); }
 };
 
 template <>
 struct Element<Float16> {
+#if defined(__F16C__) && defined(__FLT16_MAX__)
+  // The AVX2 and AVX-512 variants convert in hardware (F16C: exact widening, nearest-even narrowing).
+  static POSENC_INLINE float widen(Float16 x) {
+    _Float16 h;
+    std::memcpy(&h, &x.bits, sizeof h);
+    return static_cast<float>(h);
+  }
+  static POSENC_INLINE Float16 narrow(float x) {
+    const _Float16 h = static_cast<_Float16>(x);
+    Float16 out;
+    std::memcpy(&out.bits, &h, sizeof h);
+    return out;
+  }
+#else
   static POSENC_INLINE float widen(Float16 x) { return float_of_fp16(x.bits); }
   static POSENC_INLINE Float16 narrow(float x) { return Float16{fp16_of(x)}; }
-  static POSENC_INLINE Float16 narrow(double x) { return Float16{fp16_of(round_to_odd_fp32(x))}; }
+#endif
+  static POSENC_INLINE Float16 narrow(double x) { return narrow(round_to_odd_fp32(x)); }
 };
 
 // ---- scratch: plain new[] (no standard-library templates in a per-ISA file) ----

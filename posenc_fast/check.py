@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     grad_out = torch.randn(batch, seq_len, d_model, generator=g).to(device)
     scale = math.sqrt(d_model)
 
-    backends = [b for b in ("triton", "cuda", "torch") if BACKENDS[b].available(device) is None]
+    backends = [b for b in ("triton", "cuda", "cpu", "torch") if BACKENDS[b].available(device) is None]
     interpreted = {b: device.type == "cpu" and b == "triton" for b in backends}
     ok = True
     print(f"{'backend':<22}{'dtype':<10}{'max |err|':>12}{'err/bar':>10}{'grad rel err':>15}{'deterministic':>15}")
