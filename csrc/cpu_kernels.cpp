@@ -207,12 +207,74 @@ struct ForwardPlan {
   DropoutMask mask;
 };
 
+#if defined(__AVX2__) && !defined(__AVX512DQ__)
+// AVX2 has no int64-to-float conversion, so the compiler would not vectorise sin_cos_of_turns'
+// static_cast<Math>(remainder).  This is the same reduction (exact_angle.cuh: reduced_angle) with
+// that one conversion done in vectorisable steps, and the same result, bit for bit:
+//   - the int64 remainder (|r| < 2^61) as its two 32-bit halves, each exact in double;
+//   - their sum in double (rounded to nearest), and its exact rounding error (Fast2Sum: the high
+//     part is 0 or larger than the low one);
+//   - where inexact, the sum rounded to odd instead (its last bit set toward r), so that the one
+//     further rounding to fp32 equals rounding r directly (53 >= 24 + 2 bits); for float64 math
+//     the nearest-even sum is already the direct rounding.
+POSENC_INLINE double int64_to_double_parts(int64_t r, double& error) {
+  const double high = static_cast<double>(static_cast<int32_t>(static_cast<uint64_t>(r) >> 32)) * 4294967296.0;
+  const double low = static_cast<double>(static_cast<int32_t>(static_cast<uint32_t>(r) ^ 0x80000000u)) + 2147483648.0;
+  const double sum = high + low;
+  error = low - (sum - high);
+  return sum;
+}
+
+template <typename Math>
+POSENC_INLINE Math int64_to_math(int64_t r);
+
+template <>
+POSENC_INLINE double int64_to_math<double>(int64_t r) {
+  double error;
+  return int64_to_double_parts(r, error);
+}
+
+template <>
+POSENC_INLINE float int64_to_math<float>(int64_t r) {
+  double error;
+  const double sum = int64_to_double_parts(r, error);
+  uint64_t bits;
+  std::memcpy(&bits, &sum, sizeof bits);
+  const bool toward_larger_magnitude = (error > 0) == (sum > 0);
+  const uint64_t odd = (error != 0 && (bits & 1u) == 0) ? (toward_larger_magnitude ? bits + 1 : bits - 1) : bits;
+  double rounded_to_odd;
+  std::memcpy(&rounded_to_odd, &odd, sizeof odd);
+  return static_cast<float>(rounded_to_odd);
+}
+
+template <typename Math>
+POSENC_INLINE void sin_cos_of_turns_cpu(uint64_t turn_units, Math& sin_out, Math& cos_out) {
+  // exact_angle.cuh: reduced_angle and sin_cos_of_turns, line for line but for the conversion.
+  const uint64_t shifted = turn_units + kEighthTurn;
+  const unsigned quadrant = static_cast<unsigned>(shifted >> 62);
+  const int64_t remainder = static_cast<int64_t>(shifted & kQuarterTurnMask) - static_cast<int64_t>(kEighthTurn);
+  const Math a = int64_to_math<Math>(remainder) * static_cast<Math>(kRadiansPerUnit);
+  Math sin_a, cos_a;
+  taylor_sin_cos(a, sin_a, cos_a);
+  const bool odd = (quadrant & 1u) != 0;
+  const Math sin_unsigned = odd ? cos_a : sin_a;
+  const Math cos_unsigned = odd ? sin_a : cos_a;
+  sin_out = quadrant >= 2 ? -sin_unsigned : sin_unsigned;
+  cos_out = (quadrant == 1 || quadrant == 2) ? -cos_unsigned : cos_unsigned;
+}
+#else
+template <typename Math>
+POSENC_INLINE void sin_cos_of_turns_cpu(uint64_t turn_units, Math& sin_out, Math& cos_out) {
+  sin_cos_of_turns<Math>(turn_units, sin_out, cos_out);  // the shared function, as the CUDA kernels call it
+}
+#endif
+
 template <typename Math>
 POSENC_INLINE void sin_cos_row(int64_t position, const int64_t* __restrict__ rates, int64_t slots,
                                Math* __restrict__ sins, Math* __restrict__ coses) {
   for (int64_t i = 0; i < slots; ++i) {
     Math s, c;
-    sin_cos_of_turns<Math>(phase_of(position, rates[i]), s, c);
+    sin_cos_of_turns_cpu<Math>(phase_of(position, rates[i]), s, c);
     sins[i] = s;
     coses[i] = c;
   }

@@ -129,3 +129,25 @@ def test_auto_runs_the_cpu_backend_and_falls_back_to_torch(monkeypatch):
 def test_cpu_backend_refuses_other_devices():
     reason = cpu_backend.available(torch.device("cuda"))
     assert reason is not None and "CPU tensors" in reason
+
+
+@pytest.mark.skipif(not {"avx512", "avx2"} <= set(_isas()), reason="needs a CPU with both AVX-512 and AVX2")
+@pytest.mark.parametrize("precision", ["float32", "float64"])
+def test_avx2_and_avx512_variants_agree_bitwise(precision, seed):
+    """The AVX2 variant converts the reduced angle to float in vectorisable steps (rounding to odd
+    through double); the AVX-512 one converts directly.  Same rounding, so the same bits."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 50, (3, 64), generator=g)
+    weight = torch.randn(50, 96, generator=g)
+    positions = torch.randint(-(2**40), 2**40, (3, 64), generator=g)
+    rates = ((torch.rand(48, generator=g, dtype=torch.float64) - 0.5) * 16).tolist()
+    module = cpu_backend.extension()
+    outputs = []
+    try:
+        for name in ("avx512", "avx2"):
+            module.set_isa(name)
+            outputs.append(pf.sinusoidal_embedding(ids, weight, positions=positions, frequencies=rates,
+                                                   precision=precision, backend="cpu"))
+    finally:
+        module.set_isa("")
+    assert torch.equal(outputs[0], outputs[1])
