@@ -176,20 +176,30 @@ struct Scratch {
 
 // ---- dropout ----
 
-// row[c] = keep(token, col0 + c) ? row[c] * scale : 0 for c < count; col0 is a multiple of 4.
+// Dropout of one row segment, in chunks of kDropoutGroups groups of four columns: first the Philox
+// words of every group (a loop over groups the compiler vectorises: one SIMD lane per group), then
+// row[c] = keep(token, col0 + c) ? row[c] * scale : 0 for c < count.  col0 is a multiple of 4.
+constexpr int64_t kDropoutGroups = 64;
+
 template <typename Math>
 POSENC_INLINE void apply_dropout(const DropoutMask& mask, int64_t token, int64_t col0, int64_t count, Math scale,
                                  Math* row) {
   const uint64_t t = static_cast<uint64_t>(token);
   const uint32_t t_low = static_cast<uint32_t>(t), t_high = static_cast<uint32_t>(t >> 32);
-  const int64_t groups = (count + 3) / 4;
-  const uint32_t group0 = static_cast<uint32_t>(col0 >> 2);
-  for (int64_t g = 0; g < groups; ++g) {
-    const PhiloxWords r = philox4x32_10(group0 + static_cast<uint32_t>(g), t_low, t_high, 0, mask.key);
-    for (int w = 0; w < 4; ++w) {
-      const int64_t c = 4 * g + w;
-      if (c < count) row[c] = r.word[w] >= mask.threshold ? row[c] * scale : Math(0);
+  uint32_t words[4 * kDropoutGroups];
+  for (int64_t c0 = 0; c0 < count; c0 += 4 * kDropoutGroups) {
+    const int64_t n = min_of(4 * kDropoutGroups, count - c0);
+    const int64_t groups = (n + 3) / 4;
+    const uint32_t group0 = static_cast<uint32_t>((col0 + c0) >> 2);
+    for (int64_t g = 0; g < groups; ++g) {
+      const PhiloxWords r = philox4x32_10(group0 + static_cast<uint32_t>(g), t_low, t_high, 0, mask.key);
+      words[4 * g] = r.word[0];
+      words[4 * g + 1] = r.word[1];
+      words[4 * g + 2] = r.word[2];
+      words[4 * g + 3] = r.word[3];
     }
+    Math* __restrict__ segment = row + c0;
+    for (int64_t c = 0; c < n; ++c) segment[c] = words[c] >= mask.threshold ? segment[c] * scale : Math(0);
   }
 }
 
