@@ -15,6 +15,9 @@ environment, where neither torch nor posenc_fast is importable.  What it owns:
 
 No libtorch and no ATen headers are involved: the extension takes raw device pointers, so
 one build serves every torch version.
+
+Also the CPU extension ``posenc_fast._cpu`` (section at the end): any C++17 compiler, the kernel
+compiled once per instruction set, ``POSENC_FAST_BUILD_CPU``, and its own per-user cache build.
 """
 
 from __future__ import annotations
