@@ -5,11 +5,12 @@
 //   1. the sin and cos of every pair slot at the token's position, into two scratch arrays: a
 //      loop over pairs whose body is sin_cos_of_turns, which the compiler vectorises (one SIMD
 //      lane per pair: 64-bit phase products, the quarter-turn reduction, the polynomials and the
-//      quadrant selects), 16 fp32 pairs per AVX-512 instruction;
+//      quadrant selects), 16 fp32 pairs per AVX-512 instruction, 8 per AVX2 one;
 //   2. the PE row, in the layout's columns, times pe_scale (zero at pe_zero_id);
 //   3. the token row times embed_scale, added (fused multiply-add where the ISA has one) or
 //      placed before the PE (concat);
-//   4. dropout: keep bits from Philox, one call per four columns, select-or-scale;
+//   4. dropout: the Philox words of the row (one call per four columns, vectorised over the
+//      calls), then select-or-scale;
 //   5. one rounding to the output dtype (nearest even), one contiguous store.
 // Steps 2 to 5 work on one row in L1 (a few KiB); only the weight row and the output row touch
 // memory.  When the batch repeats positions (B sequences sharing a scalar offset), the work is
@@ -19,12 +20,12 @@
 // Weight gradient: the caller sorts the ids; here the runs of equal ids are found, and each work
 // item (a run and a block of 128 columns) sums its tokens' gradient rows in fp32 in sorted order,
 // scales once and stores.  No atomics, no order that depends on threads: bitwise reproducible.
-// Every other row is zeroed here, by all threads, instead of by a serial torch.zeros: the dense
+// The whole buffer is zeroed here first, by all threads, instead of by a serial torch.zeros: the dense
 // [V, d] gradient is the largest buffer of a step, and its first touch (page faults) is most of
 // its cost (the binding also advises the kernel to back it with huge pages).
 //
-// This file is compiled once per instruction set (POSENC_CPU_ISA: isa_baseline, isa_avx2 with
-// -march=x86-64-v3, isa_avx512 with -march=x86-64-v4), each into its own namespace; everything
+// This file is compiled once per instruction set (POSENC_CPU_ISA: isa_baseline, isa_avx2, isa_avx512;
+// flags in posenc_fast/_build.py: CPU_X86_VARIANTS), each into its own namespace; everything
 // here is inside it, and the shared headers' functions are always inlined, so no code compiled for
 // one variant can be linked into another.
 #include "cpu_kernels.h"
