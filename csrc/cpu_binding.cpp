@@ -38,6 +38,11 @@ namespace {
 // Workers wait for a job's generation number, take chunks of it from a shared counter until none
 // is left, and report back.  One job at a time; a call that finds the pool busy (another Python
 // thread, the GIL being released) runs on its own thread instead of waiting.
+//
+// Waiting spins for a few tens of microseconds before it blocks on a condition variable: waking a
+// blocked thread costs about as much again (more in a VM), a large share of a sub-millisecond
+// call, and back-to-back calls (a model's layers, a benchmark) find the workers still spinning.
+// After that the workers sleep and take nothing from torch's own threads.
 class ThreadPool {
  public:
   void run(int64_t num_items, int64_t grain, int num_threads, void (*fn)(void*, int64_t, int64_t),
@@ -65,16 +70,29 @@ class ThreadPool {
       grain_ = grain;
       next_chunk_.store(0);
       helpers_ = helpers;
-      finished_ = 0;
-      ++generation_;
+      finished_.store(0);
+      generation_.fetch_add(1, std::memory_order_release);
     }
     wake_.notify_all();
     take_chunks();
+    spin_while([&] { return finished_.load(std::memory_order_acquire) != helpers; });
     std::unique_lock<std::mutex> lock(mutex_);
-    done_.wait(lock, [this] { return finished_ == helpers_; });
+    done_.wait(lock, [&] { return finished_.load() == helpers; });
   }
 
  private:
+  // Spins (about 50 us) while `busy()` holds; returns early when it stops holding.
+  template <typename Condition>
+  static void spin_while(Condition busy) {
+    for (int i = 0; i < 20000 && busy(); ++i) {
+#if defined(__x86_64__) || defined(__i386__)
+      __builtin_ia32_pause();
+#else
+      std::this_thread::yield();
+#endif
+    }
+  }
+
   void take_chunks() {
     for (;;) {
       const int64_t chunk = next_chunk_.fetch_add(1);
@@ -87,15 +105,19 @@ class ThreadPool {
 
   void work(int index) {
     uint64_t seen = 0;
-    std::unique_lock<std::mutex> lock(mutex_);
     for (;;) {
-      wake_.wait(lock, [&] { return generation_ != seen; });
-      seen = generation_;
-      if (index >= helpers_) continue;  // not needed for this job
-      lock.unlock();
+      spin_while([&] { return generation_.load(std::memory_order_acquire) == seen; });
+      int helpers;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        wake_.wait(lock, [&] { return generation_.load() != seen; });
+        seen = generation_.load();
+        helpers = helpers_;
+      }
+      if (index >= helpers) continue;  // not needed for this job
       take_chunks();
-      lock.lock();
-      if (++finished_ == helpers_) done_.notify_one();
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (finished_.fetch_add(1) + 1 == helpers) done_.notify_one();
     }
   }
 
@@ -103,14 +125,14 @@ class ThreadPool {
   std::mutex mutex_;
   std::condition_variable wake_, done_;
   std::vector<std::thread> workers_;
-  uint64_t generation_ = 0;
+  std::atomic<uint64_t> generation_{0};
   void (*fn_)(void*, int64_t, int64_t) = nullptr;
   void* context_ = nullptr;
   int64_t num_items_ = 0;
   int64_t grain_ = 1;
   std::atomic<int64_t> next_chunk_{0};
   int helpers_ = 0;
-  int finished_ = 0;
+  std::atomic<int> finished_{0};
 };
 
 // The pool of this process.  A forked child (a DataLoader worker) has none of the parent's
