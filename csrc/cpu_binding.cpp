@@ -6,8 +6,8 @@
 // version.  Validation happens in Python before the call; here only the codes are checked.  The
 // GIL is released while the kernels run.
 //
-// Threads: a small pool of std::threads, created on first use and kept (blocked on a condition
-// variable, not spinning, between calls, so they take nothing from torch's own threads).  The
+// Threads: a small pool of std::threads, created on first use and kept (spinning briefly, then
+// blocked on a condition variable between calls, so they take nothing from torch's own threads).  The
 // caller passes the thread count (posenc_fast passes torch.get_num_threads()).
 #include <pybind11/pybind11.h>
 
