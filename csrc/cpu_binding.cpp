@@ -284,7 +284,6 @@ void forward(uintptr_t ids, int ids_dtype, uintptr_t weight, int64_t weight_row_
   const char* error;
   {
     py::gil_scoped_release no_gil;
-    advise_huge_pages(a.out, num_tokens * (concat ? token_width + pe_width : token_width) * element_bytes(a.dtype));
     error = selected.forward(a);
   }
   check(error, "forward");
