@@ -11,6 +11,10 @@ does not link libtorch (docs/cuda_backend.md):
     MAX_JOBS=4                        parallel compile jobs (ninja)
     POSENC_FAST_BUILD_PROGRESS=0      no progress lines on the terminal while pip hides the build's output
 
+The CPU extension ``posenc_fast._cpu`` (backend="cpu", what "auto" runs on CPU tensors) needs only
+a C++17 compiler (docs/cpu_backend.md): POSENC_FAST_BUILD_CPU=0 skips it, =1 makes a missing or
+failing compiler an error; unset, it is built when c++/g++/clang++ is found, else left out.
+
 The build logic lives in posenc_fast/_build.py (standard library only), shared with the
 on-demand build (``python -m posenc_fast._build``).  Builds are cached per user, keyed by the
 sources, the Python ABI, the nvcc version and the archs: installing again (``pip install
@@ -50,11 +54,38 @@ if BUILD_MODE == "auto" and NVCC is None:
           "set CUDA_HOME or put nvcc on PATH to build it", file=sys.stderr)
 
 
+CPU_BUILD_MODE = _build.cpu_build_mode()
+CXX = _build.find_cxx() if CPU_BUILD_MODE != "skip" else None
+if CPU_BUILD_MODE == "require" and CXX is None:
+    raise SystemExit("POSENC_FAST_BUILD_CPU=1 but no C++ compiler was found (c++, g++ or clang++ on PATH, or $CXX)")
+if CPU_BUILD_MODE == "auto" and CXX is None:
+    print("posenc_fast: no C++ compiler found, installing without the CPU extension (backend='cpu'); 'auto' runs "
+          "the torch backend on CPU", file=sys.stderr)
+
+
 class BuildCudaExtension(build_ext):
     """Builds posenc_fast._C with nvcc (through ninja when available) instead of the C compiler,
-    in the per-user build cache, and copies it into the build."""
+    in the per-user build cache, and copies it into the build; and posenc_fast._cpu with the C++
+    compiler (_build.build_cpu_in_cache), both through the per-user build cache."""
 
     def build_extension(self, ext):
+        if ext.name == "posenc_fast._cpu":
+            try:
+                try:
+                    built = _build.build_cpu_in_cache(source_dir=CSRC, cxx=CXX)
+                except OSError as error:  # no writable cache: build here, uncached
+                    print(f"posenc_fast: build cache unusable ({error}); building in {self.build_temp}", file=sys.stderr)
+                    built = _build.build_cpu_extension(CSRC, os.path.join(self.build_temp, "posenc_fast_cpu"),
+                                                       os.path.join(self.build_temp, _build.cpu_extension_filename()),
+                                                       CXX)
+                self.mkpath(os.path.dirname(self.get_ext_fullpath(ext.name)))
+                self.copy_file(built, self.get_ext_fullpath(ext.name))
+            except RuntimeError as error:
+                if CPU_BUILD_MODE == "require":
+                    raise SystemExit(f"{error}\n\nposenc_fast: the CPU extension did not build.") from None
+                print(f"{error}\nposenc_fast: installing without the CPU extension (backend='cpu'); 'auto' runs "
+                      "the torch backend on CPU", file=sys.stderr)
+            return None
         if ext.name != "posenc_fast._C":
             return super().build_extension(ext)
         output = self.get_ext_fullpath(ext.name)
@@ -88,7 +119,7 @@ class BuildPyWithSources(build_py):
             return  # an editable install finds <repo>/csrc directly
         target = os.path.join(self.build_lib, "posenc_fast", "_csrc")
         self.mkpath(target)
-        for name in _build.SOURCES + _build.HEADERS:
+        for name in sorted(set(_build.SOURCES + _build.HEADERS + _build.CPU_SOURCES + _build.CPU_HEADERS)):
             self.copy_file(os.path.join(CSRC, name), os.path.join(target, name))
 
 
@@ -99,6 +130,8 @@ if NVCC is not None:
         sources=[os.path.join("csrc", name) for name in _build.SOURCES],
         depends=[os.path.join("csrc", name) for name in _build.HEADERS],
     ))
+if CXX is not None:
+    ext_modules.append(Extension("posenc_fast._cpu", sources=[os.path.join("csrc", n) for n in _build.CPU_SOURCES]))
 
 setup(
     ext_modules=ext_modules,

@@ -12,7 +12,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "platform.cuh"
+#include "host_device.h"
 
 namespace posenc {
 

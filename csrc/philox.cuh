@@ -14,7 +14,7 @@
 
 #include <cstdint>
 
-#include "platform.cuh"
+#include "host_device.h"
 
 namespace posenc {
 

@@ -19,6 +19,9 @@ environment, where neither torch nor posenc_fast is importable.  What it owns:
 
 No libtorch and no ATen headers are involved: the extension takes raw device pointers, so
 one build serves every torch version.
+
+Also the CPU extension ``posenc_fast._cpu`` (section at the end): any C++17 compiler, the kernel
+compiled once per instruction set, ``POSENC_FAST_BUILD_CPU``, and its own per-user cache build.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence
 # sm_90 that the driver JIT-compiles for newer GPUs (Blackwell and later).
 DEFAULT_CUDA_ARCHS = "80;86;89;90+PTX"
 SOURCES = ("forward.cu", "forward_fp32.cu", "forward_fp16.cu", "forward_bf16.cu", "weight_grad.cu", "binding.cpp")
-HEADERS = ("posenc.h", "platform.cuh", "exact_angle.cuh", "memory_access.cuh", "philox.cuh", "forward_kernels.cuh")
+HEADERS = ("posenc.h", "platform.cuh", "host_device.h", "exact_angle.cuh", "memory_access.cuh", "philox.cuh", "forward_kernels.cuh")
 EXTENSION_NAME = "_C"
 
 
@@ -501,4 +504,157 @@ def build_host_emulation(env: Mapping[str, str] = os.environ, log=sys.stderr) ->
         if result.returncode != 0:
             raise RuntimeError(f"host emulation: linking failed:\n{(result.stdout + result.stderr)[-4000:]}")
         os.replace(output + ".partial", output)
+    return output
+
+
+# ---- the CPU extension posenc_fast._cpu (csrc/cpu_*.cpp): any C++17 compiler, no CUDA ----
+
+CPU_SOURCES = ("cpu_kernels.cpp", "cpu_binding.cpp")
+CPU_HEADERS = ("cpu_kernels.h", "host_device.h", "exact_angle.cuh", "philox.cuh")
+CPU_EXTENSION_NAME = "_cpu"
+# cpu_kernels.cpp is compiled once per variant (its namespace, its flags); cpu_binding.cpp picks the
+# best the CPU supports at import.  Explicit -m flags rather than -march=x86-64-v4, which older
+# compilers lack; FMA contraction is on in every variant that has FMA (GCC's default).
+CPU_X86_VARIANTS = (
+    ("isa_avx512", ["-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma", "-mbmi2", "-mf16c",
+                    "-mprefer-vector-width=512"]),
+    ("isa_avx2", ["-mavx2", "-mfma", "-mbmi2", "-mf16c"]),
+    ("isa_baseline", []),
+)
+
+
+def cpu_build_mode(env: Mapping[str, str] = os.environ) -> str:
+    """``POSENC_FAST_BUILD_CPU``: "skip" (0), "require" (1) or "auto" (unset: build if a C++ compiler is found)."""
+    value = env.get("POSENC_FAST_BUILD_CPU", "").strip().lower()
+    if value in ("", "auto"):
+        return "auto"
+    if value in ("0", "false", "no", "off"):
+        return "skip"
+    if value in ("1", "true", "yes", "on"):
+        return "require"
+    raise ValueError(f"POSENC_FAST_BUILD_CPU={value!r}: expected 0 (skip the CPU build) or 1 (require it)")
+
+
+def find_cxx(env: Mapping[str, str] = os.environ) -> Optional[str]:
+    """The C++ compiler: ``$CXX``, else c++, g++ or clang++ on PATH; None if there is none."""
+    explicit = env.get("CXX")
+    if explicit:
+        found = shutil.which(shlex.split(explicit)[0], path=env.get("PATH"))
+        return found
+    for name in ("c++", "g++", "clang++"):
+        found = shutil.which(name, path=env.get("PATH"))
+        if found:
+            return found
+    return None
+
+
+def cpu_extension_filename() -> str:
+    return CPU_EXTENSION_NAME + sysconfig.get_config_var("EXT_SUFFIX")
+
+
+def _x86() -> bool:
+    import platform
+
+    return platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
+
+
+def plan_cpu_build(source_dir: str, build_dir: str, output: str, cxx: str) -> BuildPlan:
+    """Commands that compile the CPU kernels (once per variant) and the binding, and link ``output``."""
+    common = [cxx, "-std=c++17", "-O3", "-fPIC", "-fvisibility=hidden", "-pthread", f"-I{source_dir}"]
+    variants = CPU_X86_VARIANTS if _x86() else (("isa_baseline", []),)
+    compiles, objects = [], []
+    for namespace, flags in variants:
+        obj = os.path.join(build_dir, f"cpu_kernels.{namespace}.o")
+        compiles.append(common + flags + [f"-DPOSENC_CPU_ISA={namespace}", "-c",
+                                          os.path.join(source_dir, "cpu_kernels.cpp"), "-o", obj])
+        objects.append(obj)
+    obj = os.path.join(build_dir, "cpu_binding.o")
+    compiles.append(common + [f"-I{d}" for d in _include_dirs()] +
+                    [f"-DPOSENC_CPU_HAVE_X86_VARIANTS={1 if _x86() else 0}", "-c",
+                     os.path.join(source_dir, "cpu_binding.cpp"), "-o", obj])
+    objects.append(obj)
+    link = [cxx, "-shared", "-pthread", "-o", output] + objects
+    if sys.platform == "darwin":
+        link += ["-undefined", "dynamic_lookup"]
+    return BuildPlan(compiles, objects, link, output)
+
+
+def build_cpu_extension(source_dir: str, build_dir: str, output: str, cxx: Optional[str] = None,
+                        env: Mapping[str, str] = os.environ, log=sys.stderr) -> str:
+    """Compile the CPU extension into ``output`` (the compiles run in parallel); returns it."""
+    cxx = cxx or find_cxx(env)
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (c++, g++ or clang++ on PATH, or $CXX)")
+    plan = plan_cpu_build(os.path.abspath(source_dir), os.path.abspath(build_dir), os.path.abspath(output), cxx)
+    os.makedirs(os.path.abspath(build_dir), exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+    print(f"posenc_fast: building the CPU extension with {cxx} ({len(plan.compiles)} compiles)", file=log, flush=True)
+    jobs = [(cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+            for cmd in plan.compiles]
+    failures = []
+    for cmd, process in jobs:
+        out, _ = process.communicate()
+        if process.returncode != 0:
+            failures.append(f"$ {shlex.join(cmd)}\n{out[-4000:]}")
+    if failures:
+        raise RuntimeError("building posenc_fast._cpu failed:\n" + "\n".join(failures))
+    result = subprocess.run(plan.link, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"linking posenc_fast._cpu failed:\n{(result.stdout + result.stderr)[-4000:]}")
+    return output
+
+
+def cpu_source_dir() -> Optional[str]:
+    """The CPU sources as shipped (``posenc_fast/_csrc``) or in a source checkout (``<repo>/csrc``)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for candidate in (os.path.join(here, "_csrc"), os.path.join(os.path.dirname(here), "csrc")):
+        if all(os.path.exists(os.path.join(candidate, name)) for name in CPU_SOURCES + CPU_HEADERS):
+            return candidate
+    return None
+
+
+def _cpu_cache_dir(source_dir: str, cxx: str, env: Mapping[str, str]) -> str:
+    digest = hashlib.sha256()
+    for name in CPU_SOURCES + CPU_HEADERS:
+        with open(os.path.join(source_dir, name), "rb") as f:
+            digest.update(name.encode() + b"\0" + f.read())
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    digest.update(repr((version, [v for v in CPU_X86_VARIANTS], cpu_extension_filename())).encode())
+    return os.path.join(cache_root(env), "cpu-" + digest.hexdigest()[:16])
+
+
+def cached_cpu_extension(env: Mapping[str, str] = os.environ) -> Optional[str]:
+    """Path of a CPU extension already built on demand for these sources and this interpreter, or None."""
+    source_dir, cxx = cpu_source_dir(), find_cxx(env)
+    if source_dir is None or cxx is None:
+        return None
+    path = os.path.join(_cpu_cache_dir(source_dir, cxx, env), cpu_extension_filename())
+    return path if os.path.exists(path) else None
+
+
+def build_cpu_in_cache(env: Mapping[str, str] = os.environ, log=sys.stderr, source_dir: Optional[str] = None,
+                       cxx: Optional[str] = None) -> str:
+    """Build the CPU extension into the per-user cache (once per sources/compiler/Python); returns its path.
+
+    Shared by the on-demand build and ``pip install`` (setup.py copies the result into the wheel, so
+    installing again does not compile again)."""
+    source_dir, cxx = source_dir or cpu_source_dir(), cxx or find_cxx(env)
+    if source_dir is None:
+        raise RuntimeError("the C++ sources (csrc/) are not part of this installation of posenc_fast")
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (c++, g++ or clang++ on PATH, or $CXX)")
+    directory = _cpu_cache_dir(source_dir, cxx, env)
+    output = os.path.join(directory, cpu_extension_filename())
+    os.makedirs(directory, exist_ok=True)
+    import fcntl
+
+    with open(os.path.join(directory, ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.exists(output):
+            print(f"posenc_fast: reusing the CPU extension built earlier from these sources: {output}", file=log)
+        else:
+            build_cpu_extension(source_dir, os.path.join(directory, "build"), output + ".partial", cxx, env, log)
+            strip_debug_symbols(output + ".partial", log)
+            os.replace(output + ".partial", output)
+            shutil.rmtree(os.path.join(directory, "build"), ignore_errors=True)
     return output

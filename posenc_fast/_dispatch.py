@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from .backends import cuda_backend, torch_backend, triton_backend
+from .backends import cpu_backend, cuda_backend, torch_backend, triton_backend
 
-BACKENDS = {"torch": torch_backend, "triton": triton_backend, "cuda": cuda_backend}
+BACKENDS = {"torch": torch_backend, "triton": triton_backend, "cuda": cuda_backend, "cpu": cpu_backend}
 # "auto" tries these in order for each device type.  On CUDA, Triton comes before the CUDA C++
-# backend until a benchmark on GPUs measures which is faster (docs/cuda_backend.md).
-_AUTO_ORDER = {"cuda": ("triton", "cuda", "torch")}
+# backend until a benchmark on GPUs measures which is faster (docs/cuda_backend.md).  On CPU the
+# native kernels (docs/cpu_backend.md) when the extension is built, else the float64 torch op.
+_AUTO_ORDER = {"cuda": ("triton", "cuda", "torch"), "cpu": ("cpu", "torch")}
 _DEFAULT_AUTO = ("torch",)
 
 

@@ -50,7 +50,7 @@ def _row_chunks(n: int, step: int = 1 << 16):
 def skipped_backends(device: torch.device) -> Dict[str, str]:
     """Backends that cannot run on ``device`` here, each with the reason and what would enable it."""
     skipped = {}
-    for name in ("triton", "cuda", "torch"):
+    for name in ("triton", "cuda", "cpu", "torch"):
         why = BACKENDS[name].available(device)
         if why is None:
             continue
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     grad_out = torch.randn(batch, seq_len, d_model, generator=g).to(device)
     scale = math.sqrt(d_model)
 
-    backends = [b for b in ("triton", "cuda", "torch") if BACKENDS[b].available(device) is None]
+    backends = [b for b in ("triton", "cuda", "cpu", "torch") if BACKENDS[b].available(device) is None]
     for backend, why in skipped_backends(device).items():
         print(f"skipped backend {backend!r}: {why}")
     print(f"versions: torch {torch.__version__}, triton {_triton_version()}\n")

@@ -19,8 +19,11 @@ def backend_targets():
     Without a GPU, the CUDA backend's kernels run compiled for the host ("cuda-host-emulation",
     built once per user by ``posenc_fast._build.build_host_emulation``; needs nvcc's headers and a
     C++ compiler; POSENC_FAST_TEST_CUDA_EMULATION=0 leaves it out), as Triton's run in its interpreter.
+    The CPU backend ("cpu") runs wherever its extension is installed or a C++ compiler can build it.
     """
     targets = [pytest.param("torch", "cpu", id="torch-cpu")]
+    if cpu_extension_problem() is None:
+        targets.append(pytest.param("cpu", "cpu", id="cpu"))
     triton_ok = True
     try:
         import triton  # noqa: F401
@@ -45,6 +48,18 @@ def cuda_extension_problem():
     from posenc_fast.backends import cuda_backend
 
     return cuda_backend.extension_problem()
+
+
+def cpu_extension_problem():
+    """None if the CPU extension (posenc_fast._cpu) is installed or builds here (into the per-user
+    cache, from a source checkout), else why not; POSENC_FAST_TEST_CPU=0 leaves the target out."""
+    import os
+
+    from posenc_fast.backends import cpu_backend
+
+    if os.environ.get("POSENC_FAST_TEST_CPU", "1") == "0":
+        return "POSENC_FAST_TEST_CPU=0"
+    return cpu_backend.build_on_demand()
 
 
 _host_emulation = []  # [problem or None], once per session

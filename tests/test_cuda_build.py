@@ -158,7 +158,10 @@ def test_cuda_backend_without_gpu_raises(real_extension_state):
     assert ("NVIDIA GPU" in reason) or ("posenc_fast._C" in reason and "pip install" in reason), reason
     with pytest.raises(RuntimeError, match="backend='cuda'"):
         resolve_backend("cuda", torch.device("cuda"), torch.float32)
-    assert resolve_backend("auto", torch.device("cpu"), torch.float32) == "torch"
+    from posenc_fast.backends import cpu_backend  # auto on CPU: the CPU kernels when built, else torch
+
+    expected = "cpu" if cpu_backend.extension_problem() is None else "torch"
+    assert resolve_backend("auto", torch.device("cpu"), torch.float32) == expected
 
 
 def test_availability_traces_under_compile(real_extension_state):
@@ -220,8 +223,8 @@ def test_find_nvcc_prefers_cuda_home(tmp_path):
 
 
 def test_sources_are_complete():
-    """Every file in csrc/ the build needs is listed (and so compiled, shipped and hashed for the cache)."""
-    listed = set(_build.SOURCES + _build.HEADERS + _build.EMULATION_HEADERS)
+    """Every file in csrc/ a build needs (CUDA or CPU) is listed (and so compiled, shipped and hashed for the cache)."""
+    listed = set(_build.SOURCES + _build.HEADERS + _build.EMULATION_HEADERS + _build.CPU_SOURCES + _build.CPU_HEADERS)
     present = {os.path.relpath(os.path.join(d, f), os.path.join(REPO, "csrc"))
                for d, _, files in os.walk(os.path.join(REPO, "csrc")) for f in files}
     assert present == listed

@@ -3,6 +3,8 @@
     SUPPORTED_DTYPES: tuple of weight dtypes it handles
     FLOAT64_MATH: whether it implements precision="float64" (optional, default False)
     available(device) -> Optional[str]: None if usable on that device, else why not
+    prepare(device) -> None: optional; run before ``available`` when the backend is asked for by name
+        (``cuda`` and ``cpu`` build their extension on demand there)
     forward(ids, weight, turns, positions, offsets, offset, seq_len, params, dropout) -> Tensor[N, width]
     backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype, dropout)
         -> Tensor[V, token_width]   (padding_idx: -1 for none)

@@ -1,0 +1,377 @@
+// posenc_fast._cpu: the pybind11 binding of the CPU kernels (cpu_kernels.h), their thread pool, and
+// the run-time choice of instruction-set variant.
+//
+// Like the CUDA extension (binding.cpp) it does not link libtorch or include ATen: arguments are
+// host pointers (Python ints), sizes, strides and dtype codes, so one build works with any torch
+// version.  Validation happens in Python before the call; here only the codes are checked.  The
+// GIL is released while the kernels run.
+//
+// Threads: a small pool of std::threads, created on first use and kept (spinning briefly, then
+// blocked on a condition variable between calls, so they take nothing from torch's own threads).  The
+// caller passes the thread count (posenc_fast passes torch.get_num_threads()).
+#include <pybind11/pybind11.h>
+
+#include <unistd.h>
+#ifdef __linux__
+#include <sys/mman.h>
+#endif
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cpu_kernels.h"
+
+namespace py = pybind11;
+
+namespace posenc {
+namespace cpu {
+namespace {
+
+// Workers wait for a job's generation number, take chunks of it from a shared counter until none
+// is left, and report back.  One job at a time; a call that finds the pool busy (another Python
+// thread, the GIL being released) runs on its own thread instead of waiting.
+//
+// Waiting spins for a few tens of microseconds before it blocks on a condition variable: waking a
+// blocked thread costs about as much again (more in a VM), a large share of a sub-millisecond
+// call, and back-to-back calls (a model's layers, a benchmark) find the workers still spinning.
+// After that the workers sleep and take nothing from torch's own threads.
+class ThreadPool {
+ public:
+  void run(int64_t num_items, int64_t grain, int num_threads, void (*fn)(void*, int64_t, int64_t),
+           void* context) {
+    const int64_t num_chunks = (num_items + grain - 1) / grain;
+    const int64_t helpers_wanted = static_cast<int64_t>(num_threads) - 1 < num_chunks - 1
+                                       ? static_cast<int64_t>(num_threads) - 1
+                                       : num_chunks - 1;
+    std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
+    if (helpers_wanted <= 0 || !busy.owns_lock()) {
+      fn(context, 0, num_items);
+      return;
+    }
+    const int helpers = static_cast<int>(helpers_wanted);
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      while (static_cast<int>(workers_.size()) < helpers) {
+        const int index = static_cast<int>(workers_.size());
+        workers_.emplace_back([this, index] { work(index); });
+        workers_.back().detach();  // lives as long as the process (the pool is never destroyed)
+      }
+      fn_ = fn;
+      context_ = context;
+      num_items_ = num_items;
+      grain_ = grain;
+      next_chunk_.store(0);
+      helpers_ = helpers;
+      finished_.store(0);
+      generation_.fetch_add(1, std::memory_order_release);
+    }
+    wake_.notify_all();
+    take_chunks();
+    spin_while([&] { return finished_.load(std::memory_order_acquire) != helpers; });
+    std::unique_lock<std::mutex> lock(mutex_);
+    done_.wait(lock, [&] { return finished_.load() == helpers; });
+  }
+
+ private:
+  // Spins (about 50 us) while `busy()` holds; returns early when it stops holding.
+  template <typename Condition>
+  static void spin_while(Condition busy) {
+    for (int i = 0; i < 20000 && busy(); ++i) {
+#if defined(__x86_64__) || defined(__i386__)
+      __builtin_ia32_pause();
+#else
+      std::this_thread::yield();
+#endif
+    }
+  }
+
+  void take_chunks() {
+    for (;;) {
+      const int64_t chunk = next_chunk_.fetch_add(1);
+      const int64_t begin = chunk * grain_;
+      if (begin >= num_items_) return;
+      const int64_t end = begin + grain_ < num_items_ ? begin + grain_ : num_items_;
+      fn_(context_, begin, end);
+    }
+  }
+
+  void work(int index) {
+    uint64_t seen = 0;
+    for (;;) {
+      spin_while([&] { return generation_.load(std::memory_order_acquire) == seen; });
+      int helpers;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        wake_.wait(lock, [&] { return generation_.load() != seen; });
+        seen = generation_.load();
+        helpers = helpers_;
+      }
+      if (index >= helpers) continue;  // not needed for this job
+      take_chunks();
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (finished_.fetch_add(1) + 1 == helpers) done_.notify_one();
+    }
+  }
+
+  std::mutex busy_;  // held by the running job's caller
+  std::mutex mutex_;
+  std::condition_variable wake_, done_;
+  std::vector<std::thread> workers_;
+  std::atomic<uint64_t> generation_{0};
+  void (*fn_)(void*, int64_t, int64_t) = nullptr;
+  void* context_ = nullptr;
+  int64_t num_items_ = 0;
+  int64_t grain_ = 1;
+  std::atomic<int64_t> next_chunk_{0};
+  int helpers_ = 0;
+  std::atomic<int> finished_{0};
+};
+
+// The pool of this process.  A forked child (a DataLoader worker) has none of the parent's
+// threads: it makes its own, and abandons the parent's copy (never destroyed: its mutexes may be
+// held by threads that do not exist here).
+ThreadPool& pool() {
+  static ThreadPool* current = nullptr;
+  static pid_t owner = 0;
+  static std::mutex guard;
+  std::lock_guard<std::mutex> lock(guard);
+  if (current == nullptr || owner != getpid()) {
+    current = new ThreadPool();
+    owner = getpid();
+  }
+  return *current;
+}
+
+// Asks Linux to back the 2 MiB-aligned part of a buffer that is about to be written for the first
+// time with transparent huge pages (where THP is "madvise", the common default): a large fresh
+// buffer (the [V, d] weight gradient) then costs one fault per 2 MiB instead of one per 4 KiB,
+// which is most of its cost.  Only a hint: no effect on contents, and none where unsupported.
+void advise_huge_pages(void* data, int64_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHuge = uintptr_t(1) << 21;
+  if (bytes < static_cast<int64_t>(2 * kHuge)) return;
+  const uintptr_t start = (reinterpret_cast<uintptr_t>(data) + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(data) + static_cast<uintptr_t>(bytes)) & ~(kHuge - 1);
+  if (end > start) madvise(reinterpret_cast<void*>(start), end - start, MADV_HUGEPAGE);
+#else
+  (void)data;
+  (void)bytes;
+#endif
+}
+
+int64_t element_bytes(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
+
+// ---- instruction-set variants ----
+
+struct Variant {
+  const char* name;
+  const char* (*forward)(const ForwardArgs&);
+  const char* (*weight_grad)(const WeightGradArgs&);
+};
+
+#ifndef POSENC_CPU_HAVE_X86_VARIANTS
+#define POSENC_CPU_HAVE_X86_VARIANTS 0
+#endif
+
+std::vector<Variant> supported_variants() {
+  std::vector<Variant> variants;
+#if POSENC_CPU_HAVE_X86_VARIANTS
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx2") &&
+      __builtin_cpu_supports("fma") && __builtin_cpu_supports("bmi2")) {
+    variants.push_back({"avx512", &isa_avx512::forward, &isa_avx512::weight_grad});
+  }
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("bmi2") &&
+      __builtin_cpu_supports("f16c")) {
+    variants.push_back({"avx2", &isa_avx2::forward, &isa_avx2::weight_grad});
+  }
+#endif
+  variants.push_back({"baseline", &isa_baseline::forward, &isa_baseline::weight_grad});
+  return variants;  // best first
+}
+
+Variant selected;
+
+// POSENC_FAST_CPU_ISA=baseline|avx2|avx512 caps the choice (for comparisons); default: the best.
+void select_variant(const std::string& name) {
+  for (const Variant& v : supported_variants()) {
+    if (name.empty() || name == v.name) {
+      selected = v;
+      return;
+    }
+  }
+  throw py::value_error("POSENC_FAST_CPU_ISA / set_isa: '" + name + "' is not supported on this CPU or build");
+}
+
+py::list isa_names() {
+  py::list names;
+  for (const Variant& v : supported_variants()) names.append(v.name);
+  return names;
+}
+
+DType float_code(int code, const char* name) {
+  if (code == static_cast<int>(DType::kFloat32) || code == static_cast<int>(DType::kFloat16) ||
+      code == static_cast<int>(DType::kBFloat16)) {
+    return static_cast<DType>(code);
+  }
+  throw py::value_error(std::string(name) + ": dtype code " + std::to_string(code) +
+                        " is not FLOAT32, FLOAT16 or BFLOAT16");
+}
+
+DType id_code(int code, const char* name) {
+  if (code == static_cast<int>(DType::kInt32) || code == static_cast<int>(DType::kInt64)) {
+    return static_cast<DType>(code);
+  }
+  throw py::value_error(std::string(name) + ": dtype code " + std::to_string(code) + " is not INT32 or INT64");
+}
+
+template <typename T>
+T* pointer(uintptr_t address) {
+  return reinterpret_cast<T*>(address);
+}
+
+void check(const char* error, const char* what) {
+  if (error != nullptr) throw std::runtime_error(std::string("posenc_fast CPU ") + what + ": " + error);
+}
+
+void forward(uintptr_t ids, int ids_dtype, uintptr_t weight, int64_t weight_row_stride, int dtype, uintptr_t out,
+             uintptr_t turns, int64_t num_turns, uintptr_t positions, uintptr_t offsets, int64_t offset,
+             int64_t seq_len, int64_t num_tokens, int64_t num_embeddings, int64_t token_width, int64_t pe_width,
+             bool concat, bool interleaved, int64_t sin_base, int64_t num_sin, int64_t cos_base, int64_t num_cos,
+             int64_t pe_zero_id, double embed_scale, double pe_scale, bool float64_math, uintptr_t dropout_seed,
+             uint32_t dropout_threshold, double dropout_scale, int num_threads) {
+  ForwardArgs a;
+  a.ids = pointer<const void>(ids);
+  a.ids_dtype = id_code(ids_dtype, "ids");
+  a.weight = pointer<const void>(weight);
+  a.weight_row_stride = weight_row_stride;
+  a.dtype = float_code(dtype, "weight");
+  a.out = pointer<void>(out);
+  a.turns = pointer<const int64_t>(turns);
+  a.num_turns = num_turns;
+  a.positions = pointer<const int64_t>(positions);
+  a.offsets = pointer<const int64_t>(offsets);
+  a.offset = offset;
+  a.seq_len = seq_len;
+  a.num_tokens = num_tokens;
+  a.num_embeddings = num_embeddings;
+  a.token_width = token_width;
+  a.pe_width = pe_width;
+  a.concat = concat;
+  a.interleaved = interleaved;
+  a.sin_base = sin_base;
+  a.num_sin = num_sin;
+  a.cos_base = cos_base;
+  a.num_cos = num_cos;
+  a.pe_zero_id = pe_zero_id;
+  a.embed_scale = embed_scale;
+  a.pe_scale = pe_scale;
+  a.float64_math = float64_math;
+  a.dropout_seed = pointer<const int64_t>(dropout_seed);
+  a.dropout_threshold = dropout_threshold;
+  a.dropout_scale = dropout_scale;
+  a.num_threads = num_threads < 1 ? 1 : num_threads;
+  if (num_tokens == 0) return;
+  const char* error;
+  {
+    py::gil_scoped_release no_gil;
+    error = selected.forward(a);
+  }
+  check(error, "forward");
+}
+
+void weight_grad(uintptr_t sorted_ids, int sorted_ids_dtype, uintptr_t order, uintptr_t grad_out,
+                 int64_t grad_out_row_stride, int grad_dtype, uintptr_t grad_weight, int weight_dtype,
+                 int64_t num_tokens, int64_t num_embeddings, int64_t token_width, int64_t padding_idx,
+                 double embed_scale, uintptr_t dropout_seed, uint32_t dropout_threshold, double dropout_scale,
+                 int num_threads) {
+  WeightGradArgs a;
+  a.sorted_ids = pointer<const void>(sorted_ids);
+  a.sorted_ids_dtype = id_code(sorted_ids_dtype, "sorted_ids");
+  a.order = pointer<const int64_t>(order);
+  a.grad_out = pointer<const void>(grad_out);
+  a.grad_out_row_stride = grad_out_row_stride;
+  a.grad_dtype = float_code(grad_dtype, "grad_out");
+  a.grad_weight = pointer<void>(grad_weight);
+  a.weight_dtype = float_code(weight_dtype, "grad_weight");
+  a.num_tokens = num_tokens;
+  a.num_embeddings = num_embeddings;
+  a.token_width = token_width;
+  a.padding_idx = padding_idx;
+  a.embed_scale = embed_scale;
+  a.dropout_seed = pointer<const int64_t>(dropout_seed);
+  a.dropout_threshold = dropout_threshold;
+  a.dropout_scale = dropout_scale;
+  a.num_threads = num_threads < 1 ? 1 : num_threads;
+  if (a.grad_dtype != a.weight_dtype && a.grad_dtype != DType::kFloat32) {
+    throw py::value_error("grad_out must have the weight's dtype or FLOAT32");
+  }
+  if (num_embeddings == 0 || token_width == 0) return;
+  const char* error;
+  {
+    py::gil_scoped_release no_gil;
+    advise_huge_pages(a.grad_weight, num_embeddings * token_width * element_bytes(a.weight_dtype));
+    error = selected.weight_grad(a);
+  }
+  check(error, "weight gradient");
+}
+
+}  // namespace
+
+void parallel_for(int64_t num_items, int64_t grain, int num_threads, void (*fn)(void*, int64_t, int64_t),
+                  void* context) {
+  if (num_items <= 0) return;
+  if (grain < 1) grain = 1;
+  pool().run(num_items, grain, num_threads, fn, context);
+}
+
+}  // namespace cpu
+}  // namespace posenc
+
+PYBIND11_MODULE(_cpu, m) {
+  namespace cpu = posenc::cpu;
+  m.doc() =
+      "posenc_fast CPU kernels (fused embedding + exact sinusoidal PE, forward and deterministic weight "
+      "gradient), multithreaded and vectorised.  Framework-free: host pointers as ints, dtype codes.  Called by "
+      "posenc_fast.backends.cpu_backend; not a public API.";
+  m.attr("FLOAT32") = static_cast<int>(cpu::DType::kFloat32);
+  m.attr("FLOAT16") = static_cast<int>(cpu::DType::kFloat16);
+  m.attr("BFLOAT16") = static_cast<int>(cpu::DType::kBFloat16);
+  m.attr("INT32") = static_cast<int>(cpu::DType::kInt32);
+  m.attr("INT64") = static_cast<int>(cpu::DType::kInt64);
+  const char* requested = std::getenv("POSENC_FAST_CPU_ISA");
+  cpu::select_variant(requested != nullptr ? requested : "");
+
+  m.def("forward", &cpu::forward,
+        "Run the forward: out[N, width] = embed_scale * W[ids] (+) pe_scale * PE(pos), in fp32 arithmetic (or "
+        "float64 with float64_math), rounded once; with a dropout_seed pointer (0: none), elements whose Philox "
+        "word is below dropout_threshold are 0 and the others scaled by dropout_scale.",
+        py::arg("ids"), py::arg("ids_dtype"), py::arg("weight"), py::arg("weight_row_stride"), py::arg("dtype"),
+        py::arg("out"), py::arg("turns"), py::arg("num_turns"), py::arg("positions"), py::arg("offsets"),
+        py::arg("offset"), py::arg("seq_len"), py::arg("num_tokens"), py::arg("num_embeddings"),
+        py::arg("token_width"), py::arg("pe_width"), py::arg("concat"), py::arg("interleaved"),
+        py::arg("sin_base"), py::arg("num_sin"), py::arg("cos_base"), py::arg("num_cos"), py::arg("pe_zero_id"),
+        py::arg("embed_scale"), py::arg("pe_scale"), py::arg("float64_math"), py::arg("dropout_seed"),
+        py::arg("dropout_threshold"), py::arg("dropout_scale"), py::arg("num_threads"));
+  m.def("weight_grad", &cpu::weight_grad,
+        "The deterministic weight gradient (ids sorted by the caller; every element of grad_weight is written); with a "
+        "dropout_seed pointer (0: none), through the forward's dropout mask.",
+        py::arg("sorted_ids"), py::arg("sorted_ids_dtype"), py::arg("order"), py::arg("grad_out"),
+        py::arg("grad_out_row_stride"), py::arg("grad_dtype"), py::arg("grad_weight"), py::arg("weight_dtype"),
+        py::arg("num_tokens"), py::arg("num_embeddings"), py::arg("token_width"), py::arg("padding_idx"),
+        py::arg("embed_scale"), py::arg("dropout_seed"), py::arg("dropout_threshold"), py::arg("dropout_scale"),
+        py::arg("num_threads"));
+  m.def("isa", [] { return std::string(cpu::selected.name); }, "The instruction-set variant in use.");
+  m.def("supported_isas", &cpu::isa_names, "Variants this CPU and build can run, best first.");
+  m.def("set_isa", &cpu::select_variant, py::arg("name"),
+        "Use variant `name` ('' for the best); tests and benchmarks compare them.");
+}

@@ -1,0 +1,626 @@
+// CPU kernels: the fused forward and the deterministic weight gradient (cpu_kernels.h), with the
+// exact-angle math of the CUDA kernels (exact_angle.cuh) and their Philox dropout mask (philox.cuh).
+//
+// Forward, one token row at a time (rows are split across threads):
+//   1. the sin and cos of every pair slot at the token's position, into two scratch arrays: a
+//      loop over pairs whose body is sin_cos_of_turns, which the compiler vectorises (one SIMD
+//      lane per pair: 64-bit phase products, the quarter-turn reduction, the polynomials and the
+//      quadrant selects), 16 fp32 pairs per AVX-512 instruction, 8 per AVX2 one;
+//   2. the PE row, in the layout's columns, times pe_scale (zero at pe_zero_id);
+//   3. the token row times embed_scale, added (fused multiply-add where the ISA has one) or
+//      placed before the PE (concat);
+//   4. dropout: the Philox words of the row (one call per four columns, vectorised over the
+//      calls), then select-or-scale;
+//   5. one rounding to the output dtype (nearest even), one contiguous store.
+// Steps 2 to 5 work on one row in L1 (a few KiB); only the weight row and the output row touch
+// memory.  When the batch repeats positions (B sequences sharing a scalar offset), the work is
+// split by position instead of by token: steps 1 and 2 run once per distinct position, for all the
+// tokens at it (the same values whichever token asks, so the results do not change).
+//
+// Weight gradient: the caller sorts the ids; here the runs of equal ids are found, and each work
+// item (a run and a block of 128 columns) sums its tokens' gradient rows in fp32 in sorted order,
+// scales once and stores.  No atomics, no order that depends on threads: bitwise reproducible.
+// The whole buffer is zeroed here first, by all threads, instead of by a serial torch.zeros: the dense
+// [V, d] gradient is the largest buffer of a step, and its first touch (page faults) is most of
+// its cost (the binding also advises the kernel to back it with huge pages).
+//
+// This file is compiled once per instruction set (POSENC_CPU_ISA: isa_baseline, isa_avx2, isa_avx512;
+// flags in posenc_fast/_build.py: CPU_X86_VARIANTS), each into its own namespace; everything
+// here is inside it, and the shared headers' functions are always inlined, so no code compiled for
+// one variant can be linked into another.
+#include "cpu_kernels.h"
+
+#include <cstdint>
+#include <cstring>
+#include <new>
+
+#include "exact_angle.cuh"
+#include "philox.cuh"
+
+#ifndef POSENC_CPU_ISA
+#error "compile with -DPOSENC_CPU_ISA=isa_baseline (or isa_avx2, isa_avx512)"
+#endif
+
+namespace posenc {
+namespace cpu {
+namespace POSENC_CPU_ISA {
+namespace {
+
+#define POSENC_INLINE inline __attribute__((always_inline))
+
+POSENC_INLINE int64_t min_of(int64_t a, int64_t b) { return a < b ? a : b; }
+POSENC_INLINE int64_t max_of(int64_t a, int64_t b) { return a > b ? a : b; }
+
+// ---- element types: widen exactly to fp32; narrow from fp32 or float64 with one rounding ----
+
+struct BFloat16 {
+  uint16_t bits;
+};
+struct Float16 {
+  uint16_t bits;
+};
+
+POSENC_INLINE uint32_t bits_of(float x) {
+  uint32_t b;
+  std::memcpy(&b, &x, sizeof b);
+  return b;
+}
+
+POSENC_INLINE float float_of(uint32_t b) {
+  float x;
+  std::memcpy(&x, &b, sizeof x);
+  return x;
+}
+
+// float64 -> fp32 rounded to odd: the neighbour with an odd last bit when inexact.  Rounding that
+// once more to nearest even at <= 22 bits (bf16, fp16) equals rounding the double directly, so
+// float64 math is rounded once to bf16/fp16 although the hardware has no such conversion.
+POSENC_INLINE float round_to_odd_fp32(double x) {
+  const float f = static_cast<float>(x);
+  if (static_cast<double>(f) == x || x != x) return f;
+  uint32_t b = bits_of(f);
+  if ((b & 1u) == 0) {  // nearest-even landed on the even neighbour: take the other one, toward x
+    const double fa = f < 0 ? -static_cast<double>(f) : static_cast<double>(f);
+    const double xa = x < 0 ? -x : x;
+    b = fa > xa ? b - 1 : b + 1;  // magnitude down or up (from inf: down to the largest finite)
+  }
+  return float_of(b);
+}
+
+POSENC_INLINE uint16_t bf16_of(float x) {
+  const uint32_t b = bits_of(x);
+  if ((b & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((b >> 16) | 0x40u);  // NaN stays NaN
+  return static_cast<uint16_t>((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);  // nearest even (carries to inf)
+}
+
+POSENC_INLINE uint16_t fp16_of(float x) {
+  const uint32_t b = bits_of(x);
+  const uint32_t sign = (b >> 16) & 0x8000u;
+  const uint32_t a = b & 0x7fffffffu;
+  if (a >= 0x7f800000u) return static_cast<uint16_t>(sign | (a > 0x7f800000u ? 0x7e00u : 0x7c00u));
+  if (a >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // >= 65520: rounds to inf
+  if (a >= 0x38800000u) {  // normal fp16 (>= 2^-14): rebias the exponent, round 13 bits away
+    const uint32_t m = a - 0x38000000u;
+    return static_cast<uint16_t>(sign | ((m + 0xfffu + ((m >> 13) & 1u)) >> 13));
+  }
+  if (a <= 0x33000000u) return static_cast<uint16_t>(sign);  // <= 2^-25: rounds to zero (ties to even)
+  // Subnormal fp16: the value in units of 2^-24, rounded to nearest even.
+  const uint32_t exponent = a >> 23;
+  const uint32_t mantissa = (a & 0x7fffffu) | 0x800000u;
+  const uint32_t shift = 126u - exponent;  // 14..24
+  uint32_t q = mantissa >> shift;
+  const uint32_t rest = mantissa & ((1u << shift) - 1u), half = 1u << (shift - 1u);
+  if (rest > half || (rest == half && (q & 1u))) ++q;
+  return static_cast<uint16_t>(sign | q);
+}
+
+POSENC_INLINE float float_of_fp16(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
+  if (exponent == 0x1fu) return float_of(sign | 0x7f800000u | (mantissa << 13));
+  if (exponent == 0) {
+    const float v = static_cast<float>(mantissa) * 5.9604644775390625e-08f;  // 2^-24, exact
+    return sign ? -v : v;
+  }
+  return float_of(sign | ((exponent + 112u) << 23) | (mantissa << 13));
+}
+
+template <typename T>
+struct Element;
+
+template <>
+struct Element<float> {
+  static POSENC_INLINE float widen(float x) { return x; }
+  static POSENC_INLINE float narrow(float x) { return x; }
+  static POSENC_INLINE float narrow(double x) { return static_cast<float>(x); }
+};
+
+template <>
+struct Element<BFloat16> {
+  static POSENC_INLINE float widen(BFloat16 x) { return float_of(static_cast<uint32_t>(x.bits) << 16); }
+  static POSENC_INLINE BFloat16 narrow(float x) { return BFloat16{bf16_of(x)}; }
+  static POSENC_INLINE BFloat16 narrow(double x) { return narrow(round_to_odd_fp32(x)); }
+};
+
+template <>
+struct Element<Float16> {
+#if defined(__F16C__) && defined(__FLT16_MAX__)
+  // The AVX2 and AVX-512 variants convert in hardware (F16C: exact widening, nearest-even narrowing).
+  static POSENC_INLINE float widen(Float16 x) {
+    _Float16 h;
+    std::memcpy(&h, &x.bits, sizeof h);
+    return static_cast<float>(h);
+  }
+  static POSENC_INLINE Float16 narrow(float x) {
+    const _Float16 h = static_cast<_Float16>(x);
+    Float16 out;
+    std::memcpy(&out.bits, &h, sizeof h);
+    return out;
+  }
+#else
+  static POSENC_INLINE float widen(Float16 x) { return float_of_fp16(x.bits); }
+  static POSENC_INLINE Float16 narrow(float x) { return Float16{fp16_of(x)}; }
+#endif
+  static POSENC_INLINE Float16 narrow(double x) { return narrow(round_to_odd_fp32(x)); }
+};
+
+// ---- scratch: plain new[] (no standard-library templates in a per-ISA file) ----
+
+template <typename V>
+struct Scratch {
+  V* data = nullptr;
+  explicit Scratch(int64_t n) : data(n > 0 ? new (std::nothrow) V[n] : nullptr) {}
+  ~Scratch() { delete[] data; }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+};
+
+// ---- dropout ----
+
+// Dropout of one row segment, in chunks of kDropoutGroups groups of four columns: first the Philox
+// words of every group (a loop over groups the compiler vectorises: one SIMD lane per group), then
+// row[c] = keep(token, col0 + c) ? row[c] * scale : 0 for c < count.  col0 is a multiple of 4.
+constexpr int64_t kDropoutGroups = 64;
+
+template <typename Math>
+POSENC_INLINE void apply_dropout(const DropoutMask& mask, int64_t token, int64_t col0, int64_t count, Math scale,
+                                 Math* row) {
+  const uint64_t t = static_cast<uint64_t>(token);
+  const uint32_t t_low = static_cast<uint32_t>(t), t_high = static_cast<uint32_t>(t >> 32);
+  uint32_t words[4 * kDropoutGroups];
+  for (int64_t c0 = 0; c0 < count; c0 += 4 * kDropoutGroups) {
+    const int64_t n = min_of(4 * kDropoutGroups, count - c0);
+    const int64_t groups = (n + 3) / 4;
+    const uint32_t group0 = static_cast<uint32_t>((col0 + c0) >> 2);
+    for (int64_t g = 0; g < groups; ++g) {
+      const PhiloxWords r = philox4x32_10(group0 + static_cast<uint32_t>(g), t_low, t_high, 0, mask.key);
+      words[4 * g] = r.word[0];
+      words[4 * g + 1] = r.word[1];
+      words[4 * g + 2] = r.word[2];
+      words[4 * g + 3] = r.word[3];
+    }
+    Math* __restrict__ segment = row + c0;
+    for (int64_t c = 0; c < n; ++c) segment[c] = words[c] >= mask.threshold ? segment[c] * scale : Math(0);
+  }
+}
+
+// ---- forward ----
+
+template <typename Math>
+struct ForwardPlan {
+  const ForwardArgs* args;
+  const int64_t* rates;  // [slots]: turns, then 0 (an odd D's zero tail)
+  int64_t slots;  // ceil(D / 2) pair slots
+  int64_t num_pairs;  // h = D / 2: slots at or past it have a zero cos
+  int64_t width;
+  int64_t pe_col0;
+  Math embed_scale, pe_scale, dropout_scale;
+  DropoutMask mask;
+};
+
+#if defined(__AVX2__) && !defined(__AVX512DQ__)
+// AVX2 has no int64-to-float conversion, so the compiler would not vectorise sin_cos_of_turns'
+// static_cast<Math>(remainder).  This is the same reduction (exact_angle.cuh: reduced_angle) with
+// that one conversion done in vectorisable steps, and the same result, bit for bit:
+//   - the int64 remainder (|r| < 2^61) as its two 32-bit halves, each exact in double;
+//   - their sum in double (rounded to nearest), and its exact rounding error (Fast2Sum: the high
+//     part is 0 or larger than the low one);
+//   - where inexact, the sum rounded to odd instead (its last bit set toward r), so that the one
+//     further rounding to fp32 equals rounding r directly (53 >= 24 + 2 bits); for float64 math
+//     the nearest-even sum is already the direct rounding.
+POSENC_INLINE double int64_to_double_parts(int64_t r, double& error) {
+  const double high = static_cast<double>(static_cast<int32_t>(static_cast<uint64_t>(r) >> 32)) * 4294967296.0;
+  const double low = static_cast<double>(static_cast<int32_t>(static_cast<uint32_t>(r) ^ 0x80000000u)) + 2147483648.0;
+  const double sum = high + low;
+  error = low - (sum - high);
+  return sum;
+}
+
+template <typename Math>
+POSENC_INLINE Math int64_to_math(int64_t r);
+
+template <>
+POSENC_INLINE double int64_to_math<double>(int64_t r) {
+  double error;
+  return int64_to_double_parts(r, error);
+}
+
+template <>
+POSENC_INLINE float int64_to_math<float>(int64_t r) {
+  double error;
+  const double sum = int64_to_double_parts(r, error);
+  uint64_t bits;
+  std::memcpy(&bits, &sum, sizeof bits);
+  const bool toward_larger_magnitude = (error > 0) == (sum > 0);
+  const uint64_t odd = (error != 0 && (bits & 1u) == 0) ? (toward_larger_magnitude ? bits + 1 : bits - 1) : bits;
+  double rounded_to_odd;
+  std::memcpy(&rounded_to_odd, &odd, sizeof odd);
+  return static_cast<float>(rounded_to_odd);
+}
+
+template <typename Math>
+POSENC_INLINE void sin_cos_of_turns_cpu(uint64_t turn_units, Math& sin_out, Math& cos_out) {
+  // exact_angle.cuh: reduced_angle and sin_cos_of_turns, line for line but for the conversion.
+  const uint64_t shifted = turn_units + kEighthTurn;
+  const unsigned quadrant = static_cast<unsigned>(shifted >> 62);
+  const int64_t remainder = static_cast<int64_t>(shifted & kQuarterTurnMask) - static_cast<int64_t>(kEighthTurn);
+  const Math a = int64_to_math<Math>(remainder) * static_cast<Math>(kRadiansPerUnit);
+  Math sin_a, cos_a;
+  taylor_sin_cos(a, sin_a, cos_a);
+  const bool odd = (quadrant & 1u) != 0;
+  const Math sin_unsigned = odd ? cos_a : sin_a;
+  const Math cos_unsigned = odd ? sin_a : cos_a;
+  sin_out = quadrant >= 2 ? -sin_unsigned : sin_unsigned;
+  cos_out = (quadrant == 1 || quadrant == 2) ? -cos_unsigned : cos_unsigned;
+}
+#else
+template <typename Math>
+POSENC_INLINE void sin_cos_of_turns_cpu(uint64_t turn_units, Math& sin_out, Math& cos_out) {
+  sin_cos_of_turns<Math>(turn_units, sin_out, cos_out);  // the shared function, as the CUDA kernels call it
+}
+#endif
+
+template <typename Math>
+POSENC_INLINE void sin_cos_row(int64_t position, const int64_t* __restrict__ rates, int64_t slots,
+                               Math* __restrict__ sins, Math* __restrict__ coses) {
+  for (int64_t i = 0; i < slots; ++i) {
+    Math s, c;
+    sin_cos_of_turns_cpu<Math>(phase_of(position, rates[i]), s, c);
+    sins[i] = s;
+    coses[i] = c;
+  }
+}
+
+POSENC_INLINE int64_t token_position(const ForwardArgs& a, int64_t token) {
+  if (a.positions != nullptr) return a.positions[token];
+  const int64_t sequence = token / a.seq_len, within = token - sequence * a.seq_len;
+  const int64_t start = a.offsets != nullptr ? a.offsets[sequence] : a.offset;
+  return static_cast<int64_t>(static_cast<uint64_t>(start) + static_cast<uint64_t>(within));  // wraps
+}
+
+template <typename IdT>
+POSENC_INLINE int64_t token_id(const ForwardArgs& a, int64_t token) {
+  return static_cast<int64_t>(static_cast<const IdT*>(a.ids)[token]);
+}
+
+// The PE of one token into pe[0, D), times `scale`, from its slots' sins and coses.
+template <typename Math>
+POSENC_INLINE void place_pe(const ForwardPlan<Math>& p, const Math* __restrict__ sins,
+                            const Math* __restrict__ coses, Math scale, Math* __restrict__ pe) {
+  const ForwardArgs& a = *p.args;
+  const int64_t h = p.num_pairs;
+  if (a.interleaved) {
+    for (int64_t i = 0; i < h; ++i) {
+      pe[2 * i] = sins[i] * scale;
+      pe[2 * i + 1] = coses[i] * scale;
+    }
+    if (a.pe_width > 2 * h) pe[2 * h] = sins[h] * scale;  // an odd D's tail: a sin or (rate 0) zero
+    return;
+  }
+  Math* __restrict__ sin_out = pe + a.sin_base;
+  for (int64_t i = 0; i < a.num_sin; ++i) sin_out[i] = sins[i] * scale;
+  Math* __restrict__ cos_out = pe + a.cos_base;
+  const int64_t with_cos = min_of(a.num_cos, h);
+  for (int64_t i = 0; i < with_cos; ++i) cos_out[i] = coses[i] * scale;
+  for (int64_t i = with_cos; i < a.num_cos; ++i) cos_out[i] = Math(0);  // cos slot h: a zero column
+}
+
+// One token's output row from its PE row (pe = row + pe_col0, already times its pe scale): the
+// token columns times embed_scale, added or placed first, dropout, one rounding, the store.
+template <typename T, typename Math>
+POSENC_INLINE void emit_row(const ForwardPlan<Math>& p, int64_t t, int64_t id, Math* __restrict__ row) {
+  const ForwardArgs& a = *p.args;
+  const int64_t tw = a.token_width;
+  const bool has_row = id >= 0 && id < a.num_embeddings;
+  const T* __restrict__ w = static_cast<const T*>(a.weight) + (has_row ? id * a.weight_row_stride : 0);
+  T* __restrict__ y = static_cast<T*>(a.out) + t * p.width;
+  if (a.dropout_seed == nullptr) {  // straight to the output: one pass over the row
+    if (a.concat) {
+      if (has_row) {
+        for (int64_t k = 0; k < tw; ++k) y[k] = Element<T>::narrow(static_cast<Math>(Element<T>::widen(w[k])) * p.embed_scale);
+      } else {
+        for (int64_t k = 0; k < tw; ++k) y[k] = Element<T>::narrow(Math(0));
+      }
+      for (int64_t k = tw; k < p.width; ++k) y[k] = Element<T>::narrow(row[k]);
+    } else if (has_row) {
+      // w * es + pe: contracted to one fused multiply-add where the ISA has it (the CUDA kernel's fma).
+      for (int64_t k = 0; k < tw; ++k) {
+        y[k] = Element<T>::narrow(static_cast<Math>(Element<T>::widen(w[k])) * p.embed_scale + row[k]);
+      }
+    } else {
+      for (int64_t k = 0; k < tw; ++k) y[k] = Element<T>::narrow(row[k]);
+    }
+    return;
+  }
+  if (a.concat) {
+    if (has_row) {
+      for (int64_t k = 0; k < tw; ++k) row[k] = static_cast<Math>(Element<T>::widen(w[k])) * p.embed_scale;
+    } else {
+      for (int64_t k = 0; k < tw; ++k) row[k] = Math(0);
+    }
+  } else if (has_row) {
+    for (int64_t k = 0; k < tw; ++k) row[k] = static_cast<Math>(Element<T>::widen(w[k])) * p.embed_scale + row[k];
+  }
+  apply_dropout(p.mask, t, 0, p.width, p.dropout_scale, row);
+  for (int64_t k = 0; k < p.width; ++k) y[k] = Element<T>::narrow(row[k]);
+}
+
+// Asks for the weight row of a token about to be processed: rows are gathered at random from a
+// table far larger than the caches, and the hardware cannot guess the next one.
+template <typename T, typename IdT>
+POSENC_INLINE void prefetch_weight_row(const ForwardArgs& a, int64_t t) {
+  if (t >= a.num_tokens) return;
+  const int64_t id = token_id<IdT>(a, t);
+  if (id < 0 || id >= a.num_embeddings) return;
+  const char* w = reinterpret_cast<const char*>(static_cast<const T*>(a.weight) + id * a.weight_row_stride);
+  const int64_t bytes = a.token_width * static_cast<int64_t>(sizeof(T));
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(w + b, 0, 3);
+}
+
+template <typename Math>
+POSENC_INLINE Math pe_scale_of(const ForwardPlan<Math>& p, int64_t id) {
+  return (p.args->pe_zero_id >= 0 && id == p.args->pe_zero_id) ? Math(0) : p.pe_scale;  // fairseq padding: no PE
+}
+
+// Token-major: any positions (a positions tensor, per-sequence offsets): one sin/cos row per token.
+template <typename T, typename Math, typename IdT>
+struct ForwardTokens {
+  static void run(void* context, int64_t begin, int64_t end) {
+    const ForwardPlan<Math>& p = *static_cast<const ForwardPlan<Math>*>(context);
+    const ForwardArgs& a = *p.args;
+    Scratch<Math> scratch(p.width + 2 * p.slots);
+    Math* __restrict__ row = scratch.data;
+    Math* __restrict__ sins = row + p.width;
+    Math* __restrict__ coses = sins + p.slots;
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t id = token_id<IdT>(a, t);
+      prefetch_weight_row<T, IdT>(a, t + 1);
+      sin_cos_row(token_position(a, t), p.rates, p.slots, sins, coses);
+      place_pe(p, sins, coses, pe_scale_of(p, id), row + p.pe_col0);
+      emit_row<T>(p, t, id, row);
+    }
+  }
+};
+
+// Position-major, when every sequence starts at the same scalar offset: items are positions j
+// (offset + j); the sin/cos row of j is computed once and serves tokens j, S + j, 2S + j, ...
+// The same function of the same position: results are those of the token-major path.
+template <typename T, typename Math, typename IdT>
+struct ForwardPositions {
+  static void run(void* context, int64_t begin, int64_t end) {
+    const ForwardPlan<Math>& p = *static_cast<const ForwardPlan<Math>*>(context);
+    const ForwardArgs& a = *p.args;
+    Scratch<Math> scratch(2 * p.width + 2 * p.slots);
+    Math* __restrict__ pe_row = scratch.data;  // the PE at pe_scale
+    Math* __restrict__ row = pe_row + p.width;  // a token's working row (dropout, or no PE)
+    Math* __restrict__ sins = row + p.width;
+    Math* __restrict__ coses = sins + p.slots;
+    for (int64_t j = begin; j < end; ++j) {
+      const int64_t position = static_cast<int64_t>(static_cast<uint64_t>(a.offset) + static_cast<uint64_t>(j));
+      sin_cos_row(position, p.rates, p.slots, sins, coses);
+      place_pe(p, sins, coses, p.pe_scale, pe_row + p.pe_col0);
+      for (int64_t t = j; t < a.num_tokens; t += a.seq_len) {
+        const int64_t id = token_id<IdT>(a, t);
+        prefetch_weight_row<T, IdT>(a, t + a.seq_len < a.num_tokens ? t + a.seq_len : j + 1);
+        const Math scale = pe_scale_of(p, id);
+        if (scale != p.pe_scale) {  // pe_zero_id: this token's own (zero) PE
+          place_pe(p, sins, coses, scale, row + p.pe_col0);
+          emit_row<T>(p, t, id, row);
+        } else if (a.dropout_seed != nullptr) {  // emit_row works in place: keep pe_row intact
+          for (int64_t k = p.pe_col0; k < p.width; ++k) row[k] = pe_row[k];
+          emit_row<T>(p, t, id, row);
+        } else {
+          emit_row<T>(p, t, id, pe_row);
+        }
+      }
+    }
+  }
+};
+
+// Work-item sizes: enough tokens to amortise the per-item scratch, small enough to balance threads.
+constexpr int64_t kTokenGrain = 16;
+
+template <typename T, typename Math, typename IdT>
+const char* forward_typed(const ForwardArgs& a) {
+  const int64_t slots = a.pe_width - a.pe_width / 2;
+  Scratch<int64_t> rates(slots);
+  if (slots > 0 && rates.data == nullptr) return "out of memory (rates)";
+  for (int64_t i = 0; i < slots; ++i) rates.data[i] = i < a.num_turns ? a.turns[i] : 0;
+  ForwardPlan<Math> p;
+  p.args = &a;
+  p.rates = rates.data;
+  p.slots = slots;
+  p.num_pairs = a.pe_width / 2;
+  p.width = a.concat ? a.token_width + a.pe_width : a.token_width;
+  p.pe_col0 = a.concat ? a.token_width : 0;
+  p.embed_scale = static_cast<Math>(a.embed_scale);  // fp32 math: the scales rounded to fp32, as on the GPU
+  p.pe_scale = static_cast<Math>(a.pe_scale);
+  p.dropout_scale = static_cast<Math>(a.dropout_scale);
+  p.mask = DropoutMask{};
+  if (a.dropout_seed != nullptr) {
+    const uint64_t seed = static_cast<uint64_t>(*a.dropout_seed);
+    p.mask = DropoutMask{{static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)}, a.dropout_threshold};
+  }
+  const bool shared_positions = a.positions == nullptr && a.offsets == nullptr;
+  if (shared_positions && a.num_tokens >= 2 * a.seq_len) {
+    const int64_t sequences = (a.num_tokens + a.seq_len - 1) / a.seq_len;
+    const int64_t grain = max_of(1, kTokenGrain / sequences);
+    parallel_for(a.seq_len, grain, a.num_threads, &ForwardPositions<T, Math, IdT>::run, &p);
+  } else {
+    parallel_for(a.num_tokens, kTokenGrain, a.num_threads, &ForwardTokens<T, Math, IdT>::run, &p);
+  }
+  return nullptr;
+}
+
+template <typename T, typename Math>
+const char* forward_ids(const ForwardArgs& a) {
+  if (a.ids_dtype == DType::kInt64) return forward_typed<T, Math, int64_t>(a);
+  if (a.ids_dtype == DType::kInt32) return forward_typed<T, Math, int32_t>(a);
+  return "ids: dtype code is not INT32 or INT64";
+}
+
+template <typename T>
+const char* forward_math(const ForwardArgs& a) {
+  return a.float64_math ? forward_ids<T, double>(a) : forward_ids<T, float>(a);
+}
+
+// ---- weight gradient ----
+
+constexpr int64_t kGradColumns = 128;  // columns per work item (a multiple of 4: whole Philox groups)
+
+struct GradPlan {
+  const WeightGradArgs* args;
+  const int64_t* run_starts;  // [num_runs + 1]
+  int64_t num_runs;
+  int64_t column_blocks;
+  float scale;  // embed_scale (times the dropout scale), rounded to fp32 once, as on the GPU
+  DropoutMask mask;
+};
+
+template <typename KeyT>
+POSENC_INLINE int64_t sorted_id(const WeightGradArgs& a, int64_t i) {
+  return static_cast<int64_t>(static_cast<const KeyT*>(a.sorted_ids)[i]);
+}
+
+template <typename G, typename W, typename KeyT>
+struct GradItems {
+  static void run(void* context, int64_t begin, int64_t end) {
+    const GradPlan& p = *static_cast<const GradPlan*>(context);
+    const WeightGradArgs& a = *p.args;
+    float sum[kGradColumns];
+    float row[kGradColumns];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t run = item / p.column_blocks;
+      const int64_t col0 = (item - run * p.column_blocks) * kGradColumns;
+      const int64_t count = min_of(kGradColumns, a.token_width - col0);
+      const int64_t first = p.run_starts[run], last = p.run_starts[run + 1];
+      const int64_t id = sorted_id<KeyT>(a, first);
+      if (id >= a.num_embeddings || id == a.padding_idx) continue;  // the sentinel, or no gradient
+      for (int64_t k = 0; k < count; ++k) sum[k] = 0.0f;
+      for (int64_t i = first; i < last; ++i) {
+        const int64_t token = a.order[i];
+        const G* __restrict__ g = static_cast<const G*>(a.grad_out) + token * a.grad_out_row_stride + col0;
+        if (a.dropout_seed != nullptr) {
+          for (int64_t k = 0; k < count; ++k) row[k] = Element<G>::widen(g[k]);
+          // A dropped element adds 0, even if its gradient is not finite (a select, as in the reference).
+          apply_dropout(p.mask, token, col0, count, 1.0f, row);
+          for (int64_t k = 0; k < count; ++k) sum[k] += row[k];
+        } else {
+          for (int64_t k = 0; k < count; ++k) sum[k] += Element<G>::widen(g[k]);
+        }
+      }
+      W* __restrict__ out = static_cast<W*>(a.grad_weight) + id * a.token_width + col0;
+      for (int64_t k = 0; k < count; ++k) out[k] = Element<W>::narrow(sum[k] * p.scale);
+    }
+  }
+};
+
+// Rows [begin, end) of grad_weight set to zero (+0.0 is all-zero bits in every float format).
+template <typename W>
+struct ZeroRows {
+  static void run(void* context, int64_t begin, int64_t end) {
+    const WeightGradArgs& a = *static_cast<const GradPlan*>(context)->args;
+    W* rows = static_cast<W*>(a.grad_weight) + begin * a.token_width;
+    std::memset(static_cast<void*>(rows), 0, static_cast<size_t>((end - begin) * a.token_width) * sizeof(W));
+  }
+};
+
+template <typename G, typename W>
+const char* weight_grad_typed(const WeightGradArgs& a) {
+  const bool keys64 = a.sorted_ids_dtype == DType::kInt64;
+  if (!keys64 && a.sorted_ids_dtype != DType::kInt32) return "sorted_ids: dtype code is not INT32 or INT64";
+  Scratch<int64_t> starts(a.num_tokens + 1);
+  if (starts.data == nullptr) return "out of memory (runs)";
+  int64_t num_runs = 0;
+  int64_t previous = -1;
+  for (int64_t i = 0; i < a.num_tokens; ++i) {
+    const int64_t id = keys64 ? sorted_id<int64_t>(a, i) : sorted_id<int32_t>(a, i);
+    if (i == 0 || id != previous) starts.data[num_runs++] = i;
+    previous = id;
+  }
+  starts.data[num_runs] = a.num_tokens;
+  GradPlan p;
+  p.args = &a;
+  p.run_starts = starts.data;
+  p.num_runs = num_runs;
+  p.column_blocks = (a.token_width + kGradColumns - 1) / kGradColumns;
+  const bool dropout = a.dropout_seed != nullptr;
+  p.scale = static_cast<float>(dropout ? a.embed_scale * a.dropout_scale : a.embed_scale);
+  p.mask = DropoutMask{};
+  if (dropout) {
+    const uint64_t seed = static_cast<uint64_t>(*a.dropout_seed);
+    p.mask = DropoutMask{{static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)}, a.dropout_threshold};
+  }
+  // Zero the rows no run writes (padding_idx's too), in parallel, before the sums.
+  parallel_for(a.num_embeddings, max_of(1, (int64_t(1) << 18) / max_of(1, a.token_width)), a.num_threads,
+               &ZeroRows<W>::run, &p);
+  const int64_t items = num_runs * p.column_blocks;
+  const int64_t grain = max_of(1, 4096 / max_of(1, a.token_width));  // ~4k columns of rows per chunk
+  if (keys64) {
+    parallel_for(items, grain, a.num_threads, &GradItems<G, W, int64_t>::run, &p);
+  } else {
+    parallel_for(items, grain, a.num_threads, &GradItems<G, W, int32_t>::run, &p);
+  }
+  return nullptr;
+}
+
+template <typename W>
+const char* weight_grad_of_weight(const WeightGradArgs& a) {
+  if (a.grad_dtype == DType::kFloat32) return weight_grad_typed<float, W>(a);
+  if (a.grad_dtype != a.weight_dtype) return "grad_out must have the weight's dtype or FLOAT32";
+  if (a.grad_dtype == DType::kFloat16) return weight_grad_typed<Float16, W>(a);
+  return weight_grad_typed<BFloat16, W>(a);
+}
+
+}  // namespace
+
+const char* forward(const ForwardArgs& a) {
+  if (a.num_tokens < 0 || a.seq_len < 1 || a.token_width < 0 || a.pe_width < 0 || a.num_turns < 0 ||
+      a.num_embeddings < 0 || a.num_threads < 1 || (!a.concat && a.pe_width != a.token_width)) {
+    return "invalid forward arguments";
+  }
+  if (a.num_tokens == 0) return nullptr;
+  switch (a.dtype) {
+    case DType::kFloat32: return forward_math<float>(a);
+    case DType::kFloat16: return forward_math<Float16>(a);
+    case DType::kBFloat16: return forward_math<BFloat16>(a);
+    default: return "weight: dtype code is not FLOAT32, FLOAT16 or BFLOAT16";
+  }
+}
+
+const char* weight_grad(const WeightGradArgs& a) {
+  if (a.num_tokens < 0 || a.token_width < 0 || a.num_embeddings < 0 || a.num_threads < 1) {
+    return "invalid weight gradient arguments";
+  }
+  if (a.token_width == 0 || a.num_embeddings == 0) return nullptr;
+  switch (a.weight_dtype) {
+    case DType::kFloat32: return weight_grad_of_weight<float>(a);
+    case DType::kFloat16: return weight_grad_of_weight<Float16>(a);
+    case DType::kBFloat16: return weight_grad_of_weight<BFloat16>(a);
+    default: return "grad_weight: dtype code is not FLOAT32, FLOAT16 or BFLOAT16";
+  }
+}
+
+}  // namespace POSENC_CPU_ISA
+}  // namespace cpu
+}  // namespace posenc

@@ -1,0 +1,103 @@
+// The framework-free interface of the CPU backend (posenc_fast._cpu): plain structs of host
+// pointers, sizes and dtype codes in, an error message (nullptr: success) out.  Nothing here knows
+// about Python or PyTorch; cpu_binding.cpp is the one thin caller.
+//
+// Semantics are those of posenc_fast/reference.py, with the algorithms of the CUDA kernels
+// (posenc.h): the same exact-angle sin/cos (exact_angle.cuh), the same Philox dropout mask
+// (philox.cuh), fp32 (or float64) arithmetic rounded once at the store, and a weight gradient
+// summed in fp32 in sorted-token order, so bitwise reproducible whatever the thread count.
+//
+// cpu_kernels.cpp is compiled once per instruction-set variant (POSENC_CPU_ISA names the
+// namespace: isa_baseline, isa_avx2, isa_avx512); cpu_binding.cpp picks one at run time.
+#pragma once
+
+#include <cstdint>
+
+namespace posenc {
+namespace cpu {
+
+// Element type codes shared with Python; the same values as the CUDA extension's (posenc.h).
+enum class DType : int {
+  kFloat32 = 0,
+  kFloat16 = 1,
+  kBFloat16 = 2,
+  kInt32 = 3,
+  kInt64 = 4,
+};
+
+// y[t, :] = embed_scale * W[ids[t]]  (+)  pe_scale * PE(pos[t]), for t < num_tokens.  Fields as in
+// posenc::ForwardArgs (posenc.h); the dropout seed is a host pointer.
+struct ForwardArgs {
+  const void* ids;
+  DType ids_dtype;
+  const void* weight;  // [num_embeddings, token_width], unit column stride
+  int64_t weight_row_stride;
+  DType dtype;  // of weight and out
+  void* out;  // [num_tokens, width], contiguous
+  const int64_t* turns;  // fixed-point rates R_i, num_turns of them
+  int64_t num_turns;
+  const int64_t* positions;  // position of token t: positions[t], else offsets[t / seq_len] + t % seq_len,
+  const int64_t* offsets;    // else offset + t % seq_len (int64, wrapping)
+  int64_t offset;
+  int64_t seq_len;
+  int64_t num_tokens;
+  int64_t num_embeddings;  // ids outside [0, num_embeddings) read nothing: a zero token vector
+  int64_t token_width;
+  int64_t pe_width;
+  bool concat;
+  bool interleaved;  // sin of pair i at PE column 2i, cos at 2i + 1
+  int64_t sin_base, num_sin, cos_base, num_cos;  // block layouts
+  int64_t pe_zero_id;  // < 0: none
+  double embed_scale;
+  double pe_scale;
+  bool float64_math;
+  const int64_t* dropout_seed;  // nullptr: no dropout
+  uint32_t dropout_threshold;
+  double dropout_scale;
+  int num_threads;  // >= 1
+};
+
+// grad_W[v] = embed_scale * sum over tokens t with ids[t] == v of grad_out[t, :token_width] (fp32,
+// in sorted order), as posenc::WeightGradArgs.  The caller sorts the ids stably (out-of-range ids
+// become the sentinel num_embeddings).  Unlike the CUDA kernel, this one writes every row of
+// grad_weight: rows no token hits, and padding_idx, become zero (the buffer needs no initial value).
+struct WeightGradArgs {
+  const void* sorted_ids;
+  DType sorted_ids_dtype;  // kInt32 or kInt64
+  const int64_t* order;  // sorted_ids[i] is the id of token order[i]
+  const void* grad_out;  // [num_tokens, >= token_width], unit column stride
+  int64_t grad_out_row_stride;
+  DType grad_dtype;  // the weight's dtype or kFloat32
+  void* grad_weight;  // [num_embeddings, token_width], contiguous; every element is written
+  DType weight_dtype;
+  int64_t num_tokens;
+  int64_t num_embeddings;
+  int64_t token_width;
+  int64_t padding_idx;  // < 0: none
+  double embed_scale;
+  const int64_t* dropout_seed;  // nullptr: no dropout
+  uint32_t dropout_threshold;
+  double dropout_scale;
+  int num_threads;
+};
+
+// One variant's entry points; nullptr on success, else a static message (bad dtype code).
+#define POSENC_CPU_DECLARE_ISA(isa)                       \
+  namespace isa {                                         \
+  const char* forward(const ForwardArgs& args);           \
+  const char* weight_grad(const WeightGradArgs& args);    \
+  }
+POSENC_CPU_DECLARE_ISA(isa_baseline)
+POSENC_CPU_DECLARE_ISA(isa_avx2)
+POSENC_CPU_DECLARE_ISA(isa_avx512)
+#undef POSENC_CPU_DECLARE_ISA
+
+// Runs fn(context, begin, end) over [0, num_items) in chunks of about `grain` items, on up to
+// num_threads threads (the caller's included); returns when all are done.  The split never
+// changes a result: every item is computed independently.  Defined in cpu_binding.cpp (one
+// thread pool for every variant).
+void parallel_for(int64_t num_items, int64_t grain, int num_threads, void (*fn)(void*, int64_t, int64_t),
+                  void* context);
+
+}  // namespace cpu
+}  // namespace posenc

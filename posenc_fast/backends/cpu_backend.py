@@ -1,0 +1,223 @@
+"""CPU backend: the C++ kernels of csrc/cpu_kernels.cpp, launched through ``posenc_fast._cpu``.
+
+``_cpu`` is a pybind11 module that takes host pointers (as ints), sizes, strides, dtype codes
+and a thread count; it does not link libtorch, so one build works with any torch version.  It
+shares the CUDA kernels' exact-angle math and Philox dropout mask (csrc/exact_angle.cuh,
+csrc/philox.cuh), runs on ``torch.get_num_threads()`` threads, and is compiled per instruction
+set (AVX-512, AVX2, baseline; the best the CPU has is picked at import).  The weight gradient's
+stable sort stays in PyTorch (``sort_ids_for_gradient``); the kernel sums each id's run in order.
+
+The extension is looked for at the first use, never by ``import posenc_fast``:
+
+1. ``posenc_fast._cpu``, built by ``pip install .`` when a C++ compiler was found;
+2. an earlier on-demand build in the per-user cache (``posenc_fast._build.build_cpu_in_cache``);
+3. on the first explicit ``backend="cpu"`` call, if a C++ compiler is present, an on-demand build
+   into that cache (``prepare``; ``POSENC_FAST_BUILD_ON_DEMAND=0`` turns it off).
+   ``backend="auto"`` never builds: without the extension it runs the torch backend.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from typing import NamedTuple, Optional
+
+import torch
+
+from . import Dropout, KernelParams, new_buffer, sort_ids_for_gradient
+from .cuda_backend import _constant_under_compile
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FLOAT64_MATH = True  # precision="float64": float64 arithmetic and polynomials, one rounding
+
+_BUILD_HINT = (
+    "Build it: reinstall posenc_fast where a C++ compiler is installed (`pip install .` compiles csrc/cpu_*.cpp "
+    "when c++, g++ or clang++ is on PATH; POSENC_FAST_BUILD_CPU=1 makes a missing compiler an error), or call "
+    "backend='cpu' once with a compiler present (it builds into the per-user cache). Or use backend='torch' or "
+    "'auto'."
+)
+
+
+class _Extension(NamedTuple):
+    module: object  # posenc_fast._cpu, or None
+    problem: Optional[str]  # why it is unusable; None when loaded
+
+
+_state: Optional[_Extension] = None  # None until the first lookup
+
+
+def _load_file(path: str):
+    spec = importlib.util.spec_from_file_location("posenc_fast._cpu", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules["posenc_fast._cpu"] = module
+    return module
+
+
+def _lookup() -> _Extension:
+    """Import posenc_fast._cpu, else a cached on-demand build; remember the outcome."""
+    global _state
+    if _state is not None:
+        return _state
+    try:
+        from .. import _cpu
+
+        _state = _Extension(_cpu, None)
+        return _state
+    except ImportError as error:
+        import_error = str(error) or type(error).__name__
+    from .. import _build
+
+    cached = None
+    try:
+        cached = _build.cached_cpu_extension()
+        if cached is not None:
+            _state = _Extension(_load_file(cached), None)
+            return _state
+    except (ImportError, OSError, RuntimeError, ValueError) as error:
+        import_error += f"; the cached build {cached} did not load either: {error}"
+    _state = _Extension(None, f"backend='cpu' needs the compiled extension posenc_fast._cpu, which this "
+                              f"installation does not have ({import_error}). {_BUILD_HINT}")
+    return _state
+
+
+def extension():
+    """The loaded ``posenc_fast._cpu`` module, or None (``extension_problem()`` says why)."""
+    return _lookup().module
+
+
+@_constant_under_compile  # torch.compile asks once while tracing, instead of tracing the lookup
+def extension_problem() -> Optional[str]:
+    """Why the extension cannot be used, or None when it is loaded."""
+    return _lookup().problem
+
+
+def build_on_demand() -> Optional[str]:
+    """Build the extension into the per-user cache if it is missing and load it (progress on stderr);
+    None when it is loaded, else why not.  Used by ``prepare`` and by tests from a source checkout."""
+    global _state
+    if extension() is not None:
+        return None
+    from .. import _build
+
+    try:
+        _state = _Extension(_load_file(_build.build_cpu_in_cache()), None)
+    except (RuntimeError, ImportError, OSError, ValueError) as error:
+        _state = _Extension(None, f"backend='cpu': the CPU extension is not installed and building it on demand "
+                                  f"failed: {error}")
+    return _state.problem
+
+
+def prepare(device: torch.device) -> None:
+    """Called before ``available`` when a user asks for backend='cpu' by name: if the extension is
+    missing and a C++ compiler is present, build it once into the per-user cache."""
+    if torch.compiler.is_compiling() or device.type != "cpu" or extension() is not None:
+        return
+    if os.environ.get("POSENC_FAST_BUILD_ON_DEMAND", "1").strip() == "0":
+        return
+    from .. import _build
+
+    if _build.find_cxx() is None or _build.cpu_source_dir() is None:
+        return
+    build_on_demand()
+
+
+def available(device: torch.device) -> Optional[str]:
+    """None if this backend can run on ``device``, else the reason it cannot and how to fix it."""
+    if device.type != "cpu":
+        return (f"backend='cpu' runs on CPU tensors, but these are on {device.type!r}: use backend='auto' "
+                f"(or 'cuda', 'triton') for {device.type} tensors")
+    return extension_problem()
+
+
+def _require():
+    module = extension()
+    if module is None:
+        raise RuntimeError(extension_problem())
+    return module
+
+
+def _dtype_code(module, dtype: torch.dtype) -> int:
+    codes = {torch.float32: module.FLOAT32, torch.float16: module.FLOAT16, torch.bfloat16: module.BFLOAT16,
+             torch.int32: module.INT32, torch.int64: module.INT64}
+    if dtype not in codes:
+        raise TypeError(f"backend='cpu' does not support dtype {dtype}")
+    return codes[dtype]
+
+
+def _pointer(t: Optional[torch.Tensor]) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _int64_vector(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    if t is None:
+        return None
+    if t.dtype != torch.int64:
+        t = t.to(torch.int64)
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _dropout_arguments(dropout: Optional[Dropout]):
+    """(seed pointer, threshold, scale) for the binding; (0, 0, 1.0) without dropout."""
+    if dropout is None:
+        return 0, 0, 1.0
+    seed = dropout.seed
+    if seed.dtype != torch.int64 or seed.numel() != 1:
+        raise ValueError(f"the dropout seed must be one int64 element, got {seed.dtype} of shape {tuple(seed.shape)}")
+    if seed.device.type != "cpu":
+        raise ValueError(f"the dropout seed is on {seed.device}, the kernels run on the CPU")
+    return seed.data_ptr(), int(dropout.threshold), float(dropout.scale)
+
+
+def forward(ids, weight, turns, positions, offsets, offset, seq_len, params: KernelParams,
+            dropout: Optional[Dropout]):
+    num_tokens = ids.numel()
+    out = new_buffer((num_tokens, params.width), weight.dtype, weight.device)
+    if num_tokens == 0:
+        return out
+    module = _require()
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
+    if not ids.is_contiguous():
+        ids = ids.contiguous()
+    turns, positions, offsets = _int64_vector(turns), _int64_vector(positions), _int64_vector(offsets)
+    if dropout is not None:
+        dropout = dropout._replace(seed=dropout.seed.contiguous())
+    dropout_seed, dropout_threshold, dropout_scale = _dropout_arguments(dropout)
+    columns = params.columns
+    module.forward(
+        _pointer(ids), _dtype_code(module, ids.dtype), _pointer(weight), weight.stride(0),
+        _dtype_code(module, weight.dtype), _pointer(out), _pointer(turns), turns.numel(), _pointer(positions),
+        _pointer(offsets), int(offset), max(int(seq_len), 1), num_tokens, weight.shape[0], params.token_width,
+        params.pe_width, bool(params.concat), bool(columns.interleaved), columns.sin_base, columns.num_sin,
+        columns.cos_base, columns.num_cos, int(params.pe_zero_id), float(params.embed_scale),
+        float(params.pe_scale), bool(params.float64_math), dropout_seed, dropout_threshold, dropout_scale,
+        torch.get_num_threads(),
+    )
+    return out
+
+
+def backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype,
+             dropout: Optional[Dropout]):
+    num_tokens = ids.numel()
+    if num_tokens == 0 or num_embeddings == 0 or token_width == 0:
+        return torch.zeros((num_embeddings, token_width), dtype=weight_dtype, device=grad_out.device)
+    # Not zero-filled here: the kernel writes every row (zeros in parallel, huge-page backed; see csrc/cpu_kernels.cpp).
+    grad_weight = new_buffer((num_embeddings, token_width), weight_dtype, grad_out.device)
+    module = _require()
+    if grad_out.dtype != weight_dtype:
+        grad_out = grad_out.float()  # the kernel takes the gradient in the weight's dtype or in fp32
+    if grad_out.stride(1) != 1:
+        grad_out = grad_out.contiguous()
+    sorted_ids, order = sort_ids_for_gradient(ids, num_embeddings)
+    if dropout is not None:
+        dropout = dropout._replace(seed=dropout.seed.contiguous())
+    dropout_seed, dropout_threshold, dropout_scale = _dropout_arguments(dropout)
+    module.weight_grad(
+        _pointer(sorted_ids), _dtype_code(module, sorted_ids.dtype), _pointer(order), _pointer(grad_out),
+        grad_out.stride(0), _dtype_code(module, grad_out.dtype), _pointer(grad_weight),
+        _dtype_code(module, weight_dtype), num_tokens, num_embeddings, token_width, int(padding_idx),
+        float(embed_scale), dropout_seed, dropout_threshold, dropout_scale, torch.get_num_threads(),
+    )
+    return grad_weight

@@ -1,0 +1,153 @@
+"""The CPU backend beyond the shared suites: every instruction-set variant, thread counts, its two
+work splits, and how ``auto`` chooses it.
+
+The shared suites (test_functional, test_dropout, ...) run the ``cpu`` target with the variant the
+CPU picks; here each variant this CPU can run (AVX-512, AVX2, baseline) is checked against the
+float64 reference on every case, and results are checked to be bitwise independent of the number
+of threads and of whether positions are shared (position-major) or per token (token-major).
+"""
+
+import pytest
+import torch
+
+import posenc_fast as pf
+from posenc_fast import reference
+from posenc_fast._dispatch import resolve_backend
+from posenc_fast.backends import cpu_backend
+
+from cases import CASES, assert_within, cpu_extension_problem, make_inputs, output_bound, ulp
+
+pytestmark = pytest.mark.skipif(cpu_extension_problem() is not None,
+                                reason=f"no CPU extension here: {cpu_extension_problem()}")
+
+
+def _isas():
+    module = cpu_backend.extension()
+    return list(module.supported_isas()) if module is not None else []
+
+
+@pytest.fixture
+def isa(request):
+    module = cpu_backend.extension()
+    module.set_isa(request.param)
+    yield request.param
+    module.set_isa("")
+
+
+def _gradients(fn, weight, grad_out):
+    w = weight.detach().clone().requires_grad_()
+    (grad,) = torch.autograd.grad(fn(w), w, grad_out)
+    return grad
+
+
+@pytest.mark.parametrize("isa", _isas(), indirect=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_every_isa_variant_matches_float64(isa, dtype, seed):
+    for case in CASES:
+        ids, weight, kwargs = make_inputs(case, "cpu", dtype, seed)
+        out = pf.sinusoidal_embedding(ids, weight, backend="cpu", **kwargs)
+        exact = reference.sinusoidal_embedding(ids, weight.double(), **kwargs)
+        assert_within(out, exact, output_bound(exact, dtype, case.precision), f"{case.name} {isa} {dtype}")
+        if dtype == torch.float16:
+            continue  # gradients: fp32 and bf16 cover the summation; fp16 only changes the conversions
+        g = torch.Generator().manual_seed(seed + 1)
+        grad_out = torch.randn(out.shape, generator=g, dtype=torch.float64).to(dtype)
+        grad = _gradients(lambda w: pf.sinusoidal_embedding(ids, w, backend="cpu", **kwargs), weight, grad_out)
+        exact_fn = lambda w: reference.sinusoidal_embedding(ids, w, **kwargs)  # noqa: E731
+        exact_grad = _gradients(exact_fn, weight.double(), grad_out.double())
+        bound = 1e-5 * _gradients(exact_fn, weight.double(), grad_out.double().abs()).abs() + 1e-30
+        if dtype != torch.float32:
+            bound = bound + ulp(exact_grad, dtype)
+        assert_within(grad, exact_grad, bound, f"{case.name} grad {isa} {dtype}")
+
+
+def _run(ids, weight, grad_out, threads, **kwargs):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        w = weight.detach().clone().requires_grad_()
+        torch.manual_seed(1234)  # the dropout seed is drawn from torch's generator
+        out = pf.sinusoidal_embedding(ids, w, backend="cpu", **kwargs)
+        out.backward(grad_out)
+        return out.detach(), w.grad
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.3])
+def test_results_do_not_depend_on_thread_count(dropout_p, seed):
+    """Forward and weight gradient are bitwise the same on 1, 2 and 5 threads (more than there are
+    work chunks of some shapes, more than the cores of small machines)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 40, (3, 150), generator=g)
+    ids.view(-1)[::3] = 7  # a hot id: one long run
+    weight = torch.randn(40, 300, generator=g)
+    grad_out = torch.randn(3, 150, 300, generator=g)
+    kwargs = dict(embed_scale=3.0, padding_idx=2)
+    if dropout_p:
+        kwargs.update(dropout_p=dropout_p)
+    for offset in (0, torch.tensor([5, 0, 1000], dtype=torch.int64)):
+        first = _run(ids, weight, grad_out, 1, offset=offset, **kwargs)
+        for threads in (2, 5):
+            out, grad = _run(ids, weight, grad_out, threads, offset=offset, **kwargs)
+            assert torch.equal(out, first[0]), f"forward differs on {threads} threads"
+            assert torch.equal(grad, first[1]), f"weight gradient differs on {threads} threads"
+
+
+@pytest.mark.parametrize("mode", ["add", "concat"])
+@pytest.mark.parametrize("dropout_p", [0.0, 0.25])
+def test_position_major_equals_token_major(mode, dropout_p, seed):
+    """A scalar offset shared by the sequences (one sin/cos row per position, reused) and the same
+    positions given per sequence (one per token) give bitwise the same output, padding's zero PE included."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 30, (4, 33), generator=g)
+    ids[:, -5:] = 1
+    weight = torch.randn(30, 20, generator=g, dtype=torch.float64).to(torch.bfloat16)
+    kwargs = dict(mode=mode, d_pos=6 if mode == "concat" else None, layout="split", padding_idx=1,
+                  zero_pe_at_padding=True, embed_scale=2.0)
+    if dropout_p:
+        kwargs.update(dropout_p=dropout_p)
+    torch.manual_seed(seed)  # the dropout seed is drawn from torch's generator: the same one for both calls
+    shared = pf.sinusoidal_embedding(ids, weight, backend="cpu", offset=12345, **kwargs)
+    torch.manual_seed(seed)
+    per_sequence = pf.sinusoidal_embedding(ids, weight, backend="cpu", offset=torch.full((4,), 12345), **kwargs)
+    assert torch.equal(shared, per_sequence)
+
+
+def test_auto_runs_the_cpu_backend_and_falls_back_to_torch(monkeypatch):
+    cpu = torch.device("cpu")
+    assert resolve_backend("auto", cpu, torch.float32) == "cpu"
+    assert resolve_backend("auto", cpu, torch.bfloat16, float64_math=True) == "cpu"
+    assert resolve_backend("auto", cpu, torch.float64) == "torch"  # float64 weights: the reference op
+    monkeypatch.setattr(cpu_backend, "_state", cpu_backend._Extension(None, "not built (test)"))
+    monkeypatch.setenv("POSENC_FAST_BUILD_ON_DEMAND", "0")  # backend="cpu" by name would build it
+    assert resolve_backend("auto", cpu, torch.float32) == "torch"
+    with pytest.raises(RuntimeError, match="not built"):
+        resolve_backend("cpu", cpu, torch.float32)
+
+
+def test_cpu_backend_refuses_other_devices():
+    reason = cpu_backend.available(torch.device("cuda"))
+    assert reason is not None and "CPU tensors" in reason
+
+
+@pytest.mark.skipif(not {"avx512", "avx2"} <= set(_isas()), reason="needs a CPU with both AVX-512 and AVX2")
+@pytest.mark.parametrize("precision", ["float32", "float64"])
+def test_avx2_and_avx512_variants_agree_bitwise(precision, seed):
+    """The AVX2 variant converts the reduced angle to float in vectorisable steps (rounding to odd
+    through double); the AVX-512 one converts directly.  Same rounding, so the same bits."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 50, (3, 64), generator=g)
+    weight = torch.randn(50, 96, generator=g)
+    positions = torch.randint(-(2**40), 2**40, (3, 64), generator=g)
+    rates = ((torch.rand(48, generator=g, dtype=torch.float64) - 0.5) * 16).tolist()
+    module = cpu_backend.extension()
+    outputs = []
+    try:
+        for name in ("avx512", "avx2"):
+            module.set_isa(name)
+            outputs.append(pf.sinusoidal_embedding(ids, weight, positions=positions, frequencies=rates,
+                                                   precision=precision, backend="cpu"))
+    finally:
+        module.set_isa("")
+    assert torch.equal(outputs[0], outputs[1])
