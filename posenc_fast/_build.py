@@ -94,16 +94,21 @@ def gencode_flags(archs: Sequence[CudaArch]) -> List[str]:
     return [flag for arch in archs for flag in ("-gencode", arch.gencode())]
 
 
-def build_mode(env: Mapping[str, str] = os.environ) -> str:
-    """``POSENC_FAST_BUILD_CUDA``: "skip" (0), "require" (1) or "auto" (unset: build if nvcc is found)."""
-    value = env.get("POSENC_FAST_BUILD_CUDA", "").strip().lower()
+def _build_switch(variable: str, what: str, env: Mapping[str, str]) -> str:
+    """A build switch: "skip" (0), "require" (1) or "auto" (unset: build if the compiler is found)."""
+    value = env.get(variable, "").strip().lower()
     if value in ("", "auto"):
         return "auto"
     if value in ("0", "false", "no", "off"):
         return "skip"
     if value in ("1", "true", "yes", "on"):
         return "require"
-    raise ValueError(f"POSENC_FAST_BUILD_CUDA={value!r}: expected 0 (skip the CUDA build) or 1 (require it)")
+    raise ValueError(f"{variable}={value!r}: expected 0 (skip the {what} build) or 1 (require it)")
+
+
+def build_mode(env: Mapping[str, str] = os.environ) -> str:
+    """``POSENC_FAST_BUILD_CUDA``: "skip" (0), "require" (1) or "auto" (unset: build if nvcc is found)."""
+    return _build_switch("POSENC_FAST_BUILD_CUDA", "CUDA", env)
 
 
 def find_nvcc(env: Mapping[str, str] = os.environ) -> Optional[str]:
@@ -525,14 +530,7 @@ CPU_X86_VARIANTS = (
 
 def cpu_build_mode(env: Mapping[str, str] = os.environ) -> str:
     """``POSENC_FAST_BUILD_CPU``: "skip" (0), "require" (1) or "auto" (unset: build if a C++ compiler is found)."""
-    value = env.get("POSENC_FAST_BUILD_CPU", "").strip().lower()
-    if value in ("", "auto"):
-        return "auto"
-    if value in ("0", "false", "no", "off"):
-        return "skip"
-    if value in ("1", "true", "yes", "on"):
-        return "require"
-    raise ValueError(f"POSENC_FAST_BUILD_CPU={value!r}: expected 0 (skip the CPU build) or 1 (require it)")
+    return _build_switch("POSENC_FAST_BUILD_CPU", "CPU", env)
 
 
 def find_cxx(env: Mapping[str, str] = os.environ) -> Optional[str]:

@@ -310,9 +310,10 @@ def ptxas_report(tmp_path_factory):
 
 
 def test_kernels_compile_without_spills(ptxas_report):
-    # forward: dtype (3) x math (2) x ids (2) x layout (2) x dropout (2); chunk: 5 dtype pairs x keys (2) x dropout (2)
-    assert len(ptxas_report) == 2 * (3 * 16 + 2 * (10 + 3)), \
-        "expected 48 forward, 20 chunk and 6 carry kernels per arch"
+    # forward: dtype (3) x math (2) x ids (2) x layout (2) x dropout (2) x positions (offsets or explicit, 2);
+    # chunk: 5 dtype pairs x keys (2) x dropout (2)
+    assert len(ptxas_report) == 2 * (3 * 32 + 2 * (10 + 3)), \
+        "expected 96 forward, 20 chunk and 6 carry kernels per arch"
     for k in ptxas_report:
         print(f"sm_{k['arch']} {k['kernel']}: {k['registers']} registers, {k['stack']} bytes stack")
     spilled = [k for k in ptxas_report if k["spill_stores"] or k["spill_loads"] or k["stack"]]

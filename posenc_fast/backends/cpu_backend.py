@@ -18,15 +18,16 @@ The extension is looked for at the first use, never by ``import posenc_fast``:
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
-from typing import NamedTuple, Optional
+import threading
+from typing import Optional
 
 import torch
 
 from . import Dropout, KernelParams, new_buffer, sort_ids_for_gradient
-from .cuda_backend import _constant_under_compile
+from ._extension import Extension as _Extension
+from ._extension import constant_under_compile as _constant_under_compile
+from ._extension import load_file
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FLOAT64_MATH = True  # precision="float64": float64 arithmetic and polynomials, one rounding
@@ -39,27 +40,22 @@ _BUILD_HINT = (
 )
 
 
-class _Extension(NamedTuple):
-    module: object  # posenc_fast._cpu, or None
-    problem: Optional[str]  # why it is unusable; None when loaded
-
 
 _state: Optional[_Extension] = None  # None until the first lookup
+_lookup_lock = threading.Lock()
 
-
-def _load_file(path: str):
-    spec = importlib.util.spec_from_file_location("posenc_fast._cpu", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    sys.modules["posenc_fast._cpu"] = module
-    return module
 
 
 def _lookup() -> _Extension:
     """Import posenc_fast._cpu, else a cached on-demand build; remember the outcome."""
-    global _state
     if _state is not None:
         return _state
+    with _lookup_lock:  # threads: one lookup, one load
+        return _state if _state is not None else _lookup_once()
+
+
+def _lookup_once() -> _Extension:
+    global _state
     try:
         from .. import _cpu
 
@@ -73,7 +69,7 @@ def _lookup() -> _Extension:
     try:
         cached = _build.cached_cpu_extension()
         if cached is not None:
-            _state = _Extension(_load_file(cached), None)
+            _state = _Extension(load_file("posenc_fast._cpu", cached), None)
             return _state
     except (ImportError, OSError, RuntimeError, ValueError) as error:
         import_error += f"; the cached build {cached} did not load either: {error}"
@@ -102,7 +98,7 @@ def build_on_demand() -> Optional[str]:
     from .. import _build
 
     try:
-        _state = _Extension(_load_file(_build.build_cpu_in_cache()), None)
+        _state = _Extension(load_file("posenc_fast._cpu", _build.build_cpu_in_cache()), None)
     except (RuntimeError, ImportError, OSError, ValueError) as error:
         _state = _Extension(None, f"backend='cpu': the CPU extension is not installed and building it on demand "
                                   f"failed: {error}")

@@ -25,13 +25,15 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import sys
 import threading
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 
 from . import Dropout, KernelParams, new_buffer, sort_ids_for_gradient
+from ._extension import Extension as _Extension
+from ._extension import constant_under_compile as _constant_under_compile
+from ._extension import load_file
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FLOAT64_MATH = True  # precision="float64": the kernels' float64 variant (longer polynomials, one rounding)
@@ -47,10 +49,6 @@ _BUILD_HINT = (
 )
 
 
-class _Extension(NamedTuple):
-    module: object  # posenc_fast._C, or None
-    problem: Optional[str]  # why it is unusable, for the error message; None when loaded
-
 
 _state: Optional[_Extension] = None  # None until the first lookup
 _lookup_lock = threading.Lock()
@@ -58,13 +56,6 @@ _lookup_lock = threading.Lock()
 # use_host_emulation): the backend then runs on CPU tensors, and only on them.
 _host_emulation = False
 
-
-def _load_file(path: str):
-    spec = importlib.util.spec_from_file_location("posenc_fast._C", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    sys.modules["posenc_fast._C"] = module
-    return module
 
 
 def _lookup() -> _Extension:
@@ -90,7 +81,7 @@ def _lookup_once() -> _Extension:
     try:
         cached = _build.cached_extension()
         if cached is not None:
-            _state = _Extension(_load_file(cached), None)
+            _state = _Extension(load_file("posenc_fast._C", cached), None)
             return _state
     except (ImportError, OSError, RuntimeError, ValueError) as error:
         import_error += f"; the cached build {cached} did not load either: {error}"
@@ -107,14 +98,6 @@ def extension():
 def extension_problem() -> Optional[str]:
     """Why the extension cannot be used, or None when it is loaded."""
     return _lookup().problem
-
-
-def _constant_under_compile(fn):
-    """Mark ``fn`` as torch.compiler.assume_constant_result does (torch.compile calls it once while
-    tracing and keeps the answer, instead of tracing the import machinery inside), without
-    importing torch._dynamo, which would add about a second to ``import posenc_fast``."""
-    fn._dynamo_marked_constant = True
-    return fn
 
 
 @_constant_under_compile
@@ -154,7 +137,7 @@ def prepare(device: torch.device) -> None:
         return
     try:
         path = _build.build_in_cache()
-        _state = _Extension(_load_file(path), None)
+        _state = _Extension(load_file("posenc_fast._C", path), None)
     except (RuntimeError, ImportError, OSError, ValueError) as error:
         _state = _Extension(None, f"backend='cuda': the CUDA extension is not installed and building it on demand "
                                   f"failed: {error}")
