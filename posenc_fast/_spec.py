@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -126,6 +126,19 @@ class PEColumns:
         """The form the op takes: [interleaved, sin_base, num_sin, cos_base, num_cos]."""
         return [int(self.interleaved), self.sin_base, self.num_sin, self.cos_base, self.num_cos]
 
+    @staticmethod
+    def from_list(columns: Sequence[int]) -> "PEColumns":
+        """Inverse of :meth:`as_list`; cached, since the op rebuilds it on every call."""
+        key = tuple(columns)
+        found = _COLUMNS_FROM_LIST.get(key)
+        if found is None:
+            interleaved, sin_base, num_sin, cos_base, num_cos = key
+            found = _COLUMNS_FROM_LIST[key] = PEColumns(bool(interleaved), sin_base, num_sin, cos_base, num_cos)
+        return found
+
+
+_COLUMNS_FROM_LIST = {}  # as_list() tuple -> PEColumns (a handful of layouts per process)
+
 
 @dataclasses.dataclass(frozen=True)
 class PESpec:
@@ -145,10 +158,12 @@ class PESpec:
     padding_idx: Optional[int] = None  # normalised to [0, num_embeddings) or None
     zero_pe_at_padding: bool = False  # tokens equal to padding_idx get no PE (fairseq)
     precision: str = "float32"  # "float64": correctly rounded fp32 outputs (slower on consumer GPUs)
-    # Derived, not compared: R_i for each frequency, the column layout, and device copies of R.
+    # Derived, not compared: R_i for each frequency, the column layout, device copies of R, and the
+    # backends' KernelParams (functional._kernel_params).
     turns_fixed_point: Tuple[int, ...] = dataclasses.field(init=False, compare=False, repr=False)
     columns: PEColumns = dataclasses.field(init=False, compare=False, repr=False)
     _turns_by_device: dict = dataclasses.field(init=False, compare=False, repr=False, default_factory=dict)
+    _kernel_params: dict = dataclasses.field(init=False, compare=False, repr=False, default_factory=dict)
 
     def __post_init__(self):
         # Plain attributes rather than functools.cached_property, whose lock torch.compile cannot trace.

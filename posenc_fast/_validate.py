@@ -8,9 +8,8 @@ lives in :func:`check_id_range`, called from inside the op at run time.
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from typing import Optional, Sequence, Tuple
+from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -22,9 +21,8 @@ _INTEGER_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int6
 _INT64_MIN, _INT64_END = -(1 << 63), 1 << 63
 
 
-@dataclasses.dataclass(frozen=True)
-class Batch:
-    """Per-call inputs flattened for the kernels.
+class Batch(NamedTuple):
+    """Per-call inputs flattened for the kernels (a NamedTuple: built on every call, cheaply).
 
     The position of flat token ``n`` is ``positions[n]`` when ``positions`` is
     given, else ``offsets[n // seq_len] + n % seq_len`` when ``offsets`` is given,
@@ -250,6 +248,14 @@ def check_offset(offset, ids: torch.Tensor, name: str = "offset") -> None:
 
 def make_batch(ids, weight: torch.Tensor, spec: PESpec, positions, offset) -> Batch:
     """Validate the per-call inputs and flatten them for the kernels."""
+    if (positions is None and type(offset) is int and type(ids) is torch.Tensor and ids.dtype in ID_DTYPES
+            and ids.layout == torch.strided and ids.device == weight.device and _INT64_MIN <= offset < _INT64_END):
+        # The common call (a decoding step: ids and an int offset) in a few us; the same checks as below.
+        shape = ids.shape
+        flat_ids = ids if len(shape) == 1 else ids.reshape(-1)  # a view costs about 1 us
+        if not flat_ids.is_contiguous():
+            flat_ids = flat_ids.contiguous()
+        return Batch(flat_ids, (*shape, spec.width), int(shape[-1]) if shape else 1, offset, None, None)
     if not isinstance(ids, torch.Tensor):
         raise TypeError(f"ids must be a torch.Tensor, got {type(ids).__name__}")
     if ids.dtype not in ID_DTYPES:

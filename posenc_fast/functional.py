@@ -10,7 +10,8 @@ from ._dispatch import resolve_backend
 from ._dropout import check_dropout_p, draw_seed
 from ._spec import PESpec
 from ._validate import check_offset, check_weight, check_weight_for_spec, make_batch, make_spec
-from .ops import add_sinusoidal_forward, add_sinusoidal_op, sinusoidal_embedding_op, validated_forward
+from .backends import KernelParams
+from .ops import add_sinusoidal_forward, add_sinusoidal_op, run_forward, sinusoidal_embedding_op
 from .positions import make_positions, packed_positions
 from .presets import POSITION_RULES
 
@@ -132,9 +133,10 @@ def apply_spec(ids, weight, spec: PESpec, turns: torch.Tensor, positions, offset
     if torch._C._are_functorch_transforms_active():
         _check_function_transforms()
     zero_pe_at_padding = spec.zero_pe_at_padding
-    if position_rule == "fsmt" and positions is None and isinstance(offset, int) and offset != 0:
-        zero_pe_at_padding = False  # padding is at padding_idx + past: it has a PE (see make_positions)
-    positions, offset = _positions_by_rule(ids, spec, positions, offset, cu_seqlens, position_rule)
+    if position_rule != "offset" or cu_seqlens is not None:  # (the common call has nothing to rewrite)
+        if position_rule == "fsmt" and positions is None and isinstance(offset, int) and offset != 0:
+            zero_pe_at_padding = False  # padding is at padding_idx + past: it has a PE (see make_positions)
+        positions, offset = _positions_by_rule(ids, spec, positions, offset, cu_seqlens, position_rule)
     vocab_start, vocab_size = 0, weight.shape[0]
     if vocab_range is not None:
         vocab_start, vocab_size = vocab_range
@@ -145,14 +147,31 @@ def apply_spec(ids, weight, spec: PESpec, turns: torch.Tensor, positions, offset
     batch = make_batch(ids, weight, spec, positions, offset)
     name = resolve_backend(backend, weight.device, weight.dtype, float64_math=spec.precision == "float64")
     dropout_seed = draw_seed(weight.device) if dropout_p > 0.0 else None
-    op = validated_forward if _eager_inference(batch.ids, weight) else sinusoidal_embedding_op
-    out = op(
-        batch.ids, weight, turns, batch.positions, batch.offsets, batch.offset, batch.seq_len,
-        spec.mode == "concat", spec.pe_width, spec.columns.as_list(), spec.embed_scale, spec.pe_scale,
-        -1 if spec.padding_idx is None else spec.padding_idx, zero_pe_at_padding, spec.precision == "float64",
-        vocab_start, vocab_size, dropout_seed, dropout_p, name,
-    )
+    if _eager_inference(batch.ids, weight):
+        out = run_forward(batch.ids, weight, turns, batch.positions, batch.offsets, batch.offset, batch.seq_len,
+                          _kernel_params(spec, zero_pe_at_padding), vocab_start, vocab_size, dropout_seed, dropout_p,
+                          name)
+    else:
+        out = sinusoidal_embedding_op(
+            batch.ids, weight, turns, batch.positions, batch.offsets, batch.offset, batch.seq_len,
+            spec.mode == "concat", spec.pe_width, spec.columns.as_list(), spec.embed_scale, spec.pe_scale,
+            -1 if spec.padding_idx is None else spec.padding_idx, zero_pe_at_padding, spec.precision == "float64",
+            vocab_start, vocab_size, dropout_seed, dropout_p, name,
+        )
     return out.reshape(batch.out_shape)
+
+
+def _kernel_params(spec: PESpec, zero_pe_at_padding: bool) -> KernelParams:
+    """The op's KernelParams for ``spec`` (what ``sinusoidal_embedding_forward`` builds from its flat
+    arguments), made once per spec: the eager path skips the flat form."""
+    cache = spec._kernel_params
+    params = cache.get(zero_pe_at_padding)
+    if params is None:
+        pe_zero_id = spec.padding_idx if zero_pe_at_padding and spec.padding_idx is not None else -1
+        params = cache[zero_pe_at_padding] = KernelParams(
+            spec.mode == "concat", spec.token_width, spec.pe_width, spec.columns, spec.embed_scale, spec.pe_scale,
+            pe_zero_id, spec.precision == "float64")
+    return params
 
 
 def add_sinusoidal(

@@ -64,28 +64,25 @@ def sinusoidal_embedding_forward(
     dropout) and ``dropout_p`` select the fused dropout mask (``reference.dropout_keep``).
     """
     check_op_inputs(ids, weight, turns, positions, offsets, seq_len, concat, pe_width, pe_columns, dropout_seed)
-    return validated_forward(ids, weight, turns, positions, offsets, offset, seq_len, concat, pe_width, pe_columns,
-                             embed_scale, pe_scale, padding_idx, zero_pe_at_padding, float64_math, vocab_start,
-                             vocab_size, dropout_seed, dropout_p, backend)
+    params = KernelParams(concat, weight.shape[1], pe_width, PEColumns.from_list(pe_columns), embed_scale, pe_scale,
+                          padding_idx if zero_pe_at_padding else -1, float64_math)
+    return run_forward(ids, weight, turns, positions, offsets, offset, seq_len, params, vocab_start, vocab_size,
+                       dropout_seed, dropout_p, backend)
 
 
-def validated_forward(ids, weight, turns, positions, offsets, offset, seq_len, concat, pe_width, pe_columns,
-                      embed_scale, pe_scale, padding_idx, zero_pe_at_padding, float64_math, vocab_start, vocab_size,
-                      dropout_seed, dropout_p, backend):
-    """:func:`sinusoidal_embedding_forward` less its metadata checks, for a caller whose arguments come
-    from a validated ``Batch`` and ``PESpec`` (``functional.apply_spec``'s eager path, where ~1 us counts)."""
+def run_forward(ids, weight, turns, positions, offsets, offset, seq_len, params: KernelParams, vocab_start: int,
+                vocab_size: int, dropout_seed, dropout_p: float, backend: str) -> Tensor:
+    """The forward past its metadata checks: the id range check, then the backend.  The op calls it
+    after ``check_op_inputs``; ``functional.apply_spec``'s eager path calls it directly with a
+    validated ``Batch`` and the spec's cached ``KernelParams`` (a decoding step's host time is this
+    Python, bench/host_overhead.py)."""
     if config.id_check_enabled() and not _capturing(ids):
         check_id_range(ids, vocab_size, vocab_start)
-    interleaved, sin_base, num_sin, cos_base, num_cos = pe_columns
-    params = KernelParams(
-        concat, weight.shape[1], pe_width, PEColumns(bool(interleaved), sin_base, num_sin, cos_base, num_cos),
-        embed_scale, pe_scale, padding_idx if zero_pe_at_padding else -1, float64_math,
-    )
     return get_backend(backend).forward(ids, weight, turns, positions, offsets, offset, seq_len, params,
                                         dropout_for(dropout_seed, dropout_p))
 
 
-# Registered under its own name; ``validated_forward`` stays callable directly (see
+# Registered under its own name; ``run_forward`` stays callable directly (see
 # ``functional._eager_inference``: eager inference skips the dispatcher, ~20 us of Python per call).
 sinusoidal_embedding_op = torch.library.custom_op("posenc_fast::sinusoidal_embedding", mutates_args=())(
     sinusoidal_embedding_forward)
@@ -214,15 +211,12 @@ def add_sinusoidal_forward(
     backend: str,
 ) -> Tensor:
     """Flat forward: ``[N, D]`` for ``x`` ``[N, D]`` (the position of row n as for token n of the embedding op)."""
-    interleaved, sin_base, num_sin, cos_base, num_cos = pe_columns
-    params = KernelParams(
-        False, x.shape[1], x.shape[1], PEColumns(bool(interleaved), sin_base, num_sin, cos_base, num_cos),
-        x_scale, pe_scale, -1, float64_math,
-    )
-    rows = torch.arange(x.shape[0], device=x.device, dtype=torch.int64)
     if x.dim() != 2 or not x.is_contiguous():
         raise ValueError(f"x must be a contiguous 2-D tensor [N, D], got shape {list(x.shape)}, strides {list(x.stride())}")
+    rows = torch.arange(x.shape[0], device=x.device, dtype=torch.int64)
     check_op_inputs(rows, x, turns, positions, offsets, seq_len, False, x.shape[1], pe_columns, None)
+    params = KernelParams(False, x.shape[1], x.shape[1], PEColumns.from_list(pe_columns), x_scale, pe_scale, -1,
+                          float64_math)
     return get_backend(backend).forward(rows, x, turns, positions, offsets, offset, seq_len, params, None)
 
 

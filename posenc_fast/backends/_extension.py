@@ -1,12 +1,16 @@
 """What the two compiled backends (``cuda``: ``posenc_fast._C``, ``cpu``: ``posenc_fast._cpu``) share
-about finding their extension: the lookup's outcome, loading a build from a file path, and keeping the
-availability answer constant under ``torch.compile``."""
+about finding their extension (the lookup's outcome, loading a build from a file path, keeping the
+availability answer constant under ``torch.compile``) and about calling it (pointers, dtype codes,
+int64 index vectors).  The calling helpers run on every launch, so they avoid per-call allocations:
+a decoding step's host time is mostly this kind of Python."""
 
 from __future__ import annotations
 
 import importlib.util
 import sys
 from typing import NamedTuple, Optional
+
+import torch
 
 
 class Extension(NamedTuple):
@@ -31,3 +35,32 @@ def constant_under_compile(fn):
     importing torch._dynamo, which would add about a second to ``import posenc_fast``."""
     fn._dynamo_marked_constant = True
     return fn
+
+
+_DTYPE_CODES = {}  # id(extension module) -> {torch dtype: the binding's dtype code}
+
+
+def dtype_code(module, dtype: torch.dtype, backend: str) -> int:
+    """The binding's code for ``dtype`` (``module.FLOAT32``...), from a table built once per module."""
+    codes = _DTYPE_CODES.get(id(module))
+    if codes is None or codes[0] is not module:
+        codes = _DTYPE_CODES[id(module)] = (module, {
+            torch.float32: module.FLOAT32, torch.float16: module.FLOAT16, torch.bfloat16: module.BFLOAT16,
+            torch.int32: module.INT32, torch.int64: module.INT64})
+    code = codes[1].get(dtype)
+    if code is None:
+        raise TypeError(f"backend={backend!r} does not support dtype {dtype}")
+    return code
+
+
+def pointer(t: Optional[torch.Tensor]) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def int64_vector(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """``t`` as a contiguous int64 vector (the kernels' index type), or None."""
+    if t is None:
+        return None
+    if t.dtype != torch.int64:
+        t = t.to(torch.int64)
+    return t if t.is_contiguous() else t.contiguous()

@@ -27,7 +27,7 @@ import torch
 from . import Dropout, KernelParams, new_buffer, sort_ids_for_gradient
 from ._extension import Extension as _Extension
 from ._extension import constant_under_compile as _constant_under_compile
-from ._extension import load_file
+from ._extension import dtype_code, int64_vector, load_file, pointer
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FLOAT64_MATH = True  # precision="float64": float64 arithmetic and polynomials, one rounding
@@ -135,23 +135,7 @@ def _require():
 
 
 def _dtype_code(module, dtype: torch.dtype) -> int:
-    codes = {torch.float32: module.FLOAT32, torch.float16: module.FLOAT16, torch.bfloat16: module.BFLOAT16,
-             torch.int32: module.INT32, torch.int64: module.INT64}
-    if dtype not in codes:
-        raise TypeError(f"backend='cpu' does not support dtype {dtype}")
-    return codes[dtype]
-
-
-def _pointer(t: Optional[torch.Tensor]) -> int:
-    return 0 if t is None else t.data_ptr()
-
-
-def _int64_vector(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    if t is None:
-        return None
-    if t.dtype != torch.int64:
-        t = t.to(torch.int64)
-    return t if t.is_contiguous() else t.contiguous()
+    return dtype_code(module, dtype, 'cpu')
 
 
 def _dropout_arguments(dropout: Optional[Dropout]):
@@ -177,15 +161,15 @@ def forward(ids, weight, turns, positions, offsets, offset, seq_len, params: Ker
         weight = weight.contiguous()
     if not ids.is_contiguous():
         ids = ids.contiguous()
-    turns, positions, offsets = _int64_vector(turns), _int64_vector(positions), _int64_vector(offsets)
+    turns, positions, offsets = int64_vector(turns), int64_vector(positions), int64_vector(offsets)
     if dropout is not None:
         dropout = dropout._replace(seed=dropout.seed.contiguous())
     dropout_seed, dropout_threshold, dropout_scale = _dropout_arguments(dropout)
     columns = params.columns
     module.forward(
-        _pointer(ids), _dtype_code(module, ids.dtype), _pointer(weight), weight.stride(0),
-        _dtype_code(module, weight.dtype), _pointer(out), _pointer(turns), turns.numel(), _pointer(positions),
-        _pointer(offsets), int(offset), max(int(seq_len), 1), num_tokens, weight.shape[0], params.token_width,
+        pointer(ids), _dtype_code(module, ids.dtype), pointer(weight), weight.stride(0),
+        _dtype_code(module, weight.dtype), pointer(out), pointer(turns), turns.numel(), pointer(positions),
+        pointer(offsets), int(offset), max(int(seq_len), 1), num_tokens, weight.shape[0], params.token_width,
         params.pe_width, bool(params.concat), bool(columns.interleaved), columns.sin_base, columns.num_sin,
         columns.cos_base, columns.num_cos, int(params.pe_zero_id), float(params.embed_scale),
         float(params.pe_scale), bool(params.float64_math), dropout_seed, dropout_threshold, dropout_scale,
@@ -211,8 +195,8 @@ def backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_id
         dropout = dropout._replace(seed=dropout.seed.contiguous())
     dropout_seed, dropout_threshold, dropout_scale = _dropout_arguments(dropout)
     module.weight_grad(
-        _pointer(sorted_ids), _dtype_code(module, sorted_ids.dtype), _pointer(order), _pointer(grad_out),
-        grad_out.stride(0), _dtype_code(module, grad_out.dtype), _pointer(grad_weight),
+        pointer(sorted_ids), _dtype_code(module, sorted_ids.dtype), pointer(order), pointer(grad_out),
+        grad_out.stride(0), _dtype_code(module, grad_out.dtype), pointer(grad_weight),
         _dtype_code(module, weight_dtype), num_tokens, num_embeddings, token_width, int(padding_idx),
         float(embed_scale), dropout_seed, dropout_threshold, dropout_scale, torch.get_num_threads(),
     )

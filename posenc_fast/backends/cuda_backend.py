@@ -33,7 +33,7 @@ import torch
 from . import Dropout, KernelParams, new_buffer, sort_ids_for_gradient
 from ._extension import Extension as _Extension
 from ._extension import constant_under_compile as _constant_under_compile
-from ._extension import load_file
+from ._extension import dtype_code, int64_vector, load_file, pointer
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FLOAT64_MATH = True  # precision="float64": the kernels' float64 variant (longer polynomials, one rounding)
@@ -166,23 +166,7 @@ def _require():
 
 
 def _dtype_code(module, dtype: torch.dtype) -> int:
-    codes = {torch.float32: module.FLOAT32, torch.float16: module.FLOAT16, torch.bfloat16: module.BFLOAT16,
-             torch.int32: module.INT32, torch.int64: module.INT64}
-    if dtype not in codes:
-        raise TypeError(f"backend='cuda' does not support dtype {dtype}")
-    return codes[dtype]
-
-
-def _pointer(t: Optional[torch.Tensor]) -> int:
-    return 0 if t is None else t.data_ptr()
-
-
-def _int64_vector(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    if t is None:
-        return None
-    if t.dtype != torch.int64:
-        t = t.to(torch.int64)
-    return t if t.is_contiguous() else t.contiguous()
+    return dtype_code(module, dtype, 'cuda')
 
 
 def _dropout_arguments(dropout: Optional[Dropout], device: torch.device):
@@ -202,17 +186,20 @@ def _dropout_arguments(dropout: Optional[Dropout], device: torch.device):
 def _launch_forward(module, ids, weight, out, turns, positions, offsets, offset, seq_len, params: KernelParams,
                     dropout: Optional[Dropout], stream: int, device: int) -> None:
     """One call into ``_C.forward`` with every argument in the binding's order (tests call this with
-    0 tokens on CPU tensors to check the signature without a GPU: nothing is launched then)."""
+    0 tokens on CPU tensors to check the signature without a GPU: nothing is launched then).
+    Decoding pays this on every step, so it is written flat (bench/host_overhead.py times it)."""
     columns = params.columns
-    dropout_seed, dropout_threshold, dropout_scale = _dropout_arguments(dropout, weight.device)
+    if dropout is None:
+        dropout_seed, dropout_threshold, dropout_scale = 0, 0, 1.0
+    else:
+        dropout_seed, dropout_threshold, dropout_scale = _dropout_arguments(dropout, weight.device)
     module.forward(
-        _pointer(ids), _dtype_code(module, ids.dtype), _pointer(weight), weight.stride(0),
-        _dtype_code(module, weight.dtype), _pointer(out), _pointer(turns), turns.numel(), _pointer(positions),
-        _pointer(offsets), int(offset), max(int(seq_len), 1), ids.numel(), weight.shape[0], params.token_width,
-        params.pe_width, bool(params.concat), bool(columns.interleaved), columns.sin_base, columns.num_sin,
-        columns.cos_base, columns.num_cos, int(params.pe_zero_id), float(params.embed_scale),
-        float(params.pe_scale), bool(params.float64_math), dropout_seed, dropout_threshold, dropout_scale,
-        stream, device,
+        ids.data_ptr(), dtype_code(module, ids.dtype, "cuda"), weight.data_ptr(), weight.stride(0),
+        dtype_code(module, weight.dtype, "cuda"), out.data_ptr(), turns.data_ptr(), turns.shape[0],
+        pointer(positions), pointer(offsets), int(offset), max(int(seq_len), 1), ids.numel(), weight.shape[0],
+        params.token_width, params.pe_width, params.concat, columns.interleaved, columns.sin_base, columns.num_sin,
+        columns.cos_base, columns.num_cos, params.pe_zero_id, params.embed_scale, params.pe_scale,
+        params.float64_math, dropout_seed, dropout_threshold, dropout_scale, stream, device,
     )
 
 
@@ -221,18 +208,26 @@ def _launch_weight_grad(module, sorted_ids, order, grad_out, grad_weight, partia
     """One call into ``_C.weight_grad`` (see ``_launch_forward``)."""
     dropout_seed, dropout_threshold, dropout_scale = _dropout_arguments(dropout, grad_out.device)
     module.weight_grad(
-        _pointer(sorted_ids), _dtype_code(module, sorted_ids.dtype), _pointer(order), _pointer(grad_out),
-        grad_out.stride(0), _dtype_code(module, grad_out.dtype), _pointer(grad_weight),
+        pointer(sorted_ids), _dtype_code(module, sorted_ids.dtype), pointer(order), pointer(grad_out),
+        grad_out.stride(0), _dtype_code(module, grad_out.dtype), pointer(grad_weight),
         _dtype_code(module, grad_weight.dtype),
-        _pointer(partials), sorted_ids.numel(), num_embeddings, token_width, int(padding_idx), float(embed_scale),
+        pointer(partials), sorted_ids.numel(), num_embeddings, token_width, int(padding_idx), float(embed_scale),
         dropout_seed, dropout_threshold, dropout_scale, int(chunk), stream, device,
     )
 
 
+# The current stream's raw handle without building a torch.cuda.Stream object (a few us per call,
+# which decoding pays on every step); the public API where this private one is missing.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 def _stream_and_device(t: torch.Tensor):
-    if t.device.type != "cuda":  # host emulation: no stream, no device
+    device = t.device
+    if device.type != "cuda":  # host emulation: no stream, no device
         return 0, 0
-    return torch.cuda.current_stream(t.device).cuda_stream, t.device.index
+    if _raw_stream is not None:
+        return _raw_stream(device.index), device.index
+    return torch.cuda.current_stream(device).cuda_stream, device.index
 
 
 def forward(ids, weight, turns, positions, offsets, offset, seq_len, params: KernelParams,
@@ -247,7 +242,7 @@ def forward(ids, weight, turns, positions, offsets, offset, seq_len, params: Ker
     if not ids.is_contiguous():
         ids = ids.contiguous()
     stream, device = _stream_and_device(weight)
-    _launch_forward(module, ids, weight, out, _int64_vector(turns), _int64_vector(positions), _int64_vector(offsets),
+    _launch_forward(module, ids, weight, out, int64_vector(turns), int64_vector(positions), int64_vector(offsets),
                     offset, seq_len, params, dropout, stream, device)
     return out
 
