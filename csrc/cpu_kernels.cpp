@@ -405,40 +405,71 @@ struct ForwardTokens {
 // Position-major, when every sequence starts at the same scalar offset: items are positions j
 // (offset + j); the sin/cos row of j is computed once and serves tokens j, S + j, 2S + j, ...
 // The same function of the same position: results are those of the token-major path.
+//
+// A work item is a range of consecutive positions, taken kPositionBlock at a time: the block's PE
+// rows are made first (L1/L2-resident scratch), then each sequence's rows of that block are
+// written one after another.  So every thread writes runs of contiguous output rows, which the
+// hardware prefetchers and write-combining follow; position by position, two threads would
+// interleave their rows page by page in every sequence and each would see only short,
+// broken streams (measured: 1.35x from 1 to 2 threads, against 1.74x for the token-major path).
+constexpr int64_t kPositionBlock = 8;
+
 template <typename T, typename Math, typename IdT>
 struct ForwardPositions {
   static void run(void* context, int64_t begin, int64_t end) {
     const ForwardPlan<Math>& p = *static_cast<const ForwardPlan<Math>*>(context);
     const ForwardArgs& a = *p.args;
-    Scratch<Math> scratch(2 * p.width + 2 * p.slots);
-    Math* __restrict__ pe_row = scratch.data;  // the PE at pe_scale
-    Math* __restrict__ row = pe_row + p.width;  // a token's working row (dropout, or no PE)
+    Scratch<Math> scratch((kPositionBlock + 1) * p.width + 2 * p.slots);
+    Math* __restrict__ pe_rows = scratch.data;  // the block's PEs at pe_scale, one row per position
+    Math* __restrict__ row = pe_rows + kPositionBlock * p.width;  // a token's working row (dropout, or no PE)
     Math* __restrict__ sins = row + p.width;
     Math* __restrict__ coses = sins + p.slots;
-    for (int64_t j = begin; j < end; ++j) {
-      const int64_t position = static_cast<int64_t>(static_cast<uint64_t>(a.offset) + static_cast<uint64_t>(j));
-      sin_cos_row(position, p.rates, p.slots, sins, coses);
-      place_pe(p, sins, coses, p.pe_scale, pe_row + p.pe_col0);
-      for (int64_t t = j; t < a.num_tokens; t += a.seq_len) {
-        const int64_t id = token_id<IdT>(a, t);
-        prefetch_weight_row<T, IdT>(a, t + a.seq_len < a.num_tokens ? t + a.seq_len : j + 1);
-        const Math scale = pe_scale_of(p, id);
-        if (scale != p.pe_scale) {  // pe_zero_id: this token's own (zero) PE
-          place_pe(p, sins, coses, scale, row + p.pe_col0);
-          emit_row<T>(p, t, id, row);
-        } else if (a.dropout_seed != nullptr) {  // emit_row works in place: keep pe_row intact
-          for (int64_t k = p.pe_col0; k < p.width; ++k) row[k] = pe_row[k];
-          emit_row<T>(p, t, id, row);
-        } else {
-          emit_row<T>(p, t, id, pe_row);
+    for (int64_t first = begin; first < end; first += kPositionBlock) {
+      const int64_t count = min_of(kPositionBlock, end - first);
+      for (int64_t j = 0; j < count; ++j) {
+        sin_cos_row(position_at(a, first + j), p.rates, p.slots, sins, coses);
+        place_pe(p, sins, coses, p.pe_scale, pe_rows + j * p.width + p.pe_col0);
+      }
+      for (int64_t start = first; start < a.num_tokens; start += a.seq_len) {
+        const int64_t stop = min_of(start + count, a.num_tokens);
+        for (int64_t t = start; t < stop; ++t) {
+          const int64_t id = token_id<IdT>(a, t);
+          // The next row of this run, or the first of the next sequence's run.
+          prefetch_weight_row<T, IdT>(a, t + 1 < stop ? t + 1 : start + a.seq_len);
+          Math* __restrict__ pe_row = pe_rows + (t - start) * p.width;
+          const Math scale = pe_scale_of(p, id);
+          if (scale != p.pe_scale) {  // pe_zero_id: this token's own (zero) PE
+            sin_cos_row(position_at(a, first + (t - start)), p.rates, p.slots, sins, coses);
+            place_pe(p, sins, coses, scale, row + p.pe_col0);
+            emit_row<T>(p, t, id, row);
+          } else if (a.dropout_seed != nullptr) {  // emit_row works in place: keep pe_row intact
+            for (int64_t k = p.pe_col0; k < p.width; ++k) row[k] = pe_row[k];
+            emit_row<T>(p, t, id, row);
+          } else {
+            emit_row<T>(p, t, id, pe_row);
+          }
         }
       }
     }
   }
+
+  // Position offset + j, wrapping like torch's int64 addition.
+  static POSENC_INLINE int64_t position_at(const ForwardArgs& a, int64_t j) {
+    return static_cast<int64_t>(static_cast<uint64_t>(a.offset) + static_cast<uint64_t>(j));
+  }
 };
 
-// Work-item sizes: enough tokens to amortise the per-item scratch, small enough to balance threads.
+// Tokens per work item of ForwardTokens: enough to amortise the per-item scratch, small enough to
+// balance threads.
 constexpr int64_t kTokenGrain = 16;
+
+// Positions per work item of ForwardPositions: about four items per thread, so that each thread
+// writes long runs of rows and the threads still balance; whole position blocks.
+POSENC_INLINE int64_t position_grain(int64_t seq_len, int num_threads) {
+  const int64_t items = 4 * static_cast<int64_t>(num_threads > 0 ? num_threads : 1);
+  const int64_t grain = (seq_len + items - 1) / items;
+  return max_of(kPositionBlock, (grain + kPositionBlock - 1) / kPositionBlock * kPositionBlock);
+}
 
 template <typename T, typename Math, typename IdT>
 const char* forward_typed(const ForwardArgs& a) {
@@ -463,9 +494,8 @@ const char* forward_typed(const ForwardArgs& a) {
   }
   const bool shared_positions = a.positions == nullptr && a.offsets == nullptr;
   if (shared_positions && a.num_tokens >= 2 * a.seq_len) {
-    const int64_t sequences = (a.num_tokens + a.seq_len - 1) / a.seq_len;
-    const int64_t grain = max_of(1, kTokenGrain / sequences);
-    parallel_for(a.seq_len, grain, a.num_threads, &ForwardPositions<T, Math, IdT>::run, &p);
+    parallel_for(a.seq_len, position_grain(a.seq_len, a.num_threads), a.num_threads,
+                 &ForwardPositions<T, Math, IdT>::run, &p);
   } else {
     parallel_for(a.num_tokens, kTokenGrain, a.num_threads, &ForwardTokens<T, Math, IdT>::run, &p);
   }
