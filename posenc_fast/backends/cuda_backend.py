@@ -100,15 +100,24 @@ def extension_problem() -> Optional[str]:
     return _lookup().problem
 
 
+_reason_for_state = (None, None)  # (the _Extension it was worked out for, _unusable_reason's answer)
+
+
 @_constant_under_compile
 def _unusable_reason() -> Optional[str]:
-    problem = extension_problem()
-    if problem is not None:
-        return problem
-    count, why = _lookup().module.device_status()
-    if count == 0 or not torch.cuda.is_available():
-        return f"backend='cuda' needs an NVIDIA GPU, and none is usable here ({why or 'torch sees no CUDA device'})"
-    return None
+    """Why the backend cannot run on CUDA tensors, or None.  Asked on every call (a decoding step), so
+    the answer is kept for as long as the lookup's outcome is the same object."""
+    global _reason_for_state
+    state = _lookup()
+    if _reason_for_state[0] is state:
+        return _reason_for_state[1]
+    reason = state.problem
+    if reason is None:
+        count, why = state.module.device_status()
+        if count == 0 or not torch.cuda.is_available():
+            reason = f"backend='cuda' needs an NVIDIA GPU, and none is usable here ({why or 'torch sees no CUDA device'})"
+    _reason_for_state = (state, reason)
+    return reason
 
 
 def available(device: torch.device) -> Optional[str]:
