@@ -13,7 +13,9 @@
 //      calls), then select-or-scale;
 //   5. one rounding to the output dtype (nearest even), one contiguous store.
 // Steps 2 to 5 work on one row in L1 (a few KiB); only the weight row and the output row touch
-// memory.  When the batch repeats positions (B sequences sharing a scalar offset), the work is
+// memory.  No software prefetch of the next token's row: a row is 32+ contiguous lines, which the
+// hardware prefetchers follow once it is touched, and prefetching whole rows ahead filled the
+// line-fill buffers and slowed the 2-thread gather by ~10% (measured in a standalone loop).  When the batch repeats positions (B sequences sharing a scalar offset), the work is
 // split by position instead of by token: steps 1 and 2 run once per distinct position, for all the
 // tokens at it (the same values whichever token asks, so the results do not change).
 //
@@ -365,18 +367,6 @@ POSENC_INLINE void emit_row(const ForwardPlan<Math>& p, int64_t t, int64_t id, M
   for (int64_t k = 0; k < p.width; ++k) y[k] = Element<T>::narrow(row[k]);
 }
 
-// Asks for the weight row of a token about to be processed: rows are gathered at random from a
-// table far larger than the caches, and the hardware cannot guess the next one.
-template <typename T, typename IdT>
-POSENC_INLINE void prefetch_weight_row(const ForwardArgs& a, int64_t t) {
-  if (t >= a.num_tokens) return;
-  const int64_t id = token_id<IdT>(a, t);
-  if (id < 0 || id >= a.num_embeddings) return;
-  const char* w = reinterpret_cast<const char*>(static_cast<const T*>(a.weight) + id * a.weight_row_stride);
-  const int64_t bytes = a.token_width * static_cast<int64_t>(sizeof(T));
-  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(w + b, 0, 3);
-}
-
 template <typename Math>
 POSENC_INLINE Math pe_scale_of(const ForwardPlan<Math>& p, int64_t id) {
   return (p.args->pe_zero_id >= 0 && id == p.args->pe_zero_id) ? Math(0) : p.pe_scale;  // fairseq padding: no PE
@@ -394,7 +384,6 @@ struct ForwardTokens {
     Math* __restrict__ coses = sins + p.slots;
     for (int64_t t = begin; t < end; ++t) {
       const int64_t id = token_id<IdT>(a, t);
-      prefetch_weight_row<T, IdT>(a, t + 1);
       sin_cos_row(token_position(a, t), p.rates, p.slots, sins, coses);
       place_pe(p, sins, coses, pe_scale_of(p, id), row + p.pe_col0);
       emit_row<T>(p, t, id, row);
@@ -434,8 +423,6 @@ struct ForwardPositions {
         const int64_t stop = min_of(start + count, a.num_tokens);
         for (int64_t t = start; t < stop; ++t) {
           const int64_t id = token_id<IdT>(a, t);
-          // The next row of this run, or the first of the next sequence's run.
-          prefetch_weight_row<T, IdT>(a, t + 1 < stop ? t + 1 : start + a.seq_len);
           Math* __restrict__ pe_row = pe_rows + (t - start) * p.width;
           const Math scale = pe_scale_of(p, id);
           if (scale != p.pe_scale) {  // pe_zero_id: this token's own (zero) PE
