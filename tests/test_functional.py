@@ -176,22 +176,79 @@ def test_functional_compiles_fullgraph():
     torch.testing.assert_close(torch.autograd.grad(loss, weight)[0], torch.autograd.grad(eager, weight)[0])
 
 
-@pytest.mark.parametrize("backend,device", TARGETS)
-def test_eager_inference_skips_the_dispatcher_with_the_same_result(backend, device, monkeypatch):
-    """Under no_grad the op's implementation runs directly (functional._eager_inference): the same
-    output bit for bit as through torch.library, and the same id check."""
+def _through_the_op(monkeypatch, fn):
+    """``fn()`` with every call going through the torch.library op, as under torch.compile or a dispatch mode."""
     from posenc_fast import functional
 
-    weight = torch.randn(40, 10, device=device, requires_grad=True)
-    ids = torch.randint(0, 40, (3, 7), device=device)
-    through_op = pf.sinusoidal_embedding(ids, weight, offset=5, backend=backend)  # autograd: the op
+    with monkeypatch.context() as patch:
+        patch.setattr(functional, "_eager_call", lambda ids, weight: False)
+        return fn()
+
+
+def _no_dispatcher(monkeypatch):
+    from posenc_fast import functional
 
     def dispatcher_called(*args, **kwargs):
-        raise AssertionError("torch.library dispatch was used for eager inference")
+        raise AssertionError("torch.library dispatch was used for an eager call")
 
     monkeypatch.setattr(functional, "sinusoidal_embedding_op", dispatcher_called)
+
+
+@pytest.mark.parametrize("backend,device", TARGETS)
+def test_eager_inference_skips_the_dispatcher_with_the_same_result(backend, device, monkeypatch):
+    """Under no_grad the op's implementation runs directly (functional._eager_call): the same
+    output bit for bit as through torch.library, and the same id check."""
+    weight = torch.randn(40, 10, device=device, requires_grad=True)
+    ids = torch.randint(0, 40, (3, 7), device=device)
+    through_op = _through_the_op(monkeypatch, lambda: pf.sinusoidal_embedding(ids, weight, offset=5, backend=backend))
+    _no_dispatcher(monkeypatch)
     with torch.no_grad():
         direct = pf.sinusoidal_embedding(ids, weight, offset=5, backend=backend)
         with pytest.raises(IndexError, match="id 40 "):
             pf.sinusoidal_embedding(torch.full_like(ids, 40), weight, backend=backend)
     assert torch.equal(direct, through_op.detach())
+
+
+@pytest.mark.parametrize("backend,device", TARGETS)
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2])
+def test_eager_training_skips_the_dispatcher_with_the_same_gradients(backend, device, dropout_p, monkeypatch):
+    """With autograd, eager calls run ops.EagerEmbedding instead of the op's custom-op wrapper: the same
+    output, weight gradient and double backward (gradient of a gradient penalty) bit for bit."""
+    g = torch.Generator().manual_seed(11)
+    weight = torch.randn(40, 12, generator=g).to(device).requires_grad_()
+    ids = torch.randint(0, 40, (3, 7), generator=g).to(device)
+    grad_out = torch.randn(3, 7, 12, generator=g).to(device).requires_grad_()
+    kwargs = dict(offset=5, embed_scale=3.0, padding_idx=2, dropout_p=dropout_p, backend=backend)
+
+    def run():
+        torch.manual_seed(3)  # the dropout seed: the same for both paths
+        out = pf.sinusoidal_embedding(ids, weight, **kwargs)
+        (grad,) = torch.autograd.grad(out, weight, grad_out, create_graph=True)
+        (second,) = torch.autograd.grad((grad * grad).sum(), grad_out)  # the weight gradient is linear in grad_out
+        return out.detach(), grad.detach(), second
+
+    expected = _through_the_op(monkeypatch, run)
+    _no_dispatcher(monkeypatch)
+    for got, want, what in zip(run(), expected, ("output", "weight gradient", "double backward")):
+        assert torch.equal(got, want), what
+    with pytest.raises(IndexError, match="id 40 "):
+        pf.sinusoidal_embedding(torch.full_like(ids, 40), weight, backend=backend)
+
+
+def test_dispatch_modes_see_the_op(monkeypatch):
+    """Under a TorchDispatchMode (FlopCounterMode, a user's op logger) the call goes through the
+    dispatcher, so the mode sees posenc_fast's op."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Log(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    weight = torch.randn(40, 10)
+    ids = torch.randint(0, 40, (2, 5))
+    with torch.no_grad(), Log():
+        pf.sinusoidal_embedding(ids, weight, backend="torch")
+    assert any("posenc_fast" in name for name in seen), seen
