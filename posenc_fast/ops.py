@@ -131,12 +131,10 @@ def _(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weig
     return grad_out.new_empty((num_embeddings, token_width), dtype=weight_dtype)
 
 
-def _setup_context(ctx, inputs, output):
-    (ids, weight, _turns, _positions, _offsets, _offset, _seq_len, _concat, _pe_width, _pe_columns, embed_scale,
-     _pe_scale, padding_idx, _zero_pe_at_padding, _float64_math, _vocab_start, _vocab_size, dropout_seed, dropout_p,
-     backend) = inputs
-    ctx.save_for_backward(ids, dropout_seed)  # ids and the seed: nothing of size tokens x width is kept
-    ctx.num_inputs = len(inputs)
+def _save_for_weight_gradient(ctx, ids, weight, embed_scale, padding_idx, dropout_seed, dropout_p, backend):
+    """What the weight gradient needs, kept by the op's autograd and by EagerEmbedding alike: the ids
+    and the seed (nothing of size tokens x width) and the numbers."""
+    ctx.save_for_backward(ids, dropout_seed)
     ctx.num_embeddings, ctx.token_width = weight.shape
     ctx.weight_dtype = weight.dtype
     ctx.embed_scale = embed_scale
@@ -145,14 +143,23 @@ def _setup_context(ctx, inputs, output):
     ctx.backend = backend
 
 
-def _backward(ctx, grad_out):
+def _weight_gradient(ctx, grad_out):
     ids, dropout_seed = ctx.saved_tensors
-    grad_weight = None
-    if ctx.needs_input_grad[1]:
-        grad_weight = sinusoidal_embedding_backward_op(
-            grad_out, ids, ctx.num_embeddings, ctx.token_width, ctx.embed_scale, ctx.padding_idx,
-            ctx.weight_dtype, dropout_seed, ctx.dropout_p, ctx.backend,
-        )
+    return sinusoidal_embedding_backward_op(grad_out, ids, ctx.num_embeddings, ctx.token_width, ctx.embed_scale,
+                                            ctx.padding_idx, ctx.weight_dtype, dropout_seed, ctx.dropout_p,
+                                            ctx.backend)
+
+
+def _setup_context(ctx, inputs, output):
+    (ids, weight, _turns, _positions, _offsets, _offset, _seq_len, _concat, _pe_width, _pe_columns, embed_scale,
+     _pe_scale, padding_idx, _zero_pe_at_padding, _float64_math, _vocab_start, _vocab_size, dropout_seed, dropout_p,
+     backend) = inputs
+    _save_for_weight_gradient(ctx, ids, weight, embed_scale, padding_idx, dropout_seed, dropout_p, backend)
+    ctx.num_inputs = len(inputs)
+
+
+def _backward(ctx, grad_out):
+    grad_weight = _weight_gradient(ctx, grad_out) if ctx.needs_input_grad[1] else None
     return (None, grad_weight) + (None,) * (ctx.num_inputs - 2)
 
 
@@ -170,25 +177,13 @@ class EagerEmbedding(torch.autograd.Function):
     @staticmethod
     def forward(ctx, weight, ids, turns, positions, offsets, offset, seq_len, params: KernelParams, padding_idx,
                 vocab_start, vocab_size, dropout_seed, dropout_p, backend):
-        ctx.save_for_backward(ids, dropout_seed)
-        ctx.num_embeddings, ctx.token_width = weight.shape
-        ctx.weight_dtype = weight.dtype
-        ctx.embed_scale = params.embed_scale
-        ctx.padding_idx = padding_idx
-        ctx.dropout_p = dropout_p
-        ctx.backend = backend
+        _save_for_weight_gradient(ctx, ids, weight, params.embed_scale, padding_idx, dropout_seed, dropout_p, backend)
         return run_forward(ids, weight, turns, positions, offsets, offset, seq_len, params, vocab_start, vocab_size,
                            dropout_seed, dropout_p, backend)
 
     @staticmethod
     def backward(ctx, grad_out):
-        ids, dropout_seed = ctx.saved_tensors
-        grad_weight = None
-        if ctx.needs_input_grad[0]:
-            grad_weight = sinusoidal_embedding_backward_op(
-                grad_out, ids, ctx.num_embeddings, ctx.token_width, ctx.embed_scale, ctx.padding_idx,
-                ctx.weight_dtype, dropout_seed, ctx.dropout_p, ctx.backend,
-            )
+        grad_weight = _weight_gradient(ctx, grad_out) if ctx.needs_input_grad[0] else None
         return (grad_weight,) + (None,) * 13
 
 
