@@ -190,9 +190,14 @@ __device__ __forceinline__ void token_positions(const Args& a, int64_t first, in
   }
 }
 
-template <typename T, typename Math>
-__device__ __forceinline__ Math pe_scale_of(const KernelArgs<T, Math>& a, int64_t id) {
-  return (a.pe_zero_id >= 0 && id == a.pe_zero_id) ? Math(0) : a.pe_scale;  // fairseq: padding gets no PE
+// Bit k set iff token k's id is pe_zero_id (fairseq: padding gets no PE).  Taken right after the
+// loads are issued, so that the ids need not stay live through the PE math.
+template <int K, typename Args>
+__device__ __forceinline__ uint32_t zero_pe_tokens(const Args& a, const int64_t (&id)[K]) {
+  uint32_t bits = 0;
+#pragma unroll
+  for (int k = 0; k < K; ++k) bits |= static_cast<uint32_t>(a.pe_zero_id >= 0 && id[k] == a.pe_zero_id) << k;
+  return bits;
 }
 
 // Fixed-point rates of N pair slots from `pair0`; slots without a frequency get rate 0 (sin 0 = 0).
@@ -308,11 +313,12 @@ __device__ __forceinline__ void interleaved_pe_columns(const KernelArgs<T, Math>
   if (a.add_tokens) load_token_spans<kVector>(a, id, col, count, w);
   uint32_t keep[K];
   span_keep_bits<kDropout, N>(a, mask, first, live, a.pe_col0 + col, count, keep);
+  const uint32_t zero_pe = zero_pe_tokens(a, id);
   T* first_row = a.out + first * a.out_row_stride + a.pe_col0;
 #pragma unroll
   for (int k = 0; k < K; ++k) {
     if (k >= live) break;
-    const Math scale = pe_scale_of(a, id[k]);
+    const Math scale = (zero_pe >> k) & 1u ? Math(0) : a.pe_scale;
     Math values[N];
 #pragma unroll
     for (int p = 0; p < P; ++p) {
@@ -354,11 +360,12 @@ __device__ __forceinline__ void block_pe_columns(const KernelArgs<T, Math>& a, c
   uint32_t keep_sin[K], keep_cos[K];
   span_keep_bits<kDropout, N>(a, mask, first, live, a.pe_col0 + sin_col, sin_count, keep_sin);
   span_keep_bits<kDropout, N>(a, mask, first, live, a.pe_col0 + cos_col, cos_count, keep_cos);
+  const uint32_t zero_pe = zero_pe_tokens(a, id);
   T* first_row = a.out + first * a.out_row_stride + a.pe_col0;
 #pragma unroll
   for (int k = 0; k < K; ++k) {
     if (k >= live) break;
-    const Math scale = pe_scale_of(a, id[k]);
+    const Math scale = (zero_pe >> k) & 1u ? Math(0) : a.pe_scale;
     Math sins[N], coses[N];
 #pragma unroll
     for (int p = 0; p < N; ++p) {
@@ -378,11 +385,10 @@ __device__ __forceinline__ void block_pe_columns(const KernelArgs<T, Math>& a, c
   }
 }
 
-// One thread's unit of K tokens, on the vector path or the general one.
-template <bool kVector, typename T, typename Math, typename IdT, bool kInterleaved, bool kDropout, bool kPositions>
+// One thread's unit of K tokens (the tokens k < live), on the vector path or the general one.
+template <bool kVector, int K, typename T, typename Math, typename IdT, bool kInterleaved, bool kDropout, bool kPositions>
 __device__ __forceinline__ void forward_unit(const KernelArgs<T, Math>& a, const DropoutMask& mask, int64_t unit,
                                              int64_t first, int live) {
-  constexpr int K = tokens_per_thread<kInterleaved>();
   if (unit < a.num_copy_units) {
     copy_token_columns<kVector, T, Math, IdT, K, kDropout>(a, mask, unit, first, live);
     return;
@@ -399,7 +405,7 @@ __device__ __forceinline__ void forward_unit(const KernelArgs<T, Math>& a, const
 // unit by * blockDim.x + x of the K tokens from (bx * blockDim.y + y) * K.  No shared memory and no
 // barriers, so a thread without a unit or a token simply returns.
 template <typename T, typename Math, typename IdT, bool kInterleaved, bool kDropout, bool kPositions>
-__global__ void __launch_bounds__(kThreads) forward_kernel(const KernelArgs<T, Math> a) {
+__global__ void __launch_bounds__(kThreads, 1) forward_kernel(const KernelArgs<T, Math> a) {
   constexpr int K = tokens_per_thread<kInterleaved>();
   const int64_t unit = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
   const int64_t first = (static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y) * K;
@@ -410,9 +416,15 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const KernelArgs<T, M
   // Loaded first, so its latency hides behind the id and weight loads; first used at the stores.
   if constexpr (kDropout) mask = DropoutMask::load(a.dropout_seed, a.dropout_threshold);
   if (a.vector_path) {
-    forward_unit<true, T, Math, IdT, kInterleaved, kDropout, kPositions>(a, mask, unit, first, live);
+    forward_unit<true, K, T, Math, IdT, kInterleaved, kDropout, kPositions>(a, mask, unit, first, live);
   } else {
-    forward_unit<false, T, Math, IdT, kInterleaved, kDropout, kPositions>(a, mask, unit, first, live);
+    // The general path takes its tokens one at a time, in a loop: it is the fallback for unaligned
+    // or ragged shapes, and so it neither raises the kernel's register count (it would spill for
+    // float64 math) nor doubles its code.
+#pragma unroll 1
+    for (int k = 0; k < live; ++k) {
+      forward_unit<false, 1, T, Math, IdT, kInterleaved, kDropout, kPositions>(a, mask, unit, first + k, 1);
+    }
   }
 }
 
