@@ -53,6 +53,10 @@ struct KernelArgs {
   const int64_t* offsets;
   int64_t offset;
   int64_t seq_len;
+  // t / seq_len = mulhi(t, seq_magic) >> seq_shift for t < 2^31, when 1 < seq_len < 2^31 (the
+  // positions' incremental path): Granlund and Montgomery's round-up multiplier, set on the host.
+  uint32_t seq_magic;
+  uint32_t seq_shift;
   int64_t num_tokens;
   int64_t num_embeddings;
   int64_t weight_row_stride;
@@ -100,6 +104,11 @@ __host__ __device__ constexpr int pe_unit_elems() { return sizeof(T) == 4 ? 2 * 
 template <typename IdT, int K, typename Args>
 __device__ __forceinline__ void load_ids(const Args& a, int64_t first, int live, int64_t (&id)[K]) {
   const IdT* ids = static_cast<const IdT*>(a.ids) + first;
+  if (live == K) {  // all but the last thread of the grid: K loads from one address, no predicates
+#pragma unroll
+    for (int k = 0; k < K; ++k) id[k] = static_cast<int64_t>(__ldg(ids + k));
+    return;
+  }
 #pragma unroll
   for (int k = 0; k < K; ++k) id[k] = k < live ? static_cast<int64_t>(__ldg(ids + k)) : -1;
 }
@@ -178,9 +187,11 @@ __device__ __forceinline__ void token_positions(const Args& a, int64_t first, in
     for (int k = 0; k < K; ++k) position[k] = token_position(a, k < live ? first + k : first);
     return;
   }
-  // 32-bit: first and seq_len are below 2^31, so within + 1 < 2^32.
+  // 32-bit: first and seq_len are below 2^31, so within + 1 < 2^32.  The division by the host's
+  // multiplier (seq_magic, seq_shift; exact for 31-bit numerators) is a multiply-high and a shift.
   const uint32_t s = static_cast<uint32_t>(a.seq_len);
-  const uint32_t sequence = static_cast<uint32_t>(first) / s;
+  const uint32_t sequence =
+      static_cast<uint32_t>((static_cast<uint64_t>(static_cast<uint32_t>(first)) * a.seq_magic) >> 32) >> a.seq_shift;
   const uint32_t within = static_cast<uint32_t>(first) - sequence * s;
   // Two loops, so that a scalar offset's path holds no (predicated) offsets load.
   if (a.offsets == nullptr) {
@@ -201,10 +212,22 @@ __device__ __forceinline__ uint32_t zero_pe_tokens(const Args& a, const int64_t 
 }
 
 // Fixed-point rates of N pair slots from `pair0`; slots without a frequency get rate 0 (sin 0 = 0).
-template <int N, typename Args>
+// kVector: the host proved the turns 16-byte aligned and every unit's slots below num_turns, and
+// N and pair0 are even: N / 2 16-byte loads.
+template <bool kVector, int N, typename Args>
 __device__ __forceinline__ void load_rates(const Args& a, int64_t pair0, int64_t (&rate)[N]) {
+  if constexpr (kVector) {
+    static_assert(N % 2 == 0, "rates in pairs");
+    const uint4* turns = reinterpret_cast<const uint4*>(a.turns + pair0);
 #pragma unroll
-  for (int p = 0; p < N; ++p) rate[p] = pair0 + p < a.num_turns ? __ldg(a.turns + pair0 + p) : 0;
+    for (int v = 0; v < N / 2; ++v) {
+      const uint4 raw = __ldg(turns + v);
+      memcpy(&rate[2 * v], &raw, sizeof raw);
+    }
+  } else {
+#pragma unroll
+    for (int p = 0; p < N; ++p) rate[p] = pair0 + p < a.num_turns ? __ldg(a.turns + pair0 + p) : 0;
+  }
 }
 
 // Token columns [col, col + count) of K tokens' weight rows (zero for dead tokens and out-of-range
@@ -305,7 +328,7 @@ __device__ __forceinline__ void interleaved_pe_columns(const KernelArgs<T, Math>
   // An odd D's tail cos (column D) falls outside (never with kVector: the host proved D % N == 0).
   const int count = kVector ? N : elems_inside<N>(col, a.pe_width);
   int64_t rate[P];
-  load_rates(a, pe_unit * P, rate);
+  load_rates<kVector>(a, pe_unit * P, rate);
   int64_t id[K], position[K];
   load_ids<IdT>(a, first, live, id);
   token_positions<K, kPositions>(a, first, live, position);
@@ -346,7 +369,7 @@ __device__ __forceinline__ void block_pe_columns(const KernelArgs<T, Math>& a, c
   const int cos_count = kVector ? N : elems_inside<N>(pair0, a.num_cos);
   const int64_t sin_col = a.sin_base + pair0, cos_col = a.cos_base + pair0;
   int64_t rate[N];
-  load_rates(a, pair0, rate);
+  load_rates<kVector>(a, pair0, rate);
   int64_t id[K], position[K];
   load_ids<IdT>(a, first, live, id);
   token_positions<K, kPositions>(a, first, live, position);
@@ -430,10 +453,23 @@ __global__ void __launch_bounds__(kThreads, 1) forward_kernel(const KernelArgs<T
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// For 1 < d < 2^31: m = ceil(2^(31 + l) / d), l = ceil(log2 d), so that 2^(31+l) <= m d <= 2^(31+l)
+// + 2^l and floor(n / d) = floor(n m / 2^(31 + l)) for every n < 2^31 (Granlund and Montgomery,
+// "Division by invariant integers using multiplication", theorem 4.2); m < 2^32.  Other d: unused.
+inline void division_multiplier(int64_t d, uint32_t& magic, uint32_t& shift) {
+  magic = 0;
+  shift = 0;
+  if (d <= 1 || d >= (int64_t(1) << 31)) return;
+  uint32_t l = 0;
+  while ((int64_t(1) << l) < d) ++l;
+  magic = static_cast<uint32_t>(((uint64_t(1) << (31 + l)) + static_cast<uint64_t>(d) - 1) / static_cast<uint64_t>(d));
+  shift = l - 1;
+}
+
 inline bool vector_aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % kVectorBytes == 0; }
 
-// The vector path's precondition (KernelArgs::vector_path): 16-byte aligned weight and output,
-// rows and the PE's first column on 16-byte boundaries, every unit's spans whole (D a multiple of
+// The vector path's precondition (KernelArgs::vector_path): 16-byte aligned weight, output and
+// turns, a rate for every pair slot, rows and the PE's first column on 16-byte boundaries, every unit's spans whole (D a multiple of
 // the PE unit; block layouts: h sins and h coses, h a multiple of N), and every in-range id's row
 // offset a 32-bit id times a 32-bit byte stride.
 template <typename T>
@@ -444,7 +480,9 @@ bool vector_path_holds(const ForwardArgs& args, int64_t width, bool interleaved)
                                     : (args.pe_width % 2 == 0 && h % N == 0 && args.columns.num_sin == h &&
                                        args.columns.num_cos == h && args.columns.sin_base % V == 0 &&
                                        args.columns.cos_base % V == 0);
-  return vector_aligned(args.weight) && vector_aligned(args.out) && args.weight_row_stride % V == 0 &&
+  const int64_t slots = interleaved ? args.pe_width / 2 : h;  // pair slots the PE units cover
+  return vector_aligned(args.weight) && vector_aligned(args.out) && vector_aligned(args.turns) &&
+         args.num_turns >= slots && args.weight_row_stride % V == 0 &&
          width % V == 0 && args.token_width % V == 0 && pe_whole &&
          args.num_embeddings <= (int64_t(1) << 32) &&
          static_cast<uint64_t>(args.weight_row_stride) * sizeof(T) <= UINT32_MAX;
@@ -468,6 +506,7 @@ cudaError_t launch_kernel(const ForwardArgs& args, cudaStream_t stream) {
   a.offsets = args.offsets;
   a.offset = args.offset;
   a.seq_len = args.seq_len;
+  division_multiplier(args.seq_len, a.seq_magic, a.seq_shift);
   a.num_tokens = args.num_tokens;
   a.num_embeddings = args.num_embeddings;
   a.weight_row_stride = args.weight_row_stride;
