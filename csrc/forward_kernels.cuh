@@ -109,8 +109,12 @@ __device__ __forceinline__ void load_ids(const Args& a, int64_t first, int live,
     for (int k = 0; k < K; ++k) id[k] = static_cast<int64_t>(__ldg(ids + k));
     return;
   }
+  // The last thread reads the first id again in place of those past the end (K loads here too).
 #pragma unroll
-  for (int k = 0; k < K; ++k) id[k] = k < live ? static_cast<int64_t>(__ldg(ids + k)) : -1;
+  for (int k = 0; k < K; ++k) {
+    const int64_t loaded = __ldg(ids + (k < live ? k : 0));
+    id[k] = k < live ? loaded : -1;
+  }
 }
 
 template <typename Args>
