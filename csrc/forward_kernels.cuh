@@ -25,6 +25,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "exact_angle.cuh"
 #include "memory_access.cuh"
@@ -317,13 +318,17 @@ __device__ __forceinline__ void copy_token_columns(const KernelArgs<T, Math>& a,
 template <typename Math, typename T, int N>
 __device__ __forceinline__ void add_tokens(const Span<T, N>& w, Math embed_scale, Math (&values)[N]) {
   Math tokens[N];
-  widen_span(w, tokens);
+  if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+    widen_bf16_words(w, tokens);
+  } else {
+    widen_span(w, tokens);
+  }
 #pragma unroll
   for (int e = 0; e < N; ++e) values[e] = fma(tokens[e], embed_scale, values[e]);
 }
 
 // Interleaved layout: PE columns [col, col + N) hold sin, cos of pairs col/2 .. col/2 + N/2.
-template <bool kVector, typename T, typename Math, typename IdT, int K, bool kDropout, bool kPositions>
+template <bool kVector, bool kAdd, typename T, typename Math, typename IdT, int K, bool kDropout, bool kPositions>
 __device__ __forceinline__ void interleaved_pe_columns(const KernelArgs<T, Math>& a, const DropoutMask& mask,
                                                        int64_t pe_unit, int64_t first, int live) {
   constexpr int N = pe_unit_elems<T>();
@@ -337,7 +342,7 @@ __device__ __forceinline__ void interleaved_pe_columns(const KernelArgs<T, Math>
   load_ids<IdT>(a, first, live, id);
   token_positions<K, kPositions>(a, first, live, position);
   Span<T, N> w[K];
-  if (a.add_tokens) load_token_spans<kVector>(a, id, col, count, w);
+  if constexpr (kAdd) load_token_spans<kVector>(a, id, col, count, w);
   uint32_t keep[K];
   span_keep_bits<kDropout, N>(a, mask, first, live, a.pe_col0 + col, count, keep);
   const uint32_t zero_pe = zero_pe_tokens(a, id);
@@ -355,7 +360,7 @@ __device__ __forceinline__ void interleaved_pe_columns(const KernelArgs<T, Math>
       values[2 * p] = s * scale;
       values[2 * p + 1] = c * scale;
     }
-    if (a.add_tokens) add_tokens(w[k], a.embed_scale, values);
+    if constexpr (kAdd) add_tokens(w[k], a.embed_scale, values);
     drop_span<kDropout>(keep[k], a.dropout_scale, values);
     put_span<kVector>(out_at(a, first_row, k, col), values, count);
   }
@@ -363,7 +368,7 @@ __device__ __forceinline__ void interleaved_pe_columns(const KernelArgs<T, Math>
 
 // Block layouts: pair slots [pair0, pair0 + N) put their sins at sin_base + i (i < num_sin) and
 // their coses at cos_base + i (i < num_cos; a slot at or past h is a zero column).
-template <bool kVector, typename T, typename Math, typename IdT, int K, bool kDropout, bool kPositions>
+template <bool kVector, bool kAdd, typename T, typename Math, typename IdT, int K, bool kDropout, bool kPositions>
 __device__ __forceinline__ void block_pe_columns(const KernelArgs<T, Math>& a, const DropoutMask& mask,
                                                  int64_t pe_unit, int64_t first, int live) {
   constexpr int N = pe_unit_elems<T>();
@@ -380,7 +385,7 @@ __device__ __forceinline__ void block_pe_columns(const KernelArgs<T, Math>& a, c
   // Slots at or past h have a zero cos column: the count of slots with a cos, once per thread.
   const int with_cos = kVector ? N : elems_inside<N>(pair0, a.num_pairs);
   Span<T, N> w_sin[K], w_cos[K];
-  if (a.add_tokens) {
+  if constexpr (kAdd) {
     load_token_spans<kVector>(a, id, sin_col, sin_count, w_sin);
     load_token_spans<kVector>(a, id, cos_col, cos_count, w_cos);
   }
@@ -401,7 +406,7 @@ __device__ __forceinline__ void block_pe_columns(const KernelArgs<T, Math>& a, c
       sins[p] = s * scale;
       coses[p] = p < with_cos ? c * scale : Math(0);
     }
-    if (a.add_tokens) {
+    if constexpr (kAdd) {
       add_tokens(w_sin[k], a.embed_scale, sins);
       add_tokens(w_cos[k], a.embed_scale, coses);
     }
@@ -421,10 +426,21 @@ __device__ __forceinline__ void forward_unit(const KernelArgs<T, Math>& a, const
     return;
   }
   const int64_t pe_unit = unit - a.num_copy_units;
+  // add_tokens (add mode) is uniform: one branch here, so that the weight loads and the sums are
+  // on the same side of a single test (two tests of it would let the SASS hot-path search pair the
+  // loads of one side with the arithmetic of the other).
   if constexpr (kInterleaved) {
-    interleaved_pe_columns<kVector, T, Math, IdT, K, kDropout, kPositions>(a, mask, pe_unit, first, live);
+    if (a.add_tokens) {
+      interleaved_pe_columns<kVector, true, T, Math, IdT, K, kDropout, kPositions>(a, mask, pe_unit, first, live);
+    } else {
+      interleaved_pe_columns<kVector, false, T, Math, IdT, K, kDropout, kPositions>(a, mask, pe_unit, first, live);
+    }
   } else {
-    block_pe_columns<kVector, T, Math, IdT, K, kDropout, kPositions>(a, mask, pe_unit, first, live);
+    if (a.add_tokens) {
+      block_pe_columns<kVector, true, T, Math, IdT, K, kDropout, kPositions>(a, mask, pe_unit, first, live);
+    } else {
+      block_pe_columns<kVector, false, T, Math, IdT, K, kDropout, kPositions>(a, mask, pe_unit, first, live);
+    }
   }
 }
 

@@ -115,6 +115,26 @@ __device__ __forceinline__ void widen_span(const Span<T, N>& span, Math (&values
   for (int e = 0; e < N; ++e) values[e] = static_cast<Math>(Element<T>::widen(span.elems[e]));
 }
 
+// bf16 widens by placing its bits in the high half of an fp32 word: from a 32-bit word of two
+// elements, one shift (low element) and one mask (high one).  The generic form compiled to a
+// byte permute plus a shift for the high element.
+// (Forward only: in the weight gradient's stage 1 the same change of form moved ptxas to spill.)
+template <typename Math, int N>
+__device__ __forceinline__ void widen_bf16_words(const Span<__nv_bfloat16, N>& span, Math (&values)[N]) {
+  static_assert(N % 2 == 0, "whole 32-bit words");
+#pragma unroll
+  for (int w = 0; w < N / 2; ++w) {
+    uint32_t word;
+    memcpy(&word, &span.elems[2 * w], sizeof word);
+    const uint32_t low = word << 16, high = word & 0xFFFF0000u;
+    float low_value, high_value;
+    memcpy(&low_value, &low, sizeof low_value);
+    memcpy(&high_value, &high, sizeof high_value);
+    values[2 * w] = static_cast<Math>(low_value);
+    values[2 * w + 1] = static_cast<Math>(high_value);
+  }
+}
+
 // Two elements of T packed into one 32-bit word, `lo` at the lower address.
 template <typename T>
 __device__ __forceinline__ uint32_t pack_pair(T lo, T hi) {
