@@ -268,6 +268,12 @@ class Path:
     stream_bytes: int
     accesses: int
     instrs: List[Instr]
+    secondary_bytes: int = 0
+
+    @property
+    def score(self) -> Score:
+        """The hot-path order (module docstring), for choosing among paths through different blocks."""
+        return self.stream_bytes, self.secondary_bytes, -self.accesses, -self.instructions
 
 
 def hot_paths(instrs: List[Instr], stream, secondary=lambda ins: False, trips: int = 1) -> List[Path]:
@@ -325,7 +331,7 @@ def hot_paths(instrs: List[Instr], stream, secondary=lambda ins: False, trips: i
             for j in chain:
                 flat.extend(ins for ins in blocks[j].instrs if ins.base != "NOP")
             score = _add(fwd[i], bwd[i])
-            paths[key] = Path(-score[3], score[0], -score[2], flat)
+            paths[key] = Path(-score[3], score[0], -score[2], flat, score[1])
     return list(paths.values())
 
 
@@ -569,7 +575,10 @@ def analyze(variant: Variant, cubin: str, function: str, variant_arch: int) -> d
         if not forward:
             role = "rows"
         best = roles.get(role)
-        if best is None or (p.stream_bytes, -p.instructions) > (best.stream_bytes, -best.instructions):
+        # The same order as within hot_paths: a kernel whose stores are duplicated in branches (the
+        # CUDA forward's add and concat PE code) has one path per copy, and the one with the
+        # weight loads is the hot path of add mode (and counted for concat too, an over-count).
+        if best is None or p.score > best.score:
             roles[role] = p
     e = variant.elem_bytes
     if forward:

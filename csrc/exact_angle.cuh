@@ -18,6 +18,7 @@ namespace posenc {
 
 // 2*pi radians per 2^64 units of turn.
 constexpr double kRadiansPerUnit = 2.0 * 3.14159265358979323846 / 18446744073709551616.0;
+// The quadrant split the CPU kernel's AVX2 reduction spells out (cpu_kernels.cpp).
 constexpr uint64_t kEighthTurn = uint64_t(1) << 61;
 constexpr uint64_t kQuarterTurnMask = (uint64_t(1) << 62) - 1;
 
@@ -27,18 +28,17 @@ __device__ __forceinline__ uint64_t phase_of(int64_t position, int64_t turn_rate
   return static_cast<uint64_t>(position) * static_cast<uint64_t>(turn_rate);
 }
 
-// The angle of `turn_units` reduced to |a| <= pi/4 (in Math), and its quadrant (0..3).
+// The angle of `turn_units` reduced to |a| <= pi/4 (in Math), after the nearest quarter turn.
 template <typename Math>
-__device__ __forceinline__ Math reduced_angle(uint64_t turn_units, unsigned& quadrant) {
-  const uint64_t shifted = turn_units + kEighthTurn;  // wraps: top two bits = nearest quarter turn
-  quadrant = static_cast<unsigned>(shifted >> 62);
-  // In [-2^61, 2^61): the low 62 bits of turn_units as a signed number, (shifted mod 2^62) - 2^61.
-  // The same value is the high word sign-extended from its bit 29 (32-bit shifts), low word as is.
-  const int32_t high = static_cast<int32_t>(static_cast<uint32_t>(turn_units >> 32) << 2) >> 2;
-  const int64_t remainder = static_cast<int64_t>((static_cast<uint64_t>(static_cast<int64_t>(high)) << 32) |
-                                                 (turn_units & 0xFFFFFFFFu));
-  // Round-to-nearest conversion, then one multiply by the constant rounded to Math (as Triton does).
-  return static_cast<Math>(remainder) * static_cast<Math>(kRadiansPerUnit);
+__device__ __forceinline__ Math reduced_angle(uint64_t turn_units) {
+  // The remainder after the nearest quarter turn is the low 62 bits of turn_units as a signed
+  // number, in [-2^61, 2^61).  Shifted left by two it is the whole int64 turn_units << 2: four times
+  // the remainder, exactly, with no sign extension to compute.  Converted (round to nearest) and
+  // multiplied by the constant rounded to Math, divided by 4: the same result bit for bit as
+  // converting the remainder and multiplying by the constant (as Triton does), because scaling by
+  // a power of two commutes with both roundings here (no overflow, no subnormals).
+  const int64_t remainder_x4 = static_cast<int64_t>(turn_units << 2);
+  return static_cast<Math>(remainder_x4) * (static_cast<Math>(kRadiansPerUnit) * Math(0.25));
 }
 
 // x with its sign bit flipped where `sign` (0 or 0x80000000) has it: -x without a select.
@@ -81,25 +81,53 @@ __device__ __forceinline__ void taylor_sin_cos(double a, double& sin_a, double& 
   cos_a = 1.0 + z * (c2 + z * (c4 + z * (c6 + z * (c8 + z * (c10 + z * (c12 + z * (c14 + z * (c16 + z * c18))))))));
 }
 
+// (b, a) if bit 30 of `quarter` is set, else (a, b): the odd quadrants' swap of sin and cos.
+__device__ __forceinline__ void swap_if_odd(uint32_t quarter, float a, float b, float& first, float& second) {
+#if defined(__CUDA_ARCH__)
+  // The bit test as and + setp.ne, which ptxas turns into one LOP3 writing the predicate (the
+  // C++ form is canonicalised to shift, and, compare: three instructions per pair).
+  asm("{\n\t.reg .pred odd;\n\t.reg .b32 bit;\n\t"
+      "and.b32 bit, %2, 0x40000000;\n\tsetp.ne.b32 odd, bit, 0;\n\t"
+      "selp.f32 %0, %4, %3, odd;\n\tselp.f32 %1, %3, %4, odd;\n\t}"
+      : "=f"(first), "=f"(second)
+      : "r"(quarter), "f"(a), "f"(b));
+#else
+  const bool odd = (quarter & 0x40000000u) != 0;
+  first = odd ? b : a;
+  second = odd ? a : b;
+#endif
+}
+
+__device__ __forceinline__ void swap_if_odd(uint32_t quarter, double a, double b, double& first, double& second) {
+#if defined(__CUDA_ARCH__)
+  asm("{\n\t.reg .pred odd;\n\t.reg .b32 bit;\n\t"
+      "and.b32 bit, %2, 0x40000000;\n\tsetp.ne.b32 odd, bit, 0;\n\t"
+      "selp.f64 %0, %4, %3, odd;\n\tselp.f64 %1, %3, %4, odd;\n\t}"
+      : "=d"(first), "=d"(second)
+      : "r"(quarter), "d"(a), "d"(b));
+#else
+  const bool odd = (quarter & 0x40000000u) != 0;
+  first = odd ? b : a;
+  second = odd ? a : b;
+#endif
+}
+
 // sin and cos (in Math: float or double) of the angle 2*pi * turn_units / 2^64, for any turn_units.
 template <typename Math>
 __device__ __forceinline__ void sin_cos_of_turns(uint64_t turn_units, Math& sin_out, Math& cos_out) {
-  unsigned quadrant;
-  const Math a = reduced_angle<Math>(turn_units, quadrant);
+  const Math a = reduced_angle<Math>(turn_units);
   Math sin_a, cos_a;
   taylor_sin_cos(a, sin_a, cos_a);
   // Rotate by quadrant * 90 degrees: (sin, cos) -> (cos, -sin) -> (-sin, -cos) -> (-cos, sin).
-  // The quadrant is the top two bits of high + 2^29 (the high word of turn_units + 1/8 turn): odd
-  // quadrants swap, sin is negative in quadrants 2 and 3 (bit 31), cos in 1 and 2 (bit 31 of the
-  // quadrant plus one).  The signs flip by XOR (exactly -x), on 32-bit words.
+  // The quadrant is the top two bits of the high word of turn_units + 1/8 turn: odd quadrants
+  // swap, sin is negative in quadrants 2 and 3 (bit 31), cos in 1 and 2 (bit 31 of the quadrant
+  // plus one).  The signs flip by XOR (exactly -x), on 32-bit words.
   const uint32_t high = static_cast<uint32_t>(turn_units >> 32);
   const uint32_t quarter = high + 0x20000000u;
-  const bool odd = (quarter & 0x40000000u) != 0;
-  const Math sin_unsigned = odd ? cos_a : sin_a;
-  const Math cos_unsigned = odd ? sin_a : cos_a;
+  Math sin_unsigned, cos_unsigned;
+  swap_if_odd(quarter, sin_a, cos_a, sin_unsigned, cos_unsigned);
   sin_out = flip_sign(sin_unsigned, quarter & 0x80000000u);
   cos_out = flip_sign(cos_unsigned, (high + 0x60000000u) & 0x80000000u);
-  (void)quadrant;
 }
 
 }  // namespace posenc

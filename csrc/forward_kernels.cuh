@@ -25,6 +25,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "exact_angle.cuh"
 #include "memory_access.cuh"
@@ -53,6 +54,10 @@ struct KernelArgs {
   const int64_t* offsets;
   int64_t offset;
   int64_t seq_len;
+  // t / seq_len = mulhi(t, seq_magic) >> seq_shift for t < 2^31, when 1 < seq_len < 2^31 (the
+  // positions' incremental path): Granlund and Montgomery's round-up multiplier, set on the host.
+  uint32_t seq_magic;
+  uint32_t seq_shift;
   int64_t num_tokens;
   int64_t num_embeddings;
   int64_t weight_row_stride;
@@ -69,6 +74,13 @@ struct KernelArgs {
   int64_t pe_zero_id;
   int64_t num_copy_units;  // concat: units of token columns, first in each row
   int64_t num_units;
+  // The vector path's precondition, proved on the host (vector_path_holds): every span of every
+  // unit is whole and 16-byte aligned, and an in-range id's row offset in bytes is the 32-bit id
+  // times weight_row_bytes (< 2^32).  The kernel then moves every span as 16-byte vectors with no
+  // per-access test; otherwise each access tests its own alignment and extent (the general path).
+  bool vector_path;
+  uint32_t weight_row_bytes;
+  int64_t out_row_bytes;
   Math embed_scale;
   Math pe_scale;
   bool add_tokens;
@@ -78,23 +90,39 @@ struct KernelArgs {
 };
 
 // Tokens each thread handles (loads in flight per thread): block layouts move two spans per token.
+// They are consecutive tokens first .. first + K - 1, so that their ids, positions and output rows
+// are one base plus constant offsets.
 template <bool kInterleaved>
 __host__ __device__ constexpr int tokens_per_thread() { return kInterleaved ? 4 : 2; }
 
+// Elements of one PE unit: one 16-byte vector, or two for 4-byte types, so that every dtype has the
+// same pairs per token per thread (interleaved: 4; block layouts: 8 slots) over which to spread the
+// work per token (id, position, row addresses).
+template <typename T>
+__host__ __device__ constexpr int pe_unit_elems() { return sizeof(T) == 4 ? 2 * vector_elems<T>() : vector_elems<T>(); }
+
+// ids of a thread's tokens first + k (k < K); -1 (no row) for the tokens past the end, k >= live.
 template <typename IdT, int K, typename Args>
-__device__ __forceinline__ void load_ids(const Args& a, int64_t first, int64_t step, int64_t (&token)[K],
-                                         int64_t (&id)[K]) {
-  const IdT* ids = static_cast<const IdT*>(a.ids);
+__device__ __forceinline__ void load_ids(const Args& a, int64_t first, int live, int64_t (&id)[K]) {
+  const IdT* ids = static_cast<const IdT*>(a.ids) + first;
+  if (live == K) {  // all but the last thread of the grid: K loads from one address, no predicates
+#pragma unroll
+    for (int k = 0; k < K; ++k) id[k] = static_cast<int64_t>(__ldg(ids + k));
+    return;
+  }
+  // The last thread reads the first id again in place of those past the end (K loads here too).
 #pragma unroll
   for (int k = 0; k < K; ++k) {
-    token[k] = first + k * step;
-    id[k] = token[k] < a.num_tokens ? static_cast<int64_t>(__ldg(ids + token[k])) : -1;
+    const int64_t loaded = __ldg(ids + (k < live ? k : 0));
+    id[k] = k < live ? loaded : -1;
   }
 }
 
 template <typename Args>
 __device__ __forceinline__ bool id_in_table(const Args& a, int64_t id) {
-  return id >= 0 && id < a.num_embeddings;  // out-of-range ids (range check off) read nothing
+  // One unsigned compare: negative ids wrap above any table size.  Out-of-range ids (range check
+  // off) and dead tokens (id -1) read nothing.
+  return static_cast<uint64_t>(id) < static_cast<uint64_t>(a.num_embeddings);
 }
 
 template <typename Args>
@@ -116,70 +144,130 @@ __device__ __forceinline__ int64_t token_position(const Args& a, int64_t token) 
   return static_cast<int64_t>(static_cast<uint64_t>(start) + static_cast<uint64_t>(within));
 }
 
-// Positions of a thread's tokens first + k * step (k < K; zero for tokens past the end).  Only the
-// first token divides: the others step its (sequence, within) forward by `step`, which crosses at
-// most one sequence boundary when step < seq_len (always, but for tiny sequences).
-// kPositions: explicit positions (a.positions), a kernel of its own so that the computed positions'
-// path has no branch on it.
-template <int K, bool kPositions, typename Args>
-__device__ __forceinline__ void token_positions(const Args& a, const int64_t (&token)[K], int64_t (&position)[K]) {
-  if constexpr (kPositions) {
-#pragma unroll
-    for (int k = 0; k < K; ++k) position[k] = token[k] < a.num_tokens ? __ldg(a.positions + token[k]) : 0;
-    return;
-  }
-  const int64_t step = K > 1 ? token[1] - token[0] : 0;
-  const bool incremental = step < a.seq_len &&
-                           ((static_cast<uint64_t>(token[0]) | static_cast<uint64_t>(a.seq_len)) >> 31) == 0;
-  if (!incremental) {
-    // Tokens past the end take the last token's position (never stored); no branch per token.
-#pragma unroll
-    for (int k = 0; k < K; ++k) position[k] = token_position(a, token[k] < a.num_tokens ? token[k] : a.num_tokens - 1);
-    return;
-  }
-  // 32-bit: token[0] and seq_len are below 2^31, so within + step < 2^32.
-  const uint32_t s = static_cast<uint32_t>(a.seq_len), step32 = static_cast<uint32_t>(step);
-  uint32_t sequence = static_cast<uint32_t>(token[0]) / s;
-  uint32_t within = static_cast<uint32_t>(token[0]) - sequence * s;
+// Positions start + within, start + within + 1, ... of one sequence (seq_len s) from a scalar start.
+template <int K>
+__device__ __forceinline__ void stepped_positions(int64_t start, uint32_t within, uint32_t s, int64_t (&position)[K]) {
 #pragma unroll
   for (int k = 0; k < K; ++k) {
-    if (k > 0) {
-      within += step32;
-      if (within >= s) {
-        within -= s;
-        ++sequence;
-      }
-    }
-    int64_t start = a.offset;
-    if (a.offsets != nullptr) start = token[k] < a.num_tokens ? __ldg(a.offsets + sequence) : 0;
+    if (k > 0 && ++within == s) within = 0;  // the next sequence starts at the same offset
     // Wraps like torch's int64 addition.
     position[k] = static_cast<int64_t>(static_cast<uint64_t>(start) + within);
   }
 }
 
-template <typename T, typename Math>
-__device__ __forceinline__ Math pe_scale_of(const KernelArgs<T, Math>& a, int64_t id) {
-  return (a.pe_zero_id >= 0 && id == a.pe_zero_id) ? Math(0) : a.pe_scale;  // fairseq: padding gets no PE
+// The same with each sequence's own start (offsets[sequence], from `starts` on), read for the
+// tokens k < live only.
+template <int K>
+__device__ __forceinline__ void stepped_positions(const int64_t* starts, uint32_t within, uint32_t s, int live,
+                                                  int64_t (&position)[K]) {
+  uint32_t sequence = 0;
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    if (k > 0 && ++within == s) {
+      within = 0;
+      ++sequence;
+    }
+    const int64_t start = k < live ? __ldg(starts + sequence) : 0;
+    position[k] = static_cast<int64_t>(static_cast<uint64_t>(start) + within);
+  }
+}
+
+// Positions of a thread's tokens first + k (k < K; tokens k >= live are past the end and get a
+// position that is never stored).  Only the first token divides: the others step its (sequence,
+// within) forward by one, which crosses at most one sequence boundary when seq_len > 1.
+// kPositions: explicit positions (a.positions), a kernel of its own so that the computed positions'
+// path has no branch on it.
+template <int K, bool kPositions, typename Args>
+__device__ __forceinline__ void token_positions(const Args& a, int64_t first, int live, int64_t (&position)[K]) {
+  if constexpr (kPositions) {
+    const int64_t* positions = a.positions + first;
+#pragma unroll
+    for (int k = 0; k < K; ++k) position[k] = k < live ? __ldg(positions + k) : 0;
+    return;
+  }
+  const bool incremental =
+      a.seq_len > 1 && ((static_cast<uint64_t>(first) | static_cast<uint64_t>(a.seq_len)) >> 31) == 0;
+  if (!incremental) {
+#pragma unroll
+    for (int k = 0; k < K; ++k) position[k] = token_position(a, k < live ? first + k : first);
+    return;
+  }
+  // 32-bit: first and seq_len are below 2^31, so within + 1 < 2^32.  The division by the host's
+  // multiplier (seq_magic, seq_shift; exact for 31-bit numerators) is a multiply-high and a shift.
+  const uint32_t s = static_cast<uint32_t>(a.seq_len);
+  const uint32_t sequence =
+      static_cast<uint32_t>((static_cast<uint64_t>(static_cast<uint32_t>(first)) * a.seq_magic) >> 32) >> a.seq_shift;
+  const uint32_t within = static_cast<uint32_t>(first) - sequence * s;
+  // Two loops, so that a scalar offset's path holds no (predicated) offsets load.
+  if (a.offsets == nullptr) {
+    stepped_positions<K>(a.offset, within, s, position);
+  } else {
+    stepped_positions<K>(a.offsets + sequence, within, s, live, position);
+  }
+}
+
+// Bit k set iff token k's id is pe_zero_id (fairseq: padding gets no PE).  Taken right after the
+// loads are issued, so that the ids need not stay live through the PE math.
+template <int K, typename Args>
+__device__ __forceinline__ uint32_t zero_pe_tokens(const Args& a, const int64_t (&id)[K]) {
+  uint32_t bits = 0;
+#pragma unroll
+  for (int k = 0; k < K; ++k) bits |= static_cast<uint32_t>(a.pe_zero_id >= 0 && id[k] == a.pe_zero_id) << k;
+  return bits;
 }
 
 // Fixed-point rates of N pair slots from `pair0`; slots without a frequency get rate 0 (sin 0 = 0).
-template <int N, typename Args>
+// kVector: the host proved the turns 16-byte aligned and every unit's slots below num_turns, and
+// N and pair0 are even: N / 2 16-byte loads.
+template <bool kVector, int N, typename Args>
 __device__ __forceinline__ void load_rates(const Args& a, int64_t pair0, int64_t (&rate)[N]) {
+  if constexpr (kVector) {
+    static_assert(N % 2 == 0, "rates in pairs");
+    const uint4* turns = reinterpret_cast<const uint4*>(a.turns + pair0);
 #pragma unroll
-  for (int p = 0; p < N; ++p) rate[p] = pair0 + p < a.num_turns ? __ldg(a.turns + pair0 + p) : 0;
+    for (int v = 0; v < N / 2; ++v) {
+      const uint4 raw = __ldg(turns + v);
+      memcpy(&rate[2 * v], &raw, sizeof raw);
+    }
+  } else {
+#pragma unroll
+    for (int p = 0; p < N; ++p) rate[p] = pair0 + p < a.num_turns ? __ldg(a.turns + pair0 + p) : 0;
+  }
 }
 
-// Token columns of K tokens' weight rows at `col` (zero for dead tokens and out-of-range ids).
-template <typename T, int V, int K, typename Args>
-__device__ __forceinline__ void load_token_spans(const Args& a, const int64_t (&token)[K], const int64_t (&id)[K],
-                                                 int64_t col, int count, Span<T, V> (&w)[K]) {
+// Token columns [col, col + count) of K tokens' weight rows (zero for dead tokens and out-of-range
+// ids).  kVector: the vector path's precondition holds, count == N, and the row offset is the
+// 32-bit id times weight_row_bytes (one multiply-add per token).
+template <bool kVector, typename T, int N, int K, typename Args>
+__device__ __forceinline__ void load_token_spans(const Args& a, const int64_t (&id)[K], int64_t col, int count,
+                                                 Span<T, N> (&w)[K]) {
+  const T* base = a.weight + col;
 #pragma unroll
   for (int k = 0; k < K; ++k) {
-    if (token[k] < a.num_tokens && id_in_table(a, id[k])) {
-      load_span(w[k], a.weight + id[k] * a.weight_row_stride + col, count);
-    } else {
+    if (!id_in_table(a, id[k])) {
       zero_span(w[k]);
+    } else if constexpr (kVector) {
+      load_vectors(w[k], reinterpret_cast<const char*>(base) +
+                             static_cast<uint64_t>(static_cast<uint32_t>(id[k])) * a.weight_row_bytes);
+    } else {
+      load_span(w[k], base + id[k] * a.weight_row_stride, count);
     }
+  }
+}
+
+// Output row of token first + k at element column `col`.
+template <typename T, typename Math>
+__device__ __forceinline__ T* out_at(const KernelArgs<T, Math>& a, T* first_row, int k, int64_t col) {
+  return reinterpret_cast<T*>(reinterpret_cast<char*>(first_row + col) + k * a.out_row_bytes);
+}
+
+// Rounds and stores `values` at p: the whole span as 16-byte vectors (kVector), or its first count.
+template <bool kVector, typename T, typename Math, int N>
+__device__ __forceinline__ void put_span(T* p, const Math (&values)[N], int count) {
+  if constexpr (kVector) {
+    store_vectors<T>(p, values);
+  } else {
+    store_span(p, values, count);
   }
 }
 
@@ -187,11 +275,11 @@ __device__ __forceinline__ void load_token_spans(const Args& a, const int64_t (&
 // right after the loads are issued: Philox is pure arithmetic and runs while they are in flight,
 // and only K words stay live through the PE math.
 template <bool kDropout, int N, int K, typename Args>
-__device__ __forceinline__ void span_keep_bits(const Args& a, const DropoutMask& mask, const int64_t (&token)[K],
+__device__ __forceinline__ void span_keep_bits(const Args& a, const DropoutMask& mask, int64_t first, int live,
                                                int64_t col, int count, uint32_t (&keep)[K]) {
   if constexpr (kDropout) {
 #pragma unroll
-    for (int k = 0; k < K; ++k) keep[k] = token[k] < a.num_tokens ? mask.keep_bits<N>(token[k], col, count) : 0u;
+    for (int k = 0; k < K; ++k) keep[k] = k < live ? mask.keep_bits<N>(first + k, col, count) : 0u;
   }
 }
 
@@ -201,53 +289,69 @@ __device__ __forceinline__ void drop_span(uint32_t keep, Math scale, Math (&valu
 }
 
 // concat: out[t, col:col+V] = embed_scale * W[id, col:col+V].
-template <typename T, typename Math, typename IdT, int K, bool kDropout>
+template <bool kVector, typename T, typename Math, typename IdT, int K, bool kDropout>
 __device__ __forceinline__ void copy_token_columns(const KernelArgs<T, Math>& a, const DropoutMask& mask,
-                                                   int64_t unit, int64_t first, int64_t step) {
+                                                   int64_t unit, int64_t first, int live) {
   constexpr int V = vector_elems<T>();
   const int64_t col = unit * V;
-  const int count = elems_inside<V>(col, a.token_width);
-  int64_t token[K], id[K];
-  load_ids<IdT>(a, first, step, token, id);
+  const int count = kVector ? V : elems_inside<V>(col, a.token_width);
+  int64_t id[K];
+  load_ids<IdT>(a, first, live, id);
   Span<T, V> w[K];
-  load_token_spans(a, token, id, col, count, w);
+  load_token_spans<kVector>(a, id, col, count, w);
   uint32_t keep[K];
-  span_keep_bits<kDropout, V>(a, mask, token, col, count, keep);
+  span_keep_bits<kDropout, V>(a, mask, first, live, col, count, keep);
+  T* first_row = a.out + first * a.out_row_stride;
 #pragma unroll
   for (int k = 0; k < K; ++k) {
-    if (token[k] >= a.num_tokens) continue;
+    if (k >= live) break;
     Math values[V];
     widen_span(w[k], values);
 #pragma unroll
     for (int e = 0; e < V; ++e) values[e] *= a.embed_scale;
     drop_span<kDropout>(keep[k], a.dropout_scale, values);
-    store_span(a.out + token[k] * a.out_row_stride + col, values, count);
+    put_span<kVector>(out_at(a, first_row, k, col), values, count);
   }
 }
 
-// Interleaved layout: PE columns [col, col + V) hold sin, cos of pairs col/2 .. col/2 + V/2.
-template <typename T, typename Math, typename IdT, int K, bool kDropout, bool kPositions>
+// values = fma(token, embed_scale, pe * scale), the sum in Math, rounded later at the store.
+template <typename Math, typename T, int N>
+__device__ __forceinline__ void add_tokens(const Span<T, N>& w, Math embed_scale, Math (&values)[N]) {
+  Math tokens[N];
+  if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+    widen_bf16_words(w, tokens);
+  } else {
+    widen_span(w, tokens);
+  }
+#pragma unroll
+  for (int e = 0; e < N; ++e) values[e] = fma(tokens[e], embed_scale, values[e]);
+}
+
+// Interleaved layout: PE columns [col, col + N) hold sin, cos of pairs col/2 .. col/2 + N/2.
+template <bool kVector, bool kAdd, typename T, typename Math, typename IdT, int K, bool kDropout, bool kPositions>
 __device__ __forceinline__ void interleaved_pe_columns(const KernelArgs<T, Math>& a, const DropoutMask& mask,
-                                                       int64_t pe_unit, int64_t first, int64_t step) {
-  constexpr int V = vector_elems<T>();
-  constexpr int P = V / 2;
-  const int64_t col = pe_unit * V;
-  const int count = elems_inside<V>(col, a.pe_width);  // an odd D's tail cos (column D) falls outside
-  const int64_t pair0 = pe_unit * P;
+                                                       int64_t pe_unit, int64_t first, int live) {
+  constexpr int N = pe_unit_elems<T>();
+  constexpr int P = N / 2;
+  const int64_t col = pe_unit * N;
+  // An odd D's tail cos (column D) falls outside (never with kVector: the host proved D % N == 0).
+  const int count = kVector ? N : elems_inside<N>(col, a.pe_width);
   int64_t rate[P];
-  load_rates(a, pair0, rate);
-  int64_t token[K], id[K], position[K];
-  load_ids<IdT>(a, first, step, token, id);
-  token_positions<K, kPositions>(a, token, position);
-  Span<T, V> w[K];
-  if (a.add_tokens) load_token_spans(a, token, id, col, count, w);
+  load_rates<kVector>(a, pe_unit * P, rate);
+  int64_t id[K], position[K];
+  load_ids<IdT>(a, first, live, id);
+  token_positions<K, kPositions>(a, first, live, position);
+  Span<T, N> w[K];
+  if constexpr (kAdd) load_token_spans<kVector>(a, id, col, count, w);
   uint32_t keep[K];
-  span_keep_bits<kDropout, V>(a, mask, token, a.pe_col0 + col, count, keep);
+  span_keep_bits<kDropout, N>(a, mask, first, live, a.pe_col0 + col, count, keep);
+  const uint32_t zero_pe = zero_pe_tokens(a, id);
+  T* first_row = a.out + first * a.out_row_stride + a.pe_col0;
 #pragma unroll
   for (int k = 0; k < K; ++k) {
-    if (token[k] >= a.num_tokens) continue;
-    const Math scale = pe_scale_of(a, id[k]);
-    Math values[V];
+    if (k >= live) break;
+    const Math scale = (zero_pe >> k) & 1u ? Math(0) : a.pe_scale;
+    Math values[N];
 #pragma unroll
     for (int p = 0; p < P; ++p) {
       Math s, c;
@@ -256,102 +360,162 @@ __device__ __forceinline__ void interleaved_pe_columns(const KernelArgs<T, Math>
       values[2 * p] = s * scale;
       values[2 * p + 1] = c * scale;
     }
-    if (a.add_tokens) {
-      Math tokens[V];
-      widen_span(w[k], tokens);
-#pragma unroll
-      for (int e = 0; e < V; ++e) values[e] = fma(tokens[e], a.embed_scale, values[e]);
-    }
+    if constexpr (kAdd) add_tokens(w[k], a.embed_scale, values);
     drop_span<kDropout>(keep[k], a.dropout_scale, values);
-    store_span(a.out + token[k] * a.out_row_stride + a.pe_col0 + col, values, count);
+    put_span<kVector>(out_at(a, first_row, k, col), values, count);
   }
 }
 
-// Block layouts: pair slots [pair0, pair0 + V) put their sins at sin_base + i (i < num_sin) and
+// Block layouts: pair slots [pair0, pair0 + N) put their sins at sin_base + i (i < num_sin) and
 // their coses at cos_base + i (i < num_cos; a slot at or past h is a zero column).
-template <typename T, typename Math, typename IdT, int K, bool kDropout, bool kPositions>
+template <bool kVector, bool kAdd, typename T, typename Math, typename IdT, int K, bool kDropout, bool kPositions>
 __device__ __forceinline__ void block_pe_columns(const KernelArgs<T, Math>& a, const DropoutMask& mask,
-                                                 int64_t pe_unit, int64_t first, int64_t step) {
-  constexpr int V = vector_elems<T>();
-  const int64_t pair0 = pe_unit * V;
-  const int sin_count = elems_inside<V>(pair0, a.num_sin);
-  const int cos_count = elems_inside<V>(pair0, a.num_cos);
+                                                 int64_t pe_unit, int64_t first, int live) {
+  constexpr int N = pe_unit_elems<T>();
+  const int64_t pair0 = pe_unit * N;
+  // With kVector the host proved num_sin == num_cos == h, a multiple of N: every span is whole.
+  const int sin_count = kVector ? N : elems_inside<N>(pair0, a.num_sin);
+  const int cos_count = kVector ? N : elems_inside<N>(pair0, a.num_cos);
   const int64_t sin_col = a.sin_base + pair0, cos_col = a.cos_base + pair0;
-  int64_t rate[V];
-  load_rates(a, pair0, rate);
-  int64_t token[K], id[K], position[K];
-  load_ids<IdT>(a, first, step, token, id);
-  token_positions<K, kPositions>(a, token, position);
+  int64_t rate[N];
+  load_rates<kVector>(a, pair0, rate);
+  int64_t id[K], position[K];
+  load_ids<IdT>(a, first, live, id);
+  token_positions<K, kPositions>(a, first, live, position);
   // Slots at or past h have a zero cos column: the count of slots with a cos, once per thread.
-  const int with_cos = elems_inside<V>(pair0, a.num_pairs);
-  Span<T, V> w_sin[K], w_cos[K];
-  if (a.add_tokens) {
-    load_token_spans(a, token, id, sin_col, sin_count, w_sin);
-    load_token_spans(a, token, id, cos_col, cos_count, w_cos);
+  const int with_cos = kVector ? N : elems_inside<N>(pair0, a.num_pairs);
+  Span<T, N> w_sin[K], w_cos[K];
+  if constexpr (kAdd) {
+    load_token_spans<kVector>(a, id, sin_col, sin_count, w_sin);
+    load_token_spans<kVector>(a, id, cos_col, cos_count, w_cos);
   }
   uint32_t keep_sin[K], keep_cos[K];
-  span_keep_bits<kDropout, V>(a, mask, token, a.pe_col0 + sin_col, sin_count, keep_sin);
-  span_keep_bits<kDropout, V>(a, mask, token, a.pe_col0 + cos_col, cos_count, keep_cos);
+  span_keep_bits<kDropout, N>(a, mask, first, live, a.pe_col0 + sin_col, sin_count, keep_sin);
+  span_keep_bits<kDropout, N>(a, mask, first, live, a.pe_col0 + cos_col, cos_count, keep_cos);
+  const uint32_t zero_pe = zero_pe_tokens(a, id);
+  T* first_row = a.out + first * a.out_row_stride + a.pe_col0;
 #pragma unroll
   for (int k = 0; k < K; ++k) {
-    if (token[k] >= a.num_tokens) continue;
-    const Math scale = pe_scale_of(a, id[k]);
-    Math sins[V], coses[V];
+    if (k >= live) break;
+    const Math scale = (zero_pe >> k) & 1u ? Math(0) : a.pe_scale;
+    Math sins[N], coses[N];
 #pragma unroll
-    for (int p = 0; p < V; ++p) {
+    for (int p = 0; p < N; ++p) {
       Math s, c;
       sin_cos_of_turns(phase_of(position[k], rate[p]), s, c);
       sins[p] = s * scale;
       coses[p] = p < with_cos ? c * scale : Math(0);
     }
-    if (a.add_tokens) {
-      Math tokens[V];
-      widen_span(w_sin[k], tokens);
-#pragma unroll
-      for (int e = 0; e < V; ++e) sins[e] = fma(tokens[e], a.embed_scale, sins[e]);
-      widen_span(w_cos[k], tokens);
-#pragma unroll
-      for (int e = 0; e < V; ++e) coses[e] = fma(tokens[e], a.embed_scale, coses[e]);
+    if constexpr (kAdd) {
+      add_tokens(w_sin[k], a.embed_scale, sins);
+      add_tokens(w_cos[k], a.embed_scale, coses);
     }
     drop_span<kDropout>(keep_sin[k], a.dropout_scale, sins);
     drop_span<kDropout>(keep_cos[k], a.dropout_scale, coses);
-    T* row = a.out + token[k] * a.out_row_stride + a.pe_col0;
-    store_span(row + sin_col, sins, sin_count);
-    store_span(row + cos_col, coses, cos_count);
+    put_span<kVector>(out_at(a, first_row, k, sin_col), sins, sin_count);
+    put_span<kVector>(out_at(a, first_row, k, cos_col), coses, cos_count);
   }
 }
 
-// Grid: (token groups, unit blocks); block: (units, tokens).  No shared memory and no barriers,
-// so a thread without a unit simply returns.
+// One thread's unit of K tokens (the tokens k < live), on the vector path or the general one.
+template <bool kVector, int K, typename T, typename Math, typename IdT, bool kInterleaved, bool kDropout, bool kPositions>
+__device__ __forceinline__ void forward_unit(const KernelArgs<T, Math>& a, const DropoutMask& mask, int64_t unit,
+                                             int64_t first, int live) {
+  if (unit < a.num_copy_units) {
+    copy_token_columns<kVector, T, Math, IdT, K, kDropout>(a, mask, unit, first, live);
+    return;
+  }
+  const int64_t pe_unit = unit - a.num_copy_units;
+  // add_tokens (add mode) is uniform: one branch here, so that the weight loads and the sums are
+  // on the same side of a single test (two tests of it would let the SASS hot-path search pair the
+  // loads of one side with the arithmetic of the other).
+  if constexpr (kInterleaved) {
+    if (a.add_tokens) {
+      interleaved_pe_columns<kVector, true, T, Math, IdT, K, kDropout, kPositions>(a, mask, pe_unit, first, live);
+    } else {
+      interleaved_pe_columns<kVector, false, T, Math, IdT, K, kDropout, kPositions>(a, mask, pe_unit, first, live);
+    }
+  } else {
+    if (a.add_tokens) {
+      block_pe_columns<kVector, true, T, Math, IdT, K, kDropout, kPositions>(a, mask, pe_unit, first, live);
+    } else {
+      block_pe_columns<kVector, false, T, Math, IdT, K, kDropout, kPositions>(a, mask, pe_unit, first, live);
+    }
+  }
+}
+
+// Grid: (token groups, unit blocks); block: (units, tokens).  Thread (x, y) of block (bx, by) has
+// unit by * blockDim.x + x of the K tokens from (bx * blockDim.y + y) * K.  No shared memory and no
+// barriers, so a thread without a unit or a token simply returns.
 template <typename T, typename Math, typename IdT, bool kInterleaved, bool kDropout, bool kPositions>
-__global__ void __launch_bounds__(kThreads) forward_kernel(const KernelArgs<T, Math> a) {
+__global__ void __launch_bounds__(kThreads, 1) forward_kernel(const KernelArgs<T, Math> a) {
   constexpr int K = tokens_per_thread<kInterleaved>();
   const int64_t unit = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
-  if (unit >= a.num_units) return;
-  const int64_t step = blockDim.y;
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * (step * K) + threadIdx.y;
+  const int64_t first = (static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y) * K;
+  if (unit >= a.num_units || first >= a.num_tokens) return;
+  const int64_t left = a.num_tokens - first;
+  const int live = left < K ? static_cast<int>(left) : K;  // tokens of this thread before the end
   DropoutMask mask{};
   // Loaded first, so its latency hides behind the id and weight loads; first used at the stores.
   if constexpr (kDropout) mask = DropoutMask::load(a.dropout_seed, a.dropout_threshold);
-  if (unit < a.num_copy_units) {
-    copy_token_columns<T, Math, IdT, K, kDropout>(a, mask, unit, first, step);
-  } else if constexpr (kInterleaved) {
-    interleaved_pe_columns<T, Math, IdT, K, kDropout, kPositions>(a, mask, unit - a.num_copy_units, first, step);
+  if (a.vector_path) {
+    forward_unit<true, K, T, Math, IdT, kInterleaved, kDropout, kPositions>(a, mask, unit, first, live);
   } else {
-    block_pe_columns<T, Math, IdT, K, kDropout, kPositions>(a, mask, unit - a.num_copy_units, first, step);
+    // The general path takes its tokens one at a time, in a loop: it is the fallback for unaligned
+    // or ragged shapes, and so it neither raises the kernel's register count (it would spill for
+    // float64 math) nor doubles its code.
+#pragma unroll 1
+    for (int k = 0; k < live; ++k) {
+      forward_unit<false, 1, T, Math, IdT, kInterleaved, kDropout, kPositions>(a, mask, unit, first + k, 1);
+    }
   }
 }
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// For 1 < d < 2^31: m = ceil(2^(31 + l) / d), l = ceil(log2 d), so that 2^(31+l) <= m d <= 2^(31+l)
+// + 2^l and floor(n / d) = floor(n m / 2^(31 + l)) for every n < 2^31 (Granlund and Montgomery,
+// "Division by invariant integers using multiplication", theorem 4.2); m < 2^32.  Other d: unused.
+inline void division_multiplier(int64_t d, uint32_t& magic, uint32_t& shift) {
+  magic = 0;
+  shift = 0;
+  if (d <= 1 || d >= (int64_t(1) << 31)) return;
+  uint32_t l = 0;
+  while ((int64_t(1) << l) < d) ++l;
+  magic = static_cast<uint32_t>(((uint64_t(1) << (31 + l)) + static_cast<uint64_t>(d) - 1) / static_cast<uint64_t>(d));
+  shift = l - 1;
+}
+
+inline bool vector_aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % kVectorBytes == 0; }
+
+// The vector path's precondition (KernelArgs::vector_path): 16-byte aligned weight, output and
+// turns, a rate for every pair slot, rows and the PE's first column on 16-byte boundaries, every unit's spans whole (D a multiple of
+// the PE unit; block layouts: h sins and h coses, h a multiple of N), and every in-range id's row
+// offset a 32-bit id times a 32-bit byte stride.
+template <typename T>
+bool vector_path_holds(const ForwardArgs& args, int64_t width, bool interleaved) {
+  constexpr int64_t V = vector_elems<T>(), N = pe_unit_elems<T>();
+  const int64_t h = args.pe_width / 2;
+  const bool pe_whole = interleaved ? args.pe_width % N == 0
+                                    : (args.pe_width % 2 == 0 && h % N == 0 && args.columns.num_sin == h &&
+                                       args.columns.num_cos == h && args.columns.sin_base % V == 0 &&
+                                       args.columns.cos_base % V == 0);
+  const int64_t slots = interleaved ? args.pe_width / 2 : h;  // pair slots the PE units cover
+  return vector_aligned(args.weight) && vector_aligned(args.out) && vector_aligned(args.turns) &&
+         args.num_turns >= slots && args.weight_row_stride % V == 0 &&
+         width % V == 0 && args.token_width % V == 0 && pe_whole &&
+         args.num_embeddings <= (int64_t(1) << 32) &&
+         static_cast<uint64_t>(args.weight_row_stride) * sizeof(T) <= UINT32_MAX;
+}
+
 template <typename T, typename Math, typename IdT, bool kInterleaved, bool kDropout, bool kPositions>
 cudaError_t launch_kernel(const ForwardArgs& args, cudaStream_t stream) {
-  constexpr int V = vector_elems<T>();
+  constexpr int V = vector_elems<T>(), N = pe_unit_elems<T>();
   constexpr int K = tokens_per_thread<kInterleaved>();
   const int64_t width = args.concat ? args.token_width + args.pe_width : args.token_width;
   const int64_t pair_slots = args.pe_width - args.pe_width / 2;  // ceil(D / 2): includes an odd D's tail
   const int64_t num_copy_units = args.concat ? ceil_div(args.token_width, V) : 0;
-  const int64_t num_pe_units = kInterleaved ? ceil_div(args.pe_width, V) : ceil_div(pair_slots, V);
+  const int64_t num_pe_units = kInterleaved ? ceil_div(args.pe_width, N) : ceil_div(pair_slots, N);
 
   KernelArgs<T, Math> a;
   a.ids = args.ids;
@@ -362,6 +526,7 @@ cudaError_t launch_kernel(const ForwardArgs& args, cudaStream_t stream) {
   a.offsets = args.offsets;
   a.offset = args.offset;
   a.seq_len = args.seq_len;
+  division_multiplier(args.seq_len, a.seq_magic, a.seq_shift);
   a.num_tokens = args.num_tokens;
   a.num_embeddings = args.num_embeddings;
   a.weight_row_stride = args.weight_row_stride;
@@ -378,6 +543,9 @@ cudaError_t launch_kernel(const ForwardArgs& args, cudaStream_t stream) {
   a.pe_zero_id = args.pe_zero_id;
   a.num_copy_units = num_copy_units;
   a.num_units = num_copy_units + num_pe_units;
+  a.vector_path = vector_path_holds<T>(args, width, kInterleaved);
+  a.weight_row_bytes = a.vector_path ? static_cast<uint32_t>(args.weight_row_stride * sizeof(T)) : 0;
+  a.out_row_bytes = width * static_cast<int64_t>(sizeof(T));
   a.embed_scale = static_cast<Math>(args.embed_scale);  // fp32 math: the scales rounded to fp32, as in Triton
   a.pe_scale = static_cast<Math>(args.pe_scale);
   a.add_tokens = !args.concat;

@@ -74,18 +74,25 @@ __device__ __forceinline__ int elems_inside(int64_t col, int64_t limit) {
   return left >= N ? N : (left > 0 ? static_cast<int>(left) : 0);
 }
 
+// Raw load of the whole span at p, 16-byte aligned, as 16-byte vectors (read-only path).
+template <typename T, int N>
+__device__ __forceinline__ void load_vectors(Span<T, N>& span, const void* p) {
+  static_assert(Span<T, N>::kVectors > 0, "a span of whole 16-byte vectors");
+  const uint4* vectors = static_cast<const uint4*>(p);
+#pragma unroll
+  for (int v = 0; v < Span<T, N>::kVectors; ++v) {
+    const uint4 raw = __ldg(vectors + v);
+    memcpy(static_cast<void*>(&span.elems[v * vector_elems<T>()]), &raw, kVectorBytes);
+  }
+}
+
 // Raw load of `count` (0..N) elements at p; elements past `count` become zero.  Read-only path
 // (__ldg): the kernels never write what they read.
 template <typename T, int N>
 __device__ __forceinline__ void load_span(Span<T, N>& span, const T* __restrict__ p, int count) {
   if constexpr (Span<T, N>::kVectors > 0) {
     if (count == N && is_vector_aligned(p)) {
-      const uint4* vectors = reinterpret_cast<const uint4*>(p);
-#pragma unroll
-      for (int v = 0; v < Span<T, N>::kVectors; ++v) {
-        const uint4 raw = __ldg(vectors + v);
-        memcpy(static_cast<void*>(&span.elems[v * vector_elems<T>()]), &raw, kVectorBytes);
-      }
+      load_vectors(span, p);
       return;
     }
   }
@@ -106,6 +113,26 @@ template <typename Math, typename T, int N>
 __device__ __forceinline__ void widen_span(const Span<T, N>& span, Math (&values)[N]) {
 #pragma unroll
   for (int e = 0; e < N; ++e) values[e] = static_cast<Math>(Element<T>::widen(span.elems[e]));
+}
+
+// bf16 widens by placing its bits in the high half of an fp32 word: from a 32-bit word of two
+// elements, one shift (low element) and one mask (high one).  The generic form compiled to a
+// byte permute plus a shift for the high element.
+// (Forward only: in the weight gradient's stage 1 the same change of form moved ptxas to spill.)
+template <typename Math, int N>
+__device__ __forceinline__ void widen_bf16_words(const Span<__nv_bfloat16, N>& span, Math (&values)[N]) {
+  static_assert(N % 2 == 0, "whole 32-bit words");
+#pragma unroll
+  for (int w = 0; w < N / 2; ++w) {
+    uint32_t word;
+    memcpy(&word, &span.elems[2 * w], sizeof word);
+    const uint32_t low = word << 16, high = word & 0xFFFF0000u;
+    float low_value, high_value;
+    memcpy(&low_value, &low, sizeof low_value);
+    memcpy(&high_value, &high, sizeof high_value);
+    values[2 * w] = static_cast<Math>(low_value);
+    values[2 * w + 1] = static_cast<Math>(high_value);
+  }
 }
 
 // Two elements of T packed into one 32-bit word, `lo` at the lower address.
@@ -156,15 +183,23 @@ __device__ __forceinline__ void store_vector(uint4* p, const uint4& v) {
 #endif
 }
 
+// Rounds `values` (float or double) to T, to nearest even, once, and stores them all at p, 16-byte
+// aligned, as 16-byte vectors.
+template <typename T, typename Math, int N>
+__device__ __forceinline__ void store_vectors(T* p, const Math (&values)[N]) {
+  static_assert(Span<T, N>::kVectors > 0, "a span of whole 16-byte vectors");
+  uint4* vectors = reinterpret_cast<uint4*>(p);
+#pragma unroll
+  for (int v = 0; v < Span<T, N>::kVectors; ++v) store_vector(vectors + v, pack_vector<T>(values, v * vector_elems<T>()));
+}
+
 // Rounds `values` (float or double) to T, to nearest even, once, and stores the first `count`
 // (0..N) of them at p.
 template <typename T, typename Math, int N>
 __device__ __forceinline__ void store_span(T* __restrict__ p, const Math (&values)[N], int count) {
   if constexpr (Span<T, N>::kVectors > 0) {
     if (count == N && is_vector_aligned(p)) {
-      uint4* vectors = reinterpret_cast<uint4*>(p);
-#pragma unroll
-      for (int v = 0; v < Span<T, N>::kVectors; ++v) store_vector(vectors + v, pack_vector<T>(values, v * vector_elems<T>()));
+      store_vectors<T>(p, values);
       return;
     }
   }

@@ -141,6 +141,11 @@ CASES = [
     Case("interleaved_odd_sin_tail", (3, 8), 20, 13, frequencies="random_tail", position_rule="positions"),
     Case("concat_sin_tail", (2, 6), 20, 12, mode="concat", d_pos=7, layout="split", frequencies="random_tail"),
     Case("random_rates", (2, 10), 30, 20, frequencies="random", position_rule="far"),
+    # Widths whose units are whole 16-byte vectors (the CUDA kernels' vector path) with per-sequence
+    # offsets: a thread's consecutive tokens cross sequence boundaries, and the last one is partial.
+    Case("per_sequence_whole_vectors", (3, 7), 37, 32, position_rule="per_sequence"),
+    Case("per_sequence_whole_vectors_split", (3, 7), 37, 32, layout="split", position_rule="per_sequence",
+         ids_dtype=torch.int32, padding_idx=2, zero_pe_at_padding=True, hot_id=True),
     Case("zero_pe_at_padding", (3, 12), 15, 10, layout="split", padding_idx=1, zero_pe_at_padding=True,
          hot_id=True, position_rule="positions"),
     Case("zero_pe_at_padding_concat", (3, 12), 15, 10, mode="concat", d_pos=4, padding_idx=0,
