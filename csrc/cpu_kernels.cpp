@@ -262,7 +262,9 @@ POSENC_INLINE float int64_to_math<float>(int64_t r) {
 
 template <typename Math>
 POSENC_INLINE void sin_cos_of_turns_cpu(uint64_t turn_units, Math& sin_out, Math& cos_out) {
-  // exact_angle.cuh: reduced_angle and sin_cos_of_turns, line for line but for the conversion.
+  // exact_angle.cuh's reduced_angle and sin_cos_of_turns: the same reduction, polynomials and quadrant
+  // signs, written as selects and negations that vectorise here (the CUDA version swaps and flips sign
+  // bits instead); the conversion differs as above.
   const uint64_t shifted = turn_units + kEighthTurn;
   const unsigned quadrant = static_cast<unsigned>(shifted >> 62);
   const int64_t remainder = static_cast<int64_t>(shifted & kQuarterTurnMask) - static_cast<int64_t>(kEighthTurn);
