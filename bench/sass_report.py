@@ -410,7 +410,7 @@ def _triton_modules():
     return triton_backend, kernels
 
 
-ALIGNED = ("ids_ptr", "weight_ptr", "out_ptr", "turn_low_ptr", "turn_high_ptr", "sorted_ids_ptr", "order_ptr", "grad_out_ptr",
+ALIGNED = ("ids_ptr", "weight_ptr", "out_ptr", "turns_ptr", "turn_low_ptr", "turn_high_ptr", "sorted_ids_ptr", "order_ptr", "grad_out_ptr",
            "grad_weight_ptr", "partials_ptr", "weight_row_stride", "out_row_stride", "token_width", "pe_width",
            "grad_out_row_stride", "num_pairs", "sin_base", "num_sin", "cos_base", "num_cos")
 
@@ -436,9 +436,9 @@ def triton_cubins(variant: Variant, arch: int, workdir: str) -> Tuple[str, str, 
         split = variant.layout == "split"
         pe_width = variant.pe_width
         params = SimpleNamespace(pe_width=pe_width, num_pairs=pe_width // 2, concat=variant.mode == "concat",
-                                 columns=SimpleNamespace(interleaved=not split))
+                                 columns=SimpleNamespace(interleaved=not split), float64_math=variant.math == "float64")
         tiles = backend._forward_tiles(params, TOKENS, variant.elem_bytes)
-        sig = {"ids_ptr": "*i64", "weight_ptr": f"*{tl_dtype}", "out_ptr": f"*{tl_dtype}", "turn_low_ptr": "*i32",
+        sig = {"ids_ptr": "*i64", "weight_ptr": f"*{tl_dtype}", "out_ptr": f"*{tl_dtype}", "turns_ptr": "*i64", "turn_low_ptr": "*i32",
                "turn_high_ptr": "*i32", "positions_ptr": "*i64", "offsets_ptr": "*i64", "seed_ptr": "*i64"}
         sig.update({n: "i64" if n == "offset" else "i32" for n in (
             "offset", "seq_len", "num_tokens", "num_embeddings", "weight_row_stride", "out_row_stride",
@@ -453,6 +453,8 @@ def triton_cubins(variant: Variant, arch: int, workdir: str) -> Tuple[str, str, 
                       "WIDE_INDEX": wide, "ZERO_COS_TAIL": False,
                       "positions_ptr": None, "offsets_ptr": None, "seed_ptr": None}
         fn, warps = kernels.forward_kernel, tiles.warps
+        if variant.mode == "add":
+            variant.trips = tiles.block_t  # a program's token loop (when not unrolled)
     else:
         block_bytes = getattr(backend, "GRAD_BLOCK_BYTES", None)
         block_d = min(block_bytes // variant.elem_bytes if block_bytes else backend.GRAD_BLOCK_D, D_MODEL)

@@ -90,7 +90,9 @@ class ForwardTiles(NamedTuple):
 # Add mode: pair slots per program (a whole d_model 1024 row: 512), and the tokens each program
 # walks through one after the other.  Each thread keeps its pairs' frequencies for all of them.
 ADD_PAIRS_PER_PROGRAM = 512
-ADD_TOKENS_PER_PROGRAM = 8
+ADD_TOKENS_PER_PROGRAM = 16
+ADD_MAX_WARPS = 4
+ADD_FLOAT64_PAIR_TOKENS_PER_THREAD = 64
 # Concat mode: 4 warps, a BLOCK_T x BLOCK_P tile.
 FORWARD_WARPS = 4
 
@@ -111,15 +113,22 @@ def _forward_tiles(params, num_tokens: int, element_size: int) -> ForwardTiles:
     pair_slots = params.pe_width - params.num_pairs
     interleaved = params.columns.interleaved
     if not params.concat:
-        block_p = min(ADD_PAIRS_PER_PROGRAM, triton.next_power_of_2(max(pair_slots, 1)))
-        # Pair slots per thread: 16 bytes of output per (sin or cos) half, at least 4 (interleaved fp32: 2 vectors).
-        per_thread = max(4, 16 // element_size) if not interleaved else 4
-        warps = max(1, min(4, block_p // (32 * per_thread)))
-        return ForwardTiles(max(1, min(ADD_TOKENS_PER_PROGRAM, num_tokens)), block_p, pair_slots, warps)
-    block_p = min(64 if interleaved else 128, triton.next_power_of_2(max(pair_slots, 1)))
-    block_t = max(1, min((1024 if interleaved else 2048) // (2 * block_p),
-                         triton.next_power_of_2(max(num_tokens, 1))))
+        block_p = min(ADD_PAIRS_PER_PROGRAM, _next_power_of_2(pair_slots))
+        # Pair slots per thread: 4 (interleaved: 8 columns, one 16-byte vector of bf16, two of fp32),
+        # or one 16-byte vector of sin columns and one of cos (split).
+        per_thread = 4 if interleaved else max(4, 16 // element_size)
+        warps = max(1, min(ADD_MAX_WARPS, block_p // (32 * per_thread)))
+        block_t = ADD_TOKENS_PER_PROGRAM
+        if params.float64_math:  # the unrolled tokens' float64 temporaries: at most 64 pair slots per thread
+            block_t = min(block_t, ADD_FLOAT64_PAIR_TOKENS_PER_THREAD // per_thread)
+        return ForwardTiles(max(1, min(block_t, num_tokens)), block_p, pair_slots, warps)
+    block_p = min(64 if interleaved else 128, _next_power_of_2(pair_slots))
+    block_t = max(1, min((1024 if interleaved else 2048) // (2 * block_p), _next_power_of_2(num_tokens)))
     return ForwardTiles(block_t, block_p, pair_slots, FORWARD_WARPS)
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
 
 
 def _needs_wide_index(num_tokens: int, block_t: int, out_row_stride: int, num_embeddings: int,
@@ -208,7 +217,7 @@ def _forward(ids, weight, turns, positions, offsets, offset, seq_len, params: Ke
     columns = params.columns
     turn_low, turn_high = _turn_words(turns)
     kernels.forward_kernel[grid](
-        ids, weight, out, turn_low, turn_high, positions, offsets, None if dropout is None else dropout.seed,
+        ids, weight, out, turns, turn_low, turn_high, positions, offsets, None if dropout is None else dropout.seed,
         offset, max(seq_len, 1), num_tokens, weight.shape[0], weight.stride(0), out.stride(0),
         params.token_width, params.pe_width, params.num_pairs, turns.numel(),
         columns.sin_base, columns.num_sin, columns.cos_base, columns.num_cos, params.pe_zero_id,

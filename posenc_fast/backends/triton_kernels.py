@@ -18,8 +18,8 @@ import math
 import triton
 import triton.language as tl
 
-# 2*pi radians per 2**64 units of turn.
-RADIANS_PER_UNIT: tl.constexpr = tl.constexpr(2.0 * math.pi / 2.0**64)
+# 2*pi radians per 2**66 units: the angle of 4 units of turn per unit (see sin_cos_of_turns).
+RADIANS_PER_QUARTER_UNIT: tl.constexpr = tl.constexpr(2.0 * math.pi / 2.0**66)
 # Taylor coefficients of sin (odd) and cos (even) up to x^9 / x^10.
 SIN_3: tl.constexpr = tl.constexpr(-1.0 / 6.0)
 SIN_5: tl.constexpr = tl.constexpr(1.0 / 120.0)
@@ -47,19 +47,20 @@ def sin_cos_of_turns(turn_units, FLOAT64: tl.constexpr):
     in fp32 (or float64 when FLOAT64)."""
     # The nearest quarter turn is the top two bits of turn_units + 1/8 turn, i.e. of high + 2**29 on
     # the high word (32-bit, wrapping).  The remainder, |a| <= pi/4, is the low 62 bits as a signed
-    # number (the high word sign-extended from its bit 29, the low word as is): the same value as
-    # ((turn_units + 2**61) & (2**62 - 1)) - 2**61.
-    remainder = (turn_units << 2) >> 2  # the low 62 bits, signed: in [-2**61, 2**61), |a| <= pi/4
+    # number, ((turn_units + 2**61) & (2**62 - 1)) - 2**61, in [-2**61, 2**61).
+    # 4 * remainder, exactly: turn_units << 2 (wrapping).  Converted and scaled by a quarter of the
+    # unit it rounds to the same float as the remainder itself (powers of two commute with rounding).
+    remainder_x4 = turn_units << 2
     high = (turn_units >> 32).to(tl.int32)
     if FLOAT64:
-        a = remainder.to(tl.float64) * RADIANS_PER_UNIT
+        a = remainder_x4.to(tl.float64) * RADIANS_PER_QUARTER_UNIT
         z = a * a
         sin_a = a + a * z * (SIN_3 + z * (SIN_5 + z * (SIN_7 + z * (SIN_9 + z * (
             SIN_11 + z * (SIN_13 + z * (SIN_15 + z * SIN_17)))))))
         cos_a = 1.0 + z * (COS_2 + z * (COS_4 + z * (COS_6 + z * (COS_8 + z * (COS_10 + z * (
             COS_12 + z * (COS_14 + z * (COS_16 + z * COS_18))))))))
     else:
-        a = remainder.to(tl.float32) * RADIANS_PER_UNIT
+        a = remainder_x4.to(tl.float32) * RADIANS_PER_QUARTER_UNIT
         z = a * a
         sin_a = a + a * z * (SIN_3 + z * (SIN_5 + z * (SIN_7 + z * SIN_9)))
         cos_a = 1.0 + z * (COS_2 + z * (COS_4 + z * (COS_6 + z * (COS_8 + z * COS_10))))
@@ -72,9 +73,9 @@ def sin_cos_of_turns(turn_units, FLOAT64: tl.constexpr):
     cos_unsigned = tl.where(odd, sin_a, cos_a)
     sin_sign = (quarter >> 31) << 31
     cos_sign = ((high.to(tl.uint32, bitcast=True) + 0x60000000) >> 31) << 31
-    if FLOAT64:  # 64-bit XORs cost more than the selects here
-        sin = tl.where(sin_sign != 0, -sin_unsigned, sin_unsigned)
-        cos = tl.where(cos_sign != 0, -cos_unsigned, cos_unsigned)
+    if FLOAT64:  # the sign bit is bit 31 of the high word
+        sin = (sin_unsigned.to(tl.uint64, bitcast=True) ^ (sin_sign.to(tl.uint64) << 32)).to(tl.float64, bitcast=True)
+        cos = (cos_unsigned.to(tl.uint64, bitcast=True) ^ (cos_sign.to(tl.uint64) << 32)).to(tl.float64, bitcast=True)
     else:
         sin = (sin_unsigned.to(tl.uint32, bitcast=True) ^ sin_sign).to(tl.float32, bitcast=True)
         cos = (cos_unsigned.to(tl.uint32, bitcast=True) ^ cos_sign).to(tl.float32, bitcast=True)
@@ -161,7 +162,7 @@ def _store_pe_columns(out_rows, out_cols, pe, mask, tokens, out_col0, seed, drop
 
 @triton.jit
 def _pe_block(
-    out_rows, token_ok, pe_on, pos, turn_low_ptr, turn_high_ptr, pair_block, num_turns, num_pairs, pe_width,
+    out_rows, token_ok, pe_on, pos, turns_ptr, pair_block, num_turns, num_pairs, pe_width,
     pe_col0, sin_base, num_sin, cos_base, num_cos, pe_scale, tokens, seed, dropout_threshold, dropout_scale,
     INTERLEAVED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, SOFTWARE_BF16: tl.constexpr,
     FLOAT64: tl.constexpr, DROPOUT: tl.constexpr, GROUPED: tl.constexpr,
@@ -172,7 +173,7 @@ def _pe_block(
     i >= num_pairs (the tail slot of a cos block) is a zero column.  See _spec.PEColumns.
     """
     pairs = pair_block * BLOCK_P + tl.arange(0, BLOCK_P)
-    turns = _load_turns(turn_low_ptr, turn_high_ptr, pairs, num_turns)
+    turns = tl.load(turns_ptr + pairs, mask=pairs < num_turns, other=0)
     sin, cos = sin_cos_of_turns(pos[:, None] * turns[None, :], FLOAT64)  # one sin/cos per pair
     scale = tl.where(pe_on, pe_scale, 0.0)[:, None]  # tokens with the pe_zero_id get no PE
     sin = sin * scale
@@ -196,12 +197,12 @@ def _pe_block(
 
 
 @triton.jit
-def _load_turns(turn_low_ptr, turn_high_ptr, pairs, num_turns):
-    """The int64 turns R_i of ``pairs`` (0 past ``num_turns``) from their low and high 32-bit words."""
+def _load_turn_words(turn_low_ptr, turn_high_ptr, pairs, num_turns):
+    """The low and high 32-bit words (uint32) of the turns R_i of ``pairs`` (0 past ``num_turns``)."""
     ok = pairs < num_turns
-    high = tl.load(turn_high_ptr + pairs, mask=ok, other=0).to(tl.uint32, bitcast=True)
     low = tl.load(turn_low_ptr + pairs, mask=ok, other=0).to(tl.uint32, bitcast=True)
-    return (high.to(tl.uint64) << 32 | low.to(tl.uint64)).to(tl.int64, bitcast=True)
+    high = tl.load(turn_high_ptr + pairs, mask=ok, other=0).to(tl.uint32, bitcast=True)
+    return low, high
 
 
 @triton.jit
@@ -227,7 +228,8 @@ def _add_rows(
     pairs = pair_block * BLOCK_P + tl.arange(0, BLOCK_P)
     # The turns as two contiguous 32-bit words (low, high): loaded so, each thread holds consecutive
     # pairs, as many as its 16-byte output vector needs, and no layout conversion is needed later.
-    turns = _load_turns(turn_low_ptr, turn_high_ptr, pairs, num_turns)
+    turn_low, turn_high = _load_turn_words(turn_low_ptr, turn_high_ptr, pairs, num_turns)
+    turns = (turn_high.to(tl.uint64) << 32 | turn_low.to(tl.uint64)).to(tl.int64, bitcast=True)
     if INTERLEAVED:
         col0 = pair_block * (2 * BLOCK_P)
         cols = col0 + tl.arange(0, 2 * BLOCK_P)
@@ -244,7 +246,7 @@ def _add_rows(
         within = t0 - sequence * seq_len  # in [0, seq_len): 32-bit unless WIDE_INDEX
     if POSITION_SOURCE == 0:
         # Phase = offset * R + within * R (wrapping): the first term is the same for every token.
-        phase0 = offset.to(tl.int64) * turns
+        phase0 = (offset.to(tl.int64) * turns).to(tl.uint64, bitcast=True)
     for i in tl.static_range(BLOCK_T):
         token = t0 + i
         token_ok = token < num_tokens
@@ -256,8 +258,13 @@ def _add_rows(
         if POSITION_SOURCE == 0:
             if WIDE_INDEX:
                 phase = phase0 + within * turns
-            else:  # 0 <= within < 2**31, zero-extended: one wide multiply-add and one multiply per pair
-                phase = phase0 + within.to(tl.uint32, bitcast=True).to(tl.int64) * turns
+            else:
+                # 0 <= within < 2**31: within * R = within * low + (within * high mod 2**32) * 2**32, one
+                # wide multiply-add and one multiply per pair (written so: the compiler would otherwise
+                # fold the sum back into (offset + within) * R, a full 64-bit product).
+                w = within.to(tl.uint32, bitcast=True)
+                phase = (phase0 + w.to(tl.uint64) * turn_low.to(tl.uint64)
+                         + ((w * turn_high).to(tl.uint64) << 32)).to(tl.int64, bitcast=True)
         else:
             if POSITION_SOURCE == 1:
                 pos = tl.load(offsets_ptr + sequence, mask=token_ok, other=0) + within
@@ -303,7 +310,7 @@ def _add_store(out_row, weight_row, id_ok, cols, pe, mask, embed_scale, token, c
 
 @triton.jit
 def forward_kernel(
-    ids_ptr, weight_ptr, out_ptr, turn_low_ptr, turn_high_ptr, positions_ptr, offsets_ptr, seed_ptr,
+    ids_ptr, weight_ptr, out_ptr, turns_ptr, turn_low_ptr, turn_high_ptr, positions_ptr, offsets_ptr, seed_ptr,
     offset, seq_len, num_tokens, num_embeddings, weight_row_stride, out_row_stride,
     token_width, pe_width, num_pairs, num_turns, sin_base, num_sin, cos_base, num_cos, pe_zero_id,
     num_copy_blocks, embed_scale: tl.float64, pe_scale: tl.float64, dropout_threshold, dropout_scale: tl.float64,
@@ -326,7 +333,7 @@ def forward_kernel(
         dropout_scale = tl.full([], dropout_scale, tl.float32)
     seed = tl.load(seed_ptr) if DROPOUT else 0
     if CONCAT:
-        _concat_tile(ids_ptr, weight_ptr, out_ptr, turn_low_ptr, turn_high_ptr, positions_ptr, offsets_ptr, seed,
+        _concat_tile(ids_ptr, weight_ptr, out_ptr, turns_ptr, positions_ptr, offsets_ptr, seed,
                      offset, seq_len, num_tokens, num_embeddings, weight_row_stride, out_row_stride,
                      token_width, pe_width, num_pairs, num_turns, sin_base, num_sin, cos_base, num_cos, pe_zero_id,
                      num_copy_blocks, embed_scale, pe_scale, dropout_threshold, dropout_scale,
@@ -342,7 +349,7 @@ def forward_kernel(
 
 @triton.jit
 def _concat_tile(
-    ids_ptr, weight_ptr, out_ptr, turn_low_ptr, turn_high_ptr, positions_ptr, offsets_ptr, seed,
+    ids_ptr, weight_ptr, out_ptr, turns_ptr, positions_ptr, offsets_ptr, seed,
     offset, seq_len, num_tokens, num_embeddings, weight_row_stride, out_row_stride,
     token_width, pe_width, num_pairs, num_turns, sin_base, num_sin, cos_base, num_cos, pe_zero_id,
     num_copy_blocks, embed_scale, pe_scale, dropout_threshold, dropout_scale,
@@ -370,7 +377,7 @@ def _concat_tile(
         tl.store(out_rows[:, None] + cols[None, :], round_for_store(value, out_rows, SOFTWARE_BF16), mask=mask)
     else:
         pos = _token_positions(tokens, token_ok, positions_ptr, offsets_ptr, offset, seq_len, POSITION_SOURCE)
-        _pe_block(out_rows, token_ok, pe_on, pos, turn_low_ptr, turn_high_ptr, pid_c - num_copy_blocks,
+        _pe_block(out_rows, token_ok, pe_on, pos, turns_ptr, pid_c - num_copy_blocks,
                   num_turns, num_pairs, pe_width, token_width, sin_base, num_sin, cos_base, num_cos,
                   pe_scale, tokens, seed, dropout_threshold, dropout_scale, INTERLEAVED,
                   BLOCK_T, BLOCK_P, SOFTWARE_BF16, FLOAT64, DROPOUT, GROUPED)
