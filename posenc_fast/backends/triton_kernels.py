@@ -243,7 +243,9 @@ def _add_rows(
         t0 = tl.program_id(0) * BLOCK_T
     if POSITION_SOURCE != 2:
         sequence = t0 // seq_len
-        within = t0 - sequence * seq_len  # in [0, seq_len): 32-bit unless WIDE_INDEX
+        within = t0 - sequence * seq_len  # in [0, seq_len)
+        if not WIDE_INDEX:
+            within = within.to(tl.int32)  # <= t0 < 2**31
     if POSITION_SOURCE == 0:
         # Phase = offset * R + within * R (wrapping): the first term is the same for every token.
         phase0 = (offset.to(tl.int64) * turns).to(tl.uint64, bitcast=True)
@@ -322,7 +324,9 @@ def forward_kernel(
     in concat mode the first ``num_copy_blocks`` column blocks copy 2*BLOCK_P token columns each.
     Arithmetic in fp32, or float64 when FLOAT64 (the scales arrive as float64 either way).
     DROPOUT: the seed is read from ``seed_ptr``; GROUPED: every column block starts at a
-    multiple of 4 (``dropout_keep``)."""
+    multiple of 4 (``dropout_keep``).  Add mode (``_add_rows``) reads the turns as 32-bit words
+    (``turn_low_ptr``, ``turn_high_ptr``), concat (``_concat_tile``) as int64 (``turns_ptr``);
+    WIDE_INDEX and ZERO_COS_TAIL are the add mode's."""
     if FLOAT64:
         embed_scale = tl.full([], embed_scale, tl.float64)
         pe_scale = tl.full([], pe_scale, tl.float64)
