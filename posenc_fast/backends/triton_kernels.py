@@ -281,13 +281,13 @@ def _add_rows(
             cos = tl.where(pairs < num_pairs, cos, 0.0)
         if INTERLEAVED:
             pe = tl.join(sin, cos).reshape(2 * BLOCK_P)
-            _add_store(out_row, weight_row, id_ok, cols, pe, col_ok & token_ok, embed_scale, token, col0, seed,
-                       dropout_threshold, dropout_scale, SOFTWARE_BF16, DROPOUT, GROUPED)
+            _add_store(out_row, weight_row, cols, col_ok, token_ok, id_ok, pe, embed_scale, token, col0,
+                       seed, dropout_threshold, dropout_scale, SOFTWARE_BF16, DROPOUT, GROUPED)
         else:
             pair0 = pair_block * BLOCK_P
-            _add_store(out_row, weight_row, id_ok, sin_base + pairs, sin, sin_ok & token_ok, embed_scale, token,
+            _add_store(out_row, weight_row, sin_base + pairs, sin_ok, token_ok, id_ok, sin, embed_scale, token,
                        sin_base + pair0, seed, dropout_threshold, dropout_scale, SOFTWARE_BF16, DROPOUT, GROUPED)
-            _add_store(out_row, weight_row, id_ok, cos_base + pairs, cos, cos_ok & token_ok, embed_scale, token,
+            _add_store(out_row, weight_row, cos_base + pairs, cos_ok, token_ok, id_ok, cos, embed_scale, token,
                        cos_base + pair0, seed, dropout_threshold, dropout_scale, SOFTWARE_BF16, DROPOUT, GROUPED)
         if POSITION_SOURCE != 2:
             within += 1
@@ -298,10 +298,20 @@ def _add_rows(
 
 
 @triton.jit
-def _add_store(out_row, weight_row, id_ok, cols, pe, mask, embed_scale, token, col0, seed, dropout_threshold,
-               dropout_scale, SOFTWARE_BF16: tl.constexpr, DROPOUT: tl.constexpr, GROUPED: tl.constexpr):
-    """out_row[cols] = embed_scale * weight_row[cols] + pe, then dropout, rounded once (one token)."""
-    w = tl.load(weight_row + cols, mask=mask & id_ok, other=0.0)
+def _mask_if(mask, condition):
+    """``mask`` where the scalar ``condition`` holds, else none (a tensor mask & a scalar condition is
+    int32, not a mask, in Triton 3.9's interpreter; compiled, the same code as ``mask & condition``)."""
+    return mask & (tl.zeros(mask.shape, dtype=tl.int32) + tl.where(condition, 1, 0) != 0)
+
+
+@triton.jit
+def _add_store(out_row, weight_row, cols, cols_ok, token_ok, id_ok, pe, embed_scale, token, col0, seed,
+               dropout_threshold, dropout_scale, SOFTWARE_BF16: tl.constexpr, DROPOUT: tl.constexpr,
+               GROUPED: tl.constexpr):
+    """out_row[cols] = embed_scale * weight_row[cols] + pe where ``cols_ok`` and the token is, then dropout,
+    rounded once (one token)."""
+    w = tl.load(weight_row + cols, mask=_mask_if(cols_ok, id_ok), other=0.0)
+    mask = _mask_if(cols_ok, token_ok)
     value = w.to(pe.dtype) * embed_scale + pe
     if DROPOUT:
         C: tl.constexpr = cols.shape[0]
