@@ -259,7 +259,7 @@ def _add_rows(
         out_row = out_ptr + token * out_row_stride
         if POSITION_SOURCE == 0:
             if WIDE_INDEX:
-                phase = phase0 + within * turns
+                phase = (phase0 + (within * turns).to(tl.uint64, bitcast=True)).to(tl.int64, bitcast=True)
             else:
                 # 0 <= within < 2**31: within * R = within * low + (within * high mod 2**32) * 2**32, one
                 # wide multiply-add and one multiply per pair (written so: the compiler would otherwise
