@@ -416,7 +416,7 @@ def _triton_modules():
     return triton_backend, kernels
 
 
-ALIGNED = ("ids_ptr", "weight_ptr", "out_ptr", "turns_ptr", "sorted_ids_ptr", "order_ptr", "grad_out_ptr",
+ALIGNED = ("ids_ptr", "weight_ptr", "out_ptr", "turns_ptr", "turn_low_ptr", "turn_high_ptr", "sorted_ids_ptr", "order_ptr", "grad_out_ptr",
            "grad_weight_ptr", "partials_ptr", "weight_row_stride", "out_row_stride", "token_width", "pe_width",
            "grad_out_row_stride", "num_pairs", "sin_base", "num_sin", "cos_base", "num_cos")
 
@@ -441,21 +441,26 @@ def triton_cubins(variant: Variant, arch: int, workdir: str) -> Tuple[str, str, 
     if variant.kernel == "forward":
         split = variant.layout == "split"
         pe_width = variant.pe_width
-        params = SimpleNamespace(pe_width=pe_width, num_pairs=pe_width // 2,
-                                 columns=SimpleNamespace(interleaved=not split))
-        block_t, block_p, _ = backend._forward_blocks(params, TOKENS)
-        sig = {"ids_ptr": "*i64", "weight_ptr": f"*{tl_dtype}", "out_ptr": f"*{tl_dtype}", "turns_ptr": "*i64",
-               "positions_ptr": "*i64", "offsets_ptr": "*i64", "seed_ptr": "*i64"}
+        params = SimpleNamespace(pe_width=pe_width, num_pairs=pe_width // 2, concat=variant.mode == "concat",
+                                 columns=SimpleNamespace(interleaved=not split), float64_math=variant.math == "float64")
+        tiles = backend._forward_tiles(params, TOKENS, variant.elem_bytes)
+        sig = {"ids_ptr": "*i64", "weight_ptr": f"*{tl_dtype}", "out_ptr": f"*{tl_dtype}", "turns_ptr": "*i64", "turn_low_ptr": "*i32",
+               "turn_high_ptr": "*i32", "positions_ptr": "*i64", "offsets_ptr": "*i64", "seed_ptr": "*i64"}
         sig.update({n: "i64" if n == "offset" else "i32" for n in (
             "offset", "seq_len", "num_tokens", "num_embeddings", "weight_row_stride", "out_row_stride",
             "token_width", "pe_width", "num_pairs", "num_turns", "sin_base", "num_sin", "cos_base", "num_cos",
             "pe_zero_id", "num_copy_blocks")})
         sig.update({"embed_scale": "fp64", "pe_scale": "fp64", "dropout_threshold": "i32", "dropout_scale": "fp64"})
+        # Headline: 2**19 tokens of 1024 columns and a 32768-row table fit 32-bit offsets.
+        wide = backend._needs_wide_index(TOKENS, tiles.block_t, D_MODEL, GRAD_VOCAB, variant.token_width)
         constexprs = {"CONCAT": variant.mode == "concat", "INTERLEAVED": not split, "POSITION_SOURCE": 0,
-                      "BLOCK_T": block_t, "BLOCK_P": block_p, "SOFTWARE_BF16": False,
+                      "BLOCK_T": tiles.block_t, "BLOCK_P": tiles.block_p, "SOFTWARE_BF16": False,
                       "FLOAT64": variant.math == "float64", "DROPOUT": False, "GROUPED": False,
+                      "WIDE_INDEX": wide, "ZERO_COS_TAIL": False,
                       "positions_ptr": None, "offsets_ptr": None, "seed_ptr": None}
-        fn, warps = kernels.forward_kernel, backend.FORWARD_WARPS
+        fn, warps = kernels.forward_kernel, tiles.warps
+        if variant.mode == "add":
+            variant.trips = tiles.block_t  # a program's token loop (when not unrolled)
     else:
         block_bytes = getattr(backend, "GRAD_BLOCK_BYTES", None)
         block_d = min(block_bytes // variant.elem_bytes if block_bytes else backend.GRAD_BLOCK_D, D_MODEL)

@@ -13,22 +13,24 @@ import re
 import subprocess
 import sys
 import tempfile
+from types import SimpleNamespace
 
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from posenc_fast.backends import triton_backend
 from posenc_fast.backends import triton_kernels as kernels
 
 BUNDLED_PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 ARCHS = (80, 90)
 # What a real launch specialises on: 16-byte aligned pointers, widths and strides divisible by 16.
-ALIGNED = ("ids_ptr", "weight_ptr", "out_ptr", "turns_ptr", "positions_ptr", "offsets_ptr", "seed_ptr", "sorted_ids_ptr",
+ALIGNED = ("ids_ptr", "weight_ptr", "out_ptr", "turns_ptr", "turn_low_ptr", "turn_high_ptr", "positions_ptr", "offsets_ptr", "seed_ptr", "sorted_ids_ptr",
            "order_ptr", "grad_out_ptr", "grad_weight_ptr", "partials_ptr", "weight_row_stride",
            "out_row_stride", "token_width", "pe_width", "num_pairs", "grad_out_row_stride")
 FORWARD_VARIANTS = [
-    # (dtype, concat, split, position_source, float64 math, dropout); tiles as triton_backend._forward_blocks
-    # picks them.  Dropout: "grouped" (one Philox call per four columns) or "any" (one per element).
+    # (dtype, concat, split, position_source, float64 math, dropout); add mode: tiles and warps as
+    # triton_backend._forward_tiles picks them for d_model 1024.  Dropout: "grouped" (one Philox call per four columns) or "any" (one per element).
     ("bf16", False, False, 0, False, None), ("bf16", False, True, 0, False, None),
     ("bf16", True, False, 1, False, None), ("bf16", True, True, 2, False, None),
     ("fp32", False, False, 2, False, None), ("fp16", False, True, 1, False, None),
@@ -54,8 +56,8 @@ def grad_name(kernel, dtype, dropout):
 
 
 def _forward_signature(dtype, position_source, dropout):
-    sig = {"ids_ptr": "*i64", "weight_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "turns_ptr": "*i64",
-           "positions_ptr": "*i64", "offsets_ptr": "*i64", "seed_ptr": "*i64"}
+    sig = {"ids_ptr": "*i64", "weight_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "turns_ptr": "*i64", "turn_low_ptr": "*i32",
+           "turn_high_ptr": "*i32", "positions_ptr": "*i64", "offsets_ptr": "*i64", "seed_ptr": "*i64"}
     sig.update({name: "i64" if name == "offset" else "i32" for name in (
         "offset", "seq_len", "num_tokens", "num_embeddings", "weight_row_stride", "out_row_stride",
         "token_width", "pe_width", "num_pairs", "num_turns", "sin_base", "num_sin", "cos_base", "num_cos",
@@ -152,9 +154,18 @@ def main() -> int:
     for arch in ARCHS:
         for variant in FORWARD_VARIANTS:
             dtype, concat, split, position_source, float64, dropout = variant
+            if concat:  # 8 tokens x 64 / 128 pair slots (a PE of 128 / 256 columns)
+                tiles = SimpleNamespace(block_t=8, block_p=128 if split else 64, warps=triton_backend.FORWARD_WARPS)
+            else:
+                params = SimpleNamespace(concat=False, pe_width=1024, num_pairs=512, float64_math=float64,
+                                         columns=SimpleNamespace(interleaved=not split))
+                tiles = triton_backend._forward_tiles(params, 1 << 19, {"bf16": 2, "fp16": 2, "fp32": 4}[dtype])
             constexprs = {"CONCAT": concat, "INTERLEAVED": not split, "POSITION_SOURCE": position_source,
-                          "BLOCK_T": 8, "BLOCK_P": 128 if split else 64, "SOFTWARE_BF16": False, "FLOAT64": float64,
-                          "DROPOUT": dropout is not None, "GROUPED": dropout == "grouped"}
+                          "BLOCK_T": tiles.block_t, "BLOCK_P": tiles.block_p, "SOFTWARE_BF16": False,
+                          "FLOAT64": float64, "DROPOUT": dropout is not None, "GROUPED": dropout == "grouped",
+                          # 64-bit index math for one variant in four (outputs past 2**31 elements)
+                          "WIDE_INDEX": FORWARD_VARIANTS.index(variant) % 4 == 3,
+                          "ZERO_COS_TAIL": split and not concat and position_source == 1}
             if position_source != 2:
                 constexprs["positions_ptr"] = None
             if position_source != 1:
@@ -162,7 +173,8 @@ def main() -> int:
             if dropout is None:
                 constexprs["seed_ptr"] = None
             _record(forward_name(*variant), arch, lambda: _compile(
-                kernels.forward_kernel, _forward_signature(dtype, position_source, dropout), constexprs, arch, 4))
+                kernels.forward_kernel, _forward_signature(dtype, position_source, dropout), constexprs, arch,
+                tiles.warps))
         for kernel, dtype, dropout in GRAD_VARIANTS:
             constexprs = {"CHUNK": 32, "BLOCK_D": 256, "SOFTWARE_BF16": False}
             if kernel == "grad_chunk_kernel":

@@ -98,6 +98,35 @@ def test_triton_gradient_runs_across_chunks(chunk, seed, monkeypatch):
     assert_within(grad, exact, 1e-5 * magnitude + 1e-30, f"chunk={chunk}")
 
 
+WIDE_INDEX_CASES = [c for c in CASES if c.name in (
+    "basic", "odd_width_split", "three_d", "explicit_positions", "far_positions", "long_sequence", "float64_math")]
+
+
+@pytest.mark.parametrize("case", WIDE_INDEX_CASES, ids=lambda c: c.name)
+def test_triton_add_forward_64_bit_index_path(case, seed, monkeypatch):
+    """The add-mode forward's 64-bit index math (taken for outputs past 2**31 elements, too large
+    to run here) computes the same as the 32-bit path: forced on for small inputs."""
+    target = [p for p in TARGETS if p.values[0] == "triton"]
+    if not target:
+        pytest.skip("Triton unavailable")
+    monkeypatch.setattr(triton_backend, "_needs_wide_index", lambda *args: True)
+    ids, weight, kwargs = make_inputs(case, target[0].values[1], torch.bfloat16, seed)
+    out = pf.sinusoidal_embedding(ids, weight, backend="triton", **kwargs)
+    exact = _exact(ids, weight, kwargs)
+    assert_within(out, exact, output_bound(exact, torch.bfloat16, case.precision), f"{case.name} wide index")
+
+
+def test_triton_wide_index_threshold():
+    """64-bit index math exactly when a token index or an element offset can pass 2**31 - 1."""
+    wide = triton_backend._needs_wide_index
+    assert not wide(2**20, 16, 1024, 32768, 1024)
+    assert wide(2**21, 16, 1024, 32768, 1024)  # 2**31 + 16K output elements
+    assert not wide((2**31 - 1) // 1024 - 16, 16, 1024, 10, 1024)
+    assert wide((2**31 - 1) // 1024 - 15, 16, 1024, 10, 1024)
+    assert wide(100, 16, 1024, 2**21 + 1, 1024)  # the weight table passes 2**31 elements
+    assert wide(2**31 - 16, 16, 1, 10, 1)  # the last program's token index
+
+
 def _decimal_pe(position: int, frequency: float, pe_width: int) -> tuple:
     """sin and cos of position * frequency, reduced mod 2*pi in 50-digit decimal arithmetic."""
     with localcontext() as ctx:

@@ -16,7 +16,8 @@ from __future__ import annotations
 import importlib.util
 import os
 import threading
-from typing import Optional
+import weakref
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -79,24 +80,93 @@ def available(device: torch.device) -> Optional[str]:
     return None
 
 
-def _forward_blocks(params: KernelParams, num_tokens: int):
-    """Tile shape: (tokens, pairs) per program.
-
-    Chosen so that each thread of 4 warps holds 8 consecutive output columns per
-    half (one 16-byte vector in bf16) and few registers (about 32 on sm_90, measured
-    with ptxas ahead of time; 32 tokens per program needed 212, which starves
-    occupancy).  Block layouts write two column blocks, so they take twice the
-    pairs.  Not yet tuned on a GPU (benchmark issue).
-    """
-    pair_slots = params.pe_width - params.num_pairs  # ceil(D / 2): includes the tail column of an odd D
-    interleaved = params.columns.interleaved
-    block_p = min(64 if interleaved else 128, triton.next_power_of_2(max(pair_slots, 1)))
-    block_t = max(1, min((1024 if interleaved else 2048) // (2 * block_p),
-                         triton.next_power_of_2(max(num_tokens, 1))))
-    return block_t, block_p, pair_slots
+class ForwardTiles(NamedTuple):
+    block_t: int  # tokens per program
+    block_p: int  # pair slots per program
+    pair_slots: int  # ceil(D / 2): the pair slots of the PE, the tail column of an odd D included
+    warps: int
 
 
+# Add mode: pair slots per program (a whole d_model 1024 row: 512), and the tokens each program
+# walks through one after the other.  Each thread keeps its pairs' frequencies for all of them.
+ADD_PAIRS_PER_PROGRAM = 512
+ADD_TOKENS_PER_PROGRAM = 16
+ADD_MAX_WARPS = 4
+ADD_FLOAT64_PAIR_TOKENS_PER_THREAD = 64
+# Concat mode: 4 warps, a BLOCK_T x BLOCK_P tile.
 FORWARD_WARPS = 4
+
+
+def _forward_tiles(params, num_tokens: int, element_size: int) -> ForwardTiles:
+    """Tile shape and warps of the forward.
+
+    Add mode: a program walks ``block_t`` tokens over ``block_p`` pair slots of their rows, one
+    token at a time; each thread holds the pair slots of one 16-byte output vector per half (split:
+    16 bytes of sin and 16 of cos; interleaved: 16 bytes of (sin, cos) pairs, two vectors for fp32),
+    so its per-token work (id, position, row pointers: scalars) is shared by 8 outputs, and the
+    warps are as many as the row slice needs (up to 4).
+
+    Concat mode: 4 warps of 8 tokens x 8 consecutive output columns per half; the PE units take
+    twice the pairs in block layouts.  Chosen for few registers (about 32 on sm_90; 32 tokens per
+    program needed 212, which starves occupancy).  Not yet tuned on a GPU (benchmark issue).
+    """
+    pair_slots = params.pe_width - params.num_pairs
+    interleaved = params.columns.interleaved
+    if not params.concat:
+        block_p = min(ADD_PAIRS_PER_PROGRAM, _next_power_of_2(pair_slots))
+        # Pair slots per thread: 4 (interleaved: 8 columns, one 16-byte vector of bf16, two of fp32),
+        # or one 16-byte vector of sin columns and one of cos (split).
+        per_thread = 4 if interleaved else max(4, 16 // element_size)
+        warps = max(1, min(ADD_MAX_WARPS, block_p // (32 * per_thread)))
+        block_t = ADD_TOKENS_PER_PROGRAM
+        if params.float64_math:  # the unrolled tokens' float64 temporaries: at most 64 pair slots per thread
+            block_t = min(block_t, ADD_FLOAT64_PAIR_TOKENS_PER_THREAD // per_thread)
+        return ForwardTiles(max(1, min(block_t, num_tokens)), block_p, pair_slots, warps)
+    block_p = min(64 if interleaved else 128, _next_power_of_2(pair_slots))
+    block_t = max(1, min((1024 if interleaved else 2048) // (2 * block_p), _next_power_of_2(num_tokens)))
+    return ForwardTiles(block_t, block_p, pair_slots, FORWARD_WARPS)
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _needs_wide_index(num_tokens: int, block_t: int, out_row_stride: int, num_embeddings: int,
+                      weight_row_stride: int) -> bool:
+    """Whether the add-mode forward needs 64-bit token indices and element offsets: a token index
+    of the last program, or an element offset into ``out`` or ``weight``, may pass 2**31 - 1."""
+    limit = 2**31 - 1
+    last_token = num_tokens + block_t
+    return (last_token > limit or last_token * max(out_row_stride, 1) > limit
+            or num_embeddings * max(weight_row_stride, 1) > limit)
+
+
+_turn_words_cache = {}  # id(turns) -> (weakref to turns, (low, high))
+_turn_words_lock = threading.Lock()
+
+
+def _turn_words(turns: torch.Tensor):
+    """The int64 turns as two int32 tensors, low and high words, each 16-byte aligned: the kernels
+    load them as contiguous 32-bit vectors (``triton_kernels._load_turns``).  Cached per turns
+    tensor (``PESpec.turns_tensor`` caches those per device), so one small copy per spec and device."""
+    key = id(turns)
+    with _turn_words_lock:
+        entry = _turn_words_cache.get(key)
+        if entry is not None and entry[0]() is turns:
+            return entry[1]
+    n = turns.numel()
+    padded = max(4, -(-n // 4) * 4)
+    words = torch.zeros((2, padded), dtype=torch.int32, device=turns.device)
+    if n:
+        words[:, :n] = turns.contiguous().view(torch.int32).view(n, 2).t()  # little-endian: low word first
+    result = (words[0], words[1])
+    with _turn_words_lock:
+        for stale in [k for k, (ref, _) in _turn_words_cache.items() if ref() is None]:
+            del _turn_words_cache[stale]
+        _turn_words_cache[key] = (weakref.ref(turns), result)
+    return result
+
+
 # Weight-gradient column block: one warp, 1 KiB of a grad_out row per program (32 bytes, two 16-byte
 # vectors, per thread: 512 columns of bf16, 256 of fp32), so the per-token run logic is paid once
 # per 1 KiB.
@@ -139,22 +209,26 @@ def _forward(ids, weight, turns, positions, offsets, offset, seq_len, params: Ke
     kernels = _load_kernels()
     if weight.stride(1) != 1:
         weight = weight.contiguous()
-    block_t, block_p, pair_slots = _forward_blocks(params, num_tokens)
+    tiles = _forward_tiles(params, num_tokens, weight.element_size())
+    block_p = tiles.block_p
     num_copy_blocks = triton.cdiv(params.token_width, 2 * block_p) if params.concat else 0
     position_source = 2 if positions is not None else (1 if offsets is not None else 0)
-    grid = (triton.cdiv(num_tokens, block_t), num_copy_blocks + triton.cdiv(pair_slots, block_p))
+    grid = (triton.cdiv(num_tokens, tiles.block_t), num_copy_blocks + triton.cdiv(tiles.pair_slots, block_p))
     columns = params.columns
+    turn_low, turn_high = _turn_words(turns)
     kernels.forward_kernel[grid](
-        ids, weight, out, turns, positions, offsets, None if dropout is None else dropout.seed,
+        ids, weight, out, turns, turn_low, turn_high, positions, offsets, None if dropout is None else dropout.seed,
         offset, max(seq_len, 1), num_tokens, weight.shape[0], weight.stride(0), out.stride(0),
         params.token_width, params.pe_width, params.num_pairs, turns.numel(),
         columns.sin_base, columns.num_sin, columns.cos_base, columns.num_cos, params.pe_zero_id,
         num_copy_blocks, params.embed_scale, params.pe_scale,
         0 if dropout is None else dropout.threshold, 1.0 if dropout is None else dropout.scale,
         CONCAT=params.concat, INTERLEAVED=columns.interleaved, POSITION_SOURCE=position_source,
-        BLOCK_T=block_t, BLOCK_P=block_p, SOFTWARE_BF16=_kernels_interpreted, FLOAT64=params.float64_math,
+        BLOCK_T=tiles.block_t, BLOCK_P=block_p, SOFTWARE_BF16=_kernels_interpreted, FLOAT64=params.float64_math,
         DROPOUT=dropout is not None, GROUPED=dropout is not None and _dropout_grouped(params, block_p),
-        num_warps=FORWARD_WARPS,
+        WIDE_INDEX=_needs_wide_index(num_tokens, tiles.block_t, out.stride(0), weight.shape[0], weight.stride(0)),
+        ZERO_COS_TAIL=columns.num_cos > params.num_pairs,
+        num_warps=tiles.warps,
     )
     return out
 

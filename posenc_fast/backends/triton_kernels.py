@@ -18,10 +18,8 @@ import math
 import triton
 import triton.language as tl
 
-# 2*pi radians per 2**64 units of turn.
-RADIANS_PER_UNIT: tl.constexpr = tl.constexpr(2.0 * math.pi / 2.0**64)
-EIGHTH_TURN: tl.constexpr = tl.constexpr(1 << 61)
-QUARTER_TURN_MASK: tl.constexpr = tl.constexpr((1 << 62) - 1)
+# 2*pi radians per 2**66 units: the angle of 4 units of turn per unit (see sin_cos_of_turns).
+RADIANS_PER_QUARTER_UNIT: tl.constexpr = tl.constexpr(2.0 * math.pi / 2.0**66)
 # Taylor coefficients of sin (odd) and cos (even) up to x^9 / x^10.
 SIN_3: tl.constexpr = tl.constexpr(-1.0 / 6.0)
 SIN_5: tl.constexpr = tl.constexpr(1.0 / 120.0)
@@ -49,20 +47,20 @@ def sin_cos_of_turns(turn_units, FLOAT64: tl.constexpr):
     in fp32 (or float64 when FLOAT64)."""
     # The nearest quarter turn is the top two bits of turn_units + 1/8 turn, i.e. of high + 2**29 on
     # the high word (32-bit, wrapping).  The remainder, |a| <= pi/4, is the low 62 bits as a signed
-    # number: the high word sign-extended from its bit 29, the low word as is.  Same values as
-    # ((turn_units + 2**61) & (2**62 - 1)) - 2**61 and its top bits, on 32-bit words.
-    shifted = turn_units + EIGHTH_TURN
-    remainder = (shifted & QUARTER_TURN_MASK) - EIGHTH_TURN  # in [-2**61, 2**61): |a| <= pi/4
+    # number, ((turn_units + 2**61) & (2**62 - 1)) - 2**61, in [-2**61, 2**61).
+    # 4 * remainder, exactly: turn_units << 2 (wrapping).  Converted and scaled by a quarter of the
+    # unit it rounds to the same float as the remainder itself (powers of two commute with rounding).
+    remainder_x4 = turn_units << 2
     high = (turn_units >> 32).to(tl.int32)
     if FLOAT64:
-        a = remainder.to(tl.float64) * RADIANS_PER_UNIT
+        a = remainder_x4.to(tl.float64) * RADIANS_PER_QUARTER_UNIT
         z = a * a
         sin_a = a + a * z * (SIN_3 + z * (SIN_5 + z * (SIN_7 + z * (SIN_9 + z * (
             SIN_11 + z * (SIN_13 + z * (SIN_15 + z * SIN_17)))))))
         cos_a = 1.0 + z * (COS_2 + z * (COS_4 + z * (COS_6 + z * (COS_8 + z * (COS_10 + z * (
             COS_12 + z * (COS_14 + z * (COS_16 + z * COS_18))))))))
     else:
-        a = remainder.to(tl.float32) * RADIANS_PER_UNIT
+        a = remainder_x4.to(tl.float32) * RADIANS_PER_QUARTER_UNIT
         z = a * a
         sin_a = a + a * z * (SIN_3 + z * (SIN_5 + z * (SIN_7 + z * SIN_9)))
         cos_a = 1.0 + z * (COS_2 + z * (COS_4 + z * (COS_6 + z * (COS_8 + z * COS_10))))
@@ -75,9 +73,9 @@ def sin_cos_of_turns(turn_units, FLOAT64: tl.constexpr):
     cos_unsigned = tl.where(odd, sin_a, cos_a)
     sin_sign = (quarter >> 31) << 31
     cos_sign = ((high.to(tl.uint32, bitcast=True) + 0x60000000) >> 31) << 31
-    if FLOAT64:  # 64-bit XORs cost more than the selects here
-        sin = tl.where(sin_sign != 0, -sin_unsigned, sin_unsigned)
-        cos = tl.where(cos_sign != 0, -cos_unsigned, cos_unsigned)
+    if FLOAT64:  # the sign bit is bit 31 of the high word
+        sin = (sin_unsigned.to(tl.uint64, bitcast=True) ^ (sin_sign.to(tl.uint64) << 32)).to(tl.float64, bitcast=True)
+        cos = (cos_unsigned.to(tl.uint64, bitcast=True) ^ (cos_sign.to(tl.uint64) << 32)).to(tl.float64, bitcast=True)
     else:
         sin = (sin_unsigned.to(tl.uint32, bitcast=True) ^ sin_sign).to(tl.float32, bitcast=True)
         cos = (cos_unsigned.to(tl.uint32, bitcast=True) ^ cos_sign).to(tl.float32, bitcast=True)
@@ -154,29 +152,22 @@ def _apply_dropout(value, tokens, out_cols, out_col0, seed, dropout_threshold, d
 
 
 @triton.jit
-def _store_columns(out_rows, weight_rows, id_ok, out_cols, weight_cols, pe, mask, embed_scale, tokens, out_col0,
-                   seed, dropout_threshold, dropout_scale, ADD_TOKENS: tl.constexpr, SOFTWARE_BF16: tl.constexpr,
-                   DROPOUT: tl.constexpr, GROUPED: tl.constexpr):
-    """out[:, out_cols] = embed_scale * W[:, weight_cols] + pe (add) or pe (concat), then dropout, rounded once.
-    ``embed_scale``, ``dropout_scale`` and ``pe`` are in the compute dtype (fp32, or float64);
-    ``out_cols`` is ``out_col0 + arange``."""
-    value = pe
-    if ADD_TOKENS:
-        w = tl.load(weight_rows[:, None] + weight_cols[None, :], mask=mask & id_ok[:, None], other=0.0)
-        value = w.to(pe.dtype) * embed_scale + pe
-    value = _apply_dropout(value, tokens, out_cols, out_col0, seed, dropout_threshold, dropout_scale, DROPOUT,
-                           GROUPED)
+def _store_pe_columns(out_rows, out_cols, pe, mask, tokens, out_col0, seed, dropout_threshold, dropout_scale,
+                      SOFTWARE_BF16: tl.constexpr, DROPOUT: tl.constexpr, GROUPED: tl.constexpr):
+    """out[:, out_cols] = pe, then dropout, rounded once.  ``dropout_scale`` and ``pe`` are in the
+    compute dtype (fp32, or float64); ``out_cols`` is ``out_col0 + arange``."""
+    value = _apply_dropout(pe, tokens, out_cols, out_col0, seed, dropout_threshold, dropout_scale, DROPOUT, GROUPED)
     tl.store(out_rows[:, None] + out_cols[None, :], round_for_store(value, out_rows, SOFTWARE_BF16), mask=mask)
 
 
 @triton.jit
 def _pe_block(
-    out_rows, weight_rows, id_ok, token_ok, pe_on, pos, turns_ptr, pair_block, num_turns, num_pairs, pe_width,
-    pe_col0, sin_base, num_sin, cos_base, num_cos, embed_scale, pe_scale, tokens, seed, dropout_threshold,
-    dropout_scale, ADD_TOKENS: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr,
-    SOFTWARE_BF16: tl.constexpr, FLOAT64: tl.constexpr, DROPOUT: tl.constexpr, GROUPED: tl.constexpr,
+    out_rows, token_ok, pe_on, pos, turns_ptr, pair_block, num_turns, num_pairs, pe_width,
+    pe_col0, sin_base, num_sin, cos_base, num_cos, pe_scale, tokens, seed, dropout_threshold, dropout_scale,
+    INTERLEAVED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, SOFTWARE_BF16: tl.constexpr,
+    FLOAT64: tl.constexpr, DROPOUT: tl.constexpr, GROUPED: tl.constexpr,
 ):
-    """The PE columns of BLOCK_P pair slots for BLOCK_T tokens (plus the token columns they share in add mode).
+    """The PE columns of BLOCK_P pair slots for BLOCK_T tokens (concat mode).
 
     Slot i >= num_turns (an odd D's zero tail) has no frequency: sin 0 = 0.  A cos slot
     i >= num_pairs (the tail slot of a cos block) is a zero column.  See _spec.PEColumns.
@@ -193,36 +184,159 @@ def _pe_block(
         col0 = pair_block * (2 * BLOCK_P)
         cols = col0 + tl.arange(0, 2 * BLOCK_P)
         mask = token_ok[:, None] & (cols < pe_width)[None, :]
-        _store_columns(out_rows, weight_rows, id_ok, pe_col0 + cols, cols, pe, mask, embed_scale, tokens,
-                       pe_col0 + col0, seed, dropout_threshold, dropout_scale, ADD_TOKENS, SOFTWARE_BF16, DROPOUT,
-                       GROUPED)
+        _store_pe_columns(out_rows, pe_col0 + cols, pe, mask, tokens, pe_col0 + col0, seed, dropout_threshold,
+                          dropout_scale, SOFTWARE_BF16, DROPOUT, GROUPED)
     else:
         sin_mask = token_ok[:, None] & (pairs < num_sin)[None, :]
         cos_mask = token_ok[:, None] & (pairs < num_cos)[None, :]
         pair0 = pair_block * BLOCK_P
-        _store_columns(out_rows, weight_rows, id_ok, pe_col0 + sin_base + pairs, sin_base + pairs, sin, sin_mask,
-                       embed_scale, tokens, pe_col0 + sin_base + pair0, seed, dropout_threshold, dropout_scale,
-                       ADD_TOKENS, SOFTWARE_BF16, DROPOUT, GROUPED)
-        _store_columns(out_rows, weight_rows, id_ok, pe_col0 + cos_base + pairs, cos_base + pairs, cos, cos_mask,
-                       embed_scale, tokens, pe_col0 + cos_base + pair0, seed, dropout_threshold, dropout_scale,
-                       ADD_TOKENS, SOFTWARE_BF16, DROPOUT, GROUPED)
+        _store_pe_columns(out_rows, pe_col0 + sin_base + pairs, sin, sin_mask, tokens, pe_col0 + sin_base + pair0,
+                          seed, dropout_threshold, dropout_scale, SOFTWARE_BF16, DROPOUT, GROUPED)
+        _store_pe_columns(out_rows, pe_col0 + cos_base + pairs, cos, cos_mask, tokens, pe_col0 + cos_base + pair0,
+                          seed, dropout_threshold, dropout_scale, SOFTWARE_BF16, DROPOUT, GROUPED)
+
+
+@triton.jit
+def _load_turn_words(turn_low_ptr, turn_high_ptr, pairs, num_turns):
+    """The low and high 32-bit words (uint32) of the turns R_i of ``pairs`` (0 past ``num_turns``)."""
+    ok = pairs < num_turns
+    low = tl.load(turn_low_ptr + pairs, mask=ok, other=0).to(tl.uint32, bitcast=True)
+    high = tl.load(turn_high_ptr + pairs, mask=ok, other=0).to(tl.uint32, bitcast=True)
+    return low, high
+
+
+@triton.jit
+def _add_rows(
+    ids_ptr, weight_ptr, out_ptr, turn_low_ptr, turn_high_ptr, positions_ptr, offsets_ptr, seed,
+    offset, seq_len, num_tokens, num_embeddings, weight_row_stride, out_row_stride,
+    pe_width, num_pairs, num_turns, sin_base, num_sin, cos_base, num_cos, pe_zero_id,
+    embed_scale, pe_scale, dropout_threshold, dropout_scale,
+    INTERLEAVED: tl.constexpr, POSITION_SOURCE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr,
+    SOFTWARE_BF16: tl.constexpr, FLOAT64: tl.constexpr, DROPOUT: tl.constexpr, GROUPED: tl.constexpr,
+    WIDE_INDEX: tl.constexpr, ZERO_COS_TAIL: tl.constexpr,
+):
+    """Add mode: BLOCK_T consecutive tokens, one after the other, over BLOCK_P pair slots of their rows.
+
+    Everything that depends on the pair slot only (frequencies, columns, masks) is computed once
+    per program; per token there is one id, one position and two row pointers, all scalars (the
+    same in every thread), so the per-token work is paid once per row slice, not per few columns.
+    The position steps from token to token (``within`` wraps at ``seq_len``): one division per
+    program.  WIDE_INDEX: token indices and element offsets need 64 bits (else 32, as the host
+    checked).  ZERO_COS_TAIL: the cos block has a tail slot (``num_cos > num_pairs``), a zero column.
+    """
+    pair_block = tl.program_id(1)
+    pairs = pair_block * BLOCK_P + tl.arange(0, BLOCK_P)
+    # The turns as two contiguous 32-bit words (low, high): loaded so, each thread holds consecutive
+    # pairs, as many as its 16-byte output vector needs, and no layout conversion is needed later.
+    turn_low, turn_high = _load_turn_words(turn_low_ptr, turn_high_ptr, pairs, num_turns)
+    turns = (turn_high.to(tl.uint64) << 32 | turn_low.to(tl.uint64)).to(tl.int64, bitcast=True)
+    if INTERLEAVED:
+        col0 = pair_block * (2 * BLOCK_P)
+        cols = col0 + tl.arange(0, 2 * BLOCK_P)
+        col_ok = cols < pe_width
+    else:
+        sin_ok = pairs < num_sin
+        cos_ok = pairs < num_cos
+    if WIDE_INDEX:
+        t0 = tl.program_id(0).to(tl.int64) * BLOCK_T
+    else:
+        t0 = tl.program_id(0) * BLOCK_T
+    if POSITION_SOURCE != 2:
+        sequence = t0 // seq_len
+        within = t0 - sequence * seq_len  # in [0, seq_len)
+        if not WIDE_INDEX:
+            within = within.to(tl.int32)  # <= t0 < 2**31
+    if POSITION_SOURCE == 0:
+        # Phase = offset * R + within * R (wrapping): the first term is the same for every token.
+        phase0 = (offset.to(tl.int64) * turns).to(tl.uint64, bitcast=True)
+    for i in tl.static_range(BLOCK_T):
+        token = t0 + i
+        token_ok = token < num_tokens
+        token_id = tl.load(ids_ptr + token, mask=token_ok, other=0)
+        id_ok = token_ok & (token_id >= 0) & (token_id < num_embeddings)
+        pe_on = (token_id != pe_zero_id) | (pe_zero_id < 0)
+        weight_row = weight_ptr + tl.where(id_ok, token_id, 0).to(token.dtype) * weight_row_stride
+        out_row = out_ptr + token * out_row_stride
+        if POSITION_SOURCE == 0:
+            if WIDE_INDEX:
+                phase = (phase0 + (within * turns).to(tl.uint64, bitcast=True)).to(tl.int64, bitcast=True)
+            else:
+                # 0 <= within < 2**31: within * R = within * low + (within * high mod 2**32) * 2**32, one
+                # wide multiply-add and one multiply per pair (written so: the compiler would otherwise
+                # fold the sum back into (offset + within) * R, a full 64-bit product).
+                w = within.to(tl.uint32, bitcast=True)
+                phase = (phase0 + w.to(tl.uint64) * turn_low.to(tl.uint64)
+                         + ((w * turn_high).to(tl.uint64) << 32)).to(tl.int64, bitcast=True)
+        else:
+            if POSITION_SOURCE == 1:
+                pos = tl.load(offsets_ptr + sequence, mask=token_ok, other=0) + within
+            else:
+                pos = tl.load(positions_ptr + token, mask=token_ok, other=0)
+            phase = pos.to(tl.int64) * turns
+        sin, cos = sin_cos_of_turns(phase, FLOAT64)
+        scale = tl.where(pe_on, pe_scale, 0.0)
+        sin = sin * scale
+        cos = cos * scale
+        if ZERO_COS_TAIL:
+            cos = tl.where(pairs < num_pairs, cos, 0.0)
+        if INTERLEAVED:
+            pe = tl.join(sin, cos).reshape(2 * BLOCK_P)
+            _add_store(out_row, weight_row, cols, col_ok, token_ok, id_ok, pe, embed_scale, token, col0,
+                       seed, dropout_threshold, dropout_scale, SOFTWARE_BF16, DROPOUT, GROUPED)
+        else:
+            pair0 = pair_block * BLOCK_P
+            _add_store(out_row, weight_row, sin_base + pairs, sin_ok, token_ok, id_ok, sin, embed_scale, token,
+                       sin_base + pair0, seed, dropout_threshold, dropout_scale, SOFTWARE_BF16, DROPOUT, GROUPED)
+            _add_store(out_row, weight_row, cos_base + pairs, cos_ok, token_ok, id_ok, cos, embed_scale, token,
+                       cos_base + pair0, seed, dropout_threshold, dropout_scale, SOFTWARE_BF16, DROPOUT, GROUPED)
+        if POSITION_SOURCE != 2:
+            within += 1
+            wrapped = within == seq_len
+            within = tl.where(wrapped, 0, within)
+            if POSITION_SOURCE == 1:
+                sequence += wrapped.to(sequence.dtype)
+
+
+@triton.jit
+def _mask_if(mask, condition):
+    """``mask`` where the scalar ``condition`` holds, else none (a tensor mask & a scalar condition is
+    int32, not a mask, in Triton 3.9's interpreter; compiled, the same code as ``mask & condition``)."""
+    return mask & (tl.zeros(mask.shape, dtype=tl.int32) + tl.where(condition, 1, 0) != 0)
+
+
+@triton.jit
+def _add_store(out_row, weight_row, cols, cols_ok, token_ok, id_ok, pe, embed_scale, token, col0, seed,
+               dropout_threshold, dropout_scale, SOFTWARE_BF16: tl.constexpr, DROPOUT: tl.constexpr,
+               GROUPED: tl.constexpr):
+    """out_row[cols] = embed_scale * weight_row[cols] + pe where ``cols_ok`` and the token is, then dropout,
+    rounded once (one token)."""
+    w = tl.load(weight_row + cols, mask=_mask_if(cols_ok, id_ok), other=0.0)
+    mask = _mask_if(cols_ok, token_ok)
+    value = w.to(pe.dtype) * embed_scale + pe
+    if DROPOUT:
+        C: tl.constexpr = cols.shape[0]
+        keep = dropout_keep(seed, tl.zeros([1], dtype=tl.int64) + token, cols, dropout_threshold, col0, GROUPED)
+        value = tl.where(tl.reshape(keep, (C,)), value * dropout_scale, 0.0)
+    tl.store(out_row + cols, round_for_store(value, out_row, SOFTWARE_BF16), mask=mask)
 
 
 @triton.jit
 def forward_kernel(
-    ids_ptr, weight_ptr, out_ptr, turns_ptr, positions_ptr, offsets_ptr, seed_ptr,
+    ids_ptr, weight_ptr, out_ptr, turns_ptr, turn_low_ptr, turn_high_ptr, positions_ptr, offsets_ptr, seed_ptr,
     offset, seq_len, num_tokens, num_embeddings, weight_row_stride, out_row_stride,
     token_width, pe_width, num_pairs, num_turns, sin_base, num_sin, cos_base, num_cos, pe_zero_id,
     num_copy_blocks, embed_scale: tl.float64, pe_scale: tl.float64, dropout_threshold, dropout_scale: tl.float64,
     CONCAT: tl.constexpr, INTERLEAVED: tl.constexpr, POSITION_SOURCE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, SOFTWARE_BF16: tl.constexpr, FLOAT64: tl.constexpr,
-    DROPOUT: tl.constexpr, GROUPED: tl.constexpr,
+    DROPOUT: tl.constexpr, GROUPED: tl.constexpr, WIDE_INDEX: tl.constexpr, ZERO_COS_TAIL: tl.constexpr,
 ):
     """Grid: (token blocks, column blocks).  A column block is BLOCK_P pair slots;
     in concat mode the first ``num_copy_blocks`` column blocks copy 2*BLOCK_P token columns each.
     Arithmetic in fp32, or float64 when FLOAT64 (the scales arrive as float64 either way).
     DROPOUT: the seed is read from ``seed_ptr``; GROUPED: every column block starts at a
-    multiple of 4 (``dropout_keep``)."""
+    multiple of 4 (``dropout_keep``).  Add mode (``_add_rows``) reads the turns as 32-bit words
+    (``turn_low_ptr``, ``turn_high_ptr``), concat (``_concat_tile``) as int64 (``turns_ptr``);
+    WIDE_INDEX and ZERO_COS_TAIL are the add mode's."""
     if FLOAT64:
         embed_scale = tl.full([], embed_scale, tl.float64)
         pe_scale = tl.full([], pe_scale, tl.float64)
@@ -232,9 +346,34 @@ def forward_kernel(
         pe_scale = tl.full([], pe_scale, tl.float32)
         dropout_scale = tl.full([], dropout_scale, tl.float32)
     seed = tl.load(seed_ptr) if DROPOUT else 0
-    pid_t = tl.program_id(0)
+    if CONCAT:
+        _concat_tile(ids_ptr, weight_ptr, out_ptr, turns_ptr, positions_ptr, offsets_ptr, seed,
+                     offset, seq_len, num_tokens, num_embeddings, weight_row_stride, out_row_stride,
+                     token_width, pe_width, num_pairs, num_turns, sin_base, num_sin, cos_base, num_cos, pe_zero_id,
+                     num_copy_blocks, embed_scale, pe_scale, dropout_threshold, dropout_scale,
+                     INTERLEAVED, POSITION_SOURCE, BLOCK_T, BLOCK_P, SOFTWARE_BF16, FLOAT64, DROPOUT, GROUPED)
+    else:
+        _add_rows(ids_ptr, weight_ptr, out_ptr, turn_low_ptr, turn_high_ptr, positions_ptr, offsets_ptr, seed,
+                  offset, seq_len, num_tokens, num_embeddings, weight_row_stride, out_row_stride,
+                  pe_width, num_pairs, num_turns, sin_base, num_sin, cos_base, num_cos, pe_zero_id,
+                  embed_scale, pe_scale, dropout_threshold, dropout_scale,
+                  INTERLEAVED, POSITION_SOURCE, BLOCK_T, BLOCK_P, SOFTWARE_BF16, FLOAT64, DROPOUT, GROUPED,
+                  WIDE_INDEX, ZERO_COS_TAIL)
+
+
+@triton.jit
+def _concat_tile(
+    ids_ptr, weight_ptr, out_ptr, turns_ptr, positions_ptr, offsets_ptr, seed,
+    offset, seq_len, num_tokens, num_embeddings, weight_row_stride, out_row_stride,
+    token_width, pe_width, num_pairs, num_turns, sin_base, num_sin, cos_base, num_cos, pe_zero_id,
+    num_copy_blocks, embed_scale, pe_scale, dropout_threshold, dropout_scale,
+    INTERLEAVED: tl.constexpr, POSITION_SOURCE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr,
+    SOFTWARE_BF16: tl.constexpr, FLOAT64: tl.constexpr, DROPOUT: tl.constexpr, GROUPED: tl.constexpr,
+):
+    """Concat mode: a BLOCK_T x (2 * BLOCK_P) tile of token columns (the first ``num_copy_blocks``
+    column blocks) or a BLOCK_T x BLOCK_P tile of PE pair slots (the rest)."""
     pid_c = tl.program_id(1)
-    tokens = pid_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tokens = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     token_ok = tokens < num_tokens
     ids = tl.load(ids_ptr + tokens, mask=token_ok, other=0).to(tl.int64)
     # Guard every access: an out-of-range id (range check off) reads nothing and counts as a zero vector.
@@ -242,26 +381,19 @@ def forward_kernel(
     pe_on = (ids != pe_zero_id) | (pe_zero_id < 0)  # pe_zero_id -1 means none, even for an id of -1
     weight_rows = weight_ptr + tl.where(id_ok, ids, 0) * weight_row_stride
     out_rows = out_ptr + tokens * out_row_stride
-    if CONCAT:
-        if pid_c < num_copy_blocks:
-            col0 = pid_c * (2 * BLOCK_P)
-            cols = col0 + tl.arange(0, 2 * BLOCK_P)
-            mask = token_ok[:, None] & (cols < token_width)[None, :]
-            w = tl.load(weight_rows[:, None] + cols[None, :], mask=mask & id_ok[:, None], other=0.0)
-            value = _apply_dropout(w.to(embed_scale.dtype) * embed_scale, tokens, cols, col0, seed, dropout_threshold,
-                                   dropout_scale, DROPOUT, GROUPED)
-            tl.store(out_rows[:, None] + cols[None, :], round_for_store(value, out_rows, SOFTWARE_BF16), mask=mask)
-        else:
-            pos = _token_positions(tokens, token_ok, positions_ptr, offsets_ptr, offset, seq_len, POSITION_SOURCE)
-            _pe_block(out_rows, weight_rows, id_ok, token_ok, pe_on, pos, turns_ptr, pid_c - num_copy_blocks,
-                      num_turns, num_pairs, pe_width, token_width, sin_base, num_sin, cos_base, num_cos,
-                      embed_scale, pe_scale, tokens, seed, dropout_threshold, dropout_scale, False, INTERLEAVED,
-                      BLOCK_T, BLOCK_P, SOFTWARE_BF16, FLOAT64, DROPOUT, GROUPED)
+    if pid_c < num_copy_blocks:
+        col0 = pid_c * (2 * BLOCK_P)
+        cols = col0 + tl.arange(0, 2 * BLOCK_P)
+        mask = token_ok[:, None] & (cols < token_width)[None, :]
+        w = tl.load(weight_rows[:, None] + cols[None, :], mask=mask & id_ok[:, None], other=0.0)
+        value = _apply_dropout(w.to(embed_scale.dtype) * embed_scale, tokens, cols, col0, seed, dropout_threshold,
+                               dropout_scale, DROPOUT, GROUPED)
+        tl.store(out_rows[:, None] + cols[None, :], round_for_store(value, out_rows, SOFTWARE_BF16), mask=mask)
     else:
         pos = _token_positions(tokens, token_ok, positions_ptr, offsets_ptr, offset, seq_len, POSITION_SOURCE)
-        _pe_block(out_rows, weight_rows, id_ok, token_ok, pe_on, pos, turns_ptr, pid_c,
-                  num_turns, num_pairs, pe_width, 0, sin_base, num_sin, cos_base, num_cos,
-                  embed_scale, pe_scale, tokens, seed, dropout_threshold, dropout_scale, True, INTERLEAVED,
+        _pe_block(out_rows, token_ok, pe_on, pos, turns_ptr, pid_c - num_copy_blocks,
+                  num_turns, num_pairs, pe_width, token_width, sin_base, num_sin, cos_base, num_cos,
+                  pe_scale, tokens, seed, dropout_threshold, dropout_scale, INTERLEAVED,
                   BLOCK_T, BLOCK_P, SOFTWARE_BF16, FLOAT64, DROPOUT, GROUPED)
 
 
