@@ -88,6 +88,64 @@ class DeviceGuard {
 };
 #endif
 
+// The arguments a module's calls share (table dtype and size, PE columns, scales), checked once: a
+// decoding step calls ForwardLaunch with the nine that change, not `forward` with all thirty-one
+// (pybind11's conversion of each argument is most of a binding call's cost).
+class ForwardLaunch {
+ public:
+  ForwardLaunch(int dtype, uintptr_t turns, int64_t num_turns, int64_t num_embeddings, int64_t token_width,
+                int64_t pe_width, bool concat, bool interleaved, int64_t sin_base, int64_t num_sin, int64_t cos_base,
+                int64_t num_cos, int64_t pe_zero_id, double embed_scale, double pe_scale, bool float64_math,
+                int device)
+      : device_(device) {
+    args_.dtype = float_code(dtype, "weight");
+    args_.turns = pointer<const int64_t>(turns);
+    args_.num_turns = num_turns;
+    args_.num_embeddings = num_embeddings;
+    args_.token_width = token_width;
+    args_.pe_width = pe_width;
+    args_.concat = concat;
+    args_.columns = posenc::PEColumns{interleaved, sin_base, num_sin, cos_base, num_cos};
+    args_.pe_zero_id = pe_zero_id;
+    args_.embed_scale = embed_scale;
+    args_.pe_scale = pe_scale;
+    args_.float64_math = float64_math;
+    args_.positions = nullptr;
+    args_.offsets = nullptr;
+    args_.dropout_seed = nullptr;
+    args_.dropout_threshold = 0;
+    args_.dropout_scale = 1.0;
+  }
+
+  // Positions offset + t % seq_len, no dropout: the call a decoding step makes.
+  void operator()(uintptr_t ids, int ids_dtype, uintptr_t weight, int64_t weight_row_stride, uintptr_t out,
+                  int64_t offset, int64_t seq_len, int64_t num_tokens, uintptr_t stream) const {
+    posenc::ForwardArgs args = args_;
+    args.ids = pointer<const void>(ids);
+    args.ids_dtype = id_code(ids_dtype);
+    args.weight = pointer<const void>(weight);
+    args.weight_row_stride = weight_row_stride;
+    args.out = pointer<void>(out);
+    args.offset = offset;
+    args.seq_len = seq_len;
+    args.num_tokens = num_tokens;
+    launch(args, stream, device_);
+  }
+
+  // The general launch: every argument given.
+  static void launch(const posenc::ForwardArgs& args, uintptr_t stream, int device) {
+    if (args.num_tokens == 0) return;  // nothing to launch; no device needed
+    if (args.seq_len < 1) throw py::value_error("seq_len must be >= 1, got " + std::to_string(args.seq_len));
+    py::gil_scoped_release no_gil;
+    DeviceGuard guard(device);
+    check_cuda(posenc::launch_forward(args, pointer<CUstream_st>(stream)), "forward launch");
+  }
+
+ private:
+  posenc::ForwardArgs args_{};
+  int device_;
+};
+
 void forward(uintptr_t ids, int ids_dtype, uintptr_t weight, int64_t weight_row_stride, int dtype, uintptr_t out,
              uintptr_t turns, int64_t num_turns, uintptr_t positions, uintptr_t offsets, int64_t offset,
              int64_t seq_len, int64_t num_tokens, int64_t num_embeddings, int64_t token_width, int64_t pe_width,
@@ -120,10 +178,7 @@ void forward(uintptr_t ids, int ids_dtype, uintptr_t weight, int64_t weight_row_
   args.dropout_seed = pointer<const int64_t>(dropout_seed);
   args.dropout_threshold = dropout_threshold;
   args.dropout_scale = dropout_scale;
-  if (num_tokens == 0) return;  // nothing to launch; no device needed
-  py::gil_scoped_release no_gil;
-  DeviceGuard guard(device);
-  check_cuda(posenc::launch_forward(args, pointer<CUstream_st>(stream)), "forward launch");
+  ForwardLaunch::launch(args, stream, device);
 }
 
 void weight_grad(uintptr_t sorted_ids, int sorted_ids_dtype, uintptr_t order, uintptr_t grad_out,
@@ -237,6 +292,18 @@ PYBIND11_MODULE(_C, m) {
         py::arg("sin_base"), py::arg("num_sin"), py::arg("cos_base"), py::arg("num_cos"), py::arg("pe_zero_id"),
         py::arg("embed_scale"), py::arg("pe_scale"), py::arg("float64_math"), py::arg("dropout_seed"),
         py::arg("dropout_threshold"), py::arg("dropout_scale"), py::arg("stream"), py::arg("device"));
+  py::class_<ForwardLaunch>(m, "ForwardLaunch",
+                            "`forward` with the arguments that stay fixed between a module's calls bound once; "
+                            "called with the nine that change (positions offset + t % seq_len, no dropout).")
+      .def(py::init<int, uintptr_t, int64_t, int64_t, int64_t, int64_t, bool, bool, int64_t, int64_t, int64_t,
+                    int64_t, int64_t, double, double, bool, int>(),
+           py::arg("dtype"), py::arg("turns"), py::arg("num_turns"), py::arg("num_embeddings"),
+           py::arg("token_width"), py::arg("pe_width"), py::arg("concat"), py::arg("interleaved"),
+           py::arg("sin_base"), py::arg("num_sin"), py::arg("cos_base"), py::arg("num_cos"), py::arg("pe_zero_id"),
+           py::arg("embed_scale"), py::arg("pe_scale"), py::arg("float64_math"), py::arg("device"))
+      .def("__call__", &ForwardLaunch::operator(), py::arg("ids"), py::arg("ids_dtype"), py::arg("weight"),
+           py::arg("weight_row_stride"), py::arg("out"), py::arg("offset"), py::arg("seq_len"),
+           py::arg("num_tokens"), py::arg("stream"));
   m.def("weight_grad", &weight_grad,
         "Launch both stages of the deterministic weight gradient (ids sorted by the caller); with a "
         "dropout_seed pointer (0: none), of the gradient through the forward's dropout mask.",

@@ -243,6 +243,68 @@ void check(const char* error, const char* what) {
   if (error != nullptr) throw std::runtime_error(std::string("posenc_fast CPU ") + what + ": " + error);
 }
 
+void run_forward(const ForwardArgs& a) {
+  if (a.num_tokens == 0) return;
+  if (a.seq_len < 1) throw py::value_error("seq_len must be >= 1, got " + std::to_string(a.seq_len));
+  const char* error;
+  {
+    py::gil_scoped_release no_gil;
+    error = selected.forward(a);
+  }
+  check(error, "forward");
+}
+
+// The arguments a module's calls share (table dtype and size, PE columns, scales), checked once: a
+// decoding step calls ForwardLaunch with the nine that change, not `forward` with all thirty
+// (pybind11's conversion of each argument is most of a binding call's cost).
+class ForwardLaunch {
+ public:
+  ForwardLaunch(int dtype, uintptr_t turns, int64_t num_turns, int64_t num_embeddings, int64_t token_width,
+                int64_t pe_width, bool concat, bool interleaved, int64_t sin_base, int64_t num_sin, int64_t cos_base,
+                int64_t num_cos, int64_t pe_zero_id, double embed_scale, double pe_scale, bool float64_math) {
+    args_.dtype = float_code(dtype, "weight");
+    args_.turns = pointer<const int64_t>(turns);
+    args_.num_turns = num_turns;
+    args_.num_embeddings = num_embeddings;
+    args_.token_width = token_width;
+    args_.pe_width = pe_width;
+    args_.concat = concat;
+    args_.interleaved = interleaved;
+    args_.sin_base = sin_base;
+    args_.num_sin = num_sin;
+    args_.cos_base = cos_base;
+    args_.num_cos = num_cos;
+    args_.pe_zero_id = pe_zero_id;
+    args_.embed_scale = embed_scale;
+    args_.pe_scale = pe_scale;
+    args_.float64_math = float64_math;
+    args_.positions = nullptr;
+    args_.offsets = nullptr;
+    args_.dropout_seed = nullptr;
+    args_.dropout_threshold = 0;
+    args_.dropout_scale = 1.0;
+  }
+
+  // Positions offset + t % seq_len, no dropout: the call a decoding step makes.
+  void operator()(uintptr_t ids, int ids_dtype, uintptr_t weight, int64_t weight_row_stride, uintptr_t out,
+                  int64_t offset, int64_t seq_len, int64_t num_tokens, int num_threads) const {
+    ForwardArgs a = args_;
+    a.ids = pointer<const void>(ids);
+    a.ids_dtype = id_code(ids_dtype, "ids");
+    a.weight = pointer<const void>(weight);
+    a.weight_row_stride = weight_row_stride;
+    a.out = pointer<void>(out);
+    a.offset = offset;
+    a.seq_len = seq_len;
+    a.num_tokens = num_tokens;
+    a.num_threads = num_threads < 1 ? 1 : num_threads;
+    run_forward(a);
+  }
+
+ private:
+  ForwardArgs args_{};
+};
+
 void forward(uintptr_t ids, int ids_dtype, uintptr_t weight, int64_t weight_row_stride, int dtype, uintptr_t out,
              uintptr_t turns, int64_t num_turns, uintptr_t positions, uintptr_t offsets, int64_t offset,
              int64_t seq_len, int64_t num_tokens, int64_t num_embeddings, int64_t token_width, int64_t pe_width,
@@ -280,13 +342,7 @@ void forward(uintptr_t ids, int ids_dtype, uintptr_t weight, int64_t weight_row_
   a.dropout_threshold = dropout_threshold;
   a.dropout_scale = dropout_scale;
   a.num_threads = num_threads < 1 ? 1 : num_threads;
-  if (num_tokens == 0) return;
-  const char* error;
-  {
-    py::gil_scoped_release no_gil;
-    error = selected.forward(a);
-  }
-  check(error, "forward");
+  run_forward(a);
 }
 
 void weight_grad(uintptr_t sorted_ids, int sorted_ids_dtype, uintptr_t order, uintptr_t grad_out,
@@ -362,6 +418,19 @@ PYBIND11_MODULE(_cpu, m) {
         py::arg("sin_base"), py::arg("num_sin"), py::arg("cos_base"), py::arg("num_cos"), py::arg("pe_zero_id"),
         py::arg("embed_scale"), py::arg("pe_scale"), py::arg("float64_math"), py::arg("dropout_seed"),
         py::arg("dropout_threshold"), py::arg("dropout_scale"), py::arg("num_threads"));
+  py::class_<cpu::ForwardLaunch>(m, "ForwardLaunch",
+                                 "`forward` with the arguments that stay fixed between a module's calls bound "
+                                 "once; called with the nine that change (positions offset + t % seq_len, no "
+                                 "dropout).")
+      .def(py::init<int, uintptr_t, int64_t, int64_t, int64_t, int64_t, bool, bool, int64_t, int64_t, int64_t,
+                    int64_t, int64_t, double, double, bool>(),
+           py::arg("dtype"), py::arg("turns"), py::arg("num_turns"), py::arg("num_embeddings"),
+           py::arg("token_width"), py::arg("pe_width"), py::arg("concat"), py::arg("interleaved"),
+           py::arg("sin_base"), py::arg("num_sin"), py::arg("cos_base"), py::arg("num_cos"), py::arg("pe_zero_id"),
+           py::arg("embed_scale"), py::arg("pe_scale"), py::arg("float64_math"))
+      .def("__call__", &cpu::ForwardLaunch::operator(), py::arg("ids"), py::arg("ids_dtype"), py::arg("weight"),
+           py::arg("weight_row_stride"), py::arg("out"), py::arg("offset"), py::arg("seq_len"),
+           py::arg("num_tokens"), py::arg("num_threads"));
   m.def("weight_grad", &cpu::weight_grad,
         "The deterministic weight gradient (ids sorted by the caller; every element of grad_weight is written); with a "
         "dropout_seed pointer (0: none), through the forward's dropout mask.",

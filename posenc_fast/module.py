@@ -12,7 +12,8 @@ from . import presets
 from ._dispatch import check_backend_name
 from ._dropout import check_dropout_p
 from ._validate import check_weight, make_spec
-from .functional import apply_add_spec, apply_spec
+from ._prepared import PreparedForward
+from .functional import _eager_inference, apply_add_spec, apply_spec
 from .presets import PADDING_AWARE_RULES, POSITION_RULES
 
 
@@ -96,6 +97,10 @@ class SinusoidalEmbedding(nn.Module):
         self.reset_parameters()
         self._prepare_turns()
 
+    # The prepared launch of the last eager inference call (posenc_fast._prepared); a class default
+    # so that modules unpickled from older versions have it too.
+    _prepared: Optional[PreparedForward] = None
+
     def _prepare_turns(self) -> None:
         """Copy the frequencies to the weight's device now rather than in the first forward (which may
         be inside a CUDA graph capture, where a host-to-device copy is not allowed)."""
@@ -105,6 +110,7 @@ class SinusoidalEmbedding(nn.Module):
 
     def _apply(self, fn, recurse=True):  # .to(), .cuda(), to_empty(): every move of the weight
         result = super()._apply(fn, recurse)
+        self._prepared = None
         self._prepare_turns()
         return result
 
@@ -158,10 +164,24 @@ class SinusoidalEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor, positions: Optional[torch.Tensor] = None,
                 offset: Union[int, torch.Tensor] = 0, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
         weight = self.weight
+        # A decoding step: see posenc_fast._prepared (never under torch.compile, which traces the op).
+        simple_call = positions is None and cu_seqlens is None and not torch.compiler.is_compiling()
+        if simple_call and self._prepared is not None:
+            out = self._prepared.run(self, weight, ids, offset)
+            if out is not None:
+                return out
         spec = self.spec
-        return apply_spec(ids, weight, spec, spec.turns_tensor(weight.device), positions, offset, self.backend,
-                          cu_seqlens=cu_seqlens, position_rule=self.position_rule, vocab_range=self.vocab_range,
-                          dropout_p=self.dropout, training=self.training)
+        out = apply_spec(ids, weight, spec, spec.turns_tensor(weight.device), positions, offset, self.backend,
+                         cu_seqlens=cu_seqlens, position_rule=self.position_rule, vocab_range=self.vocab_range,
+                         dropout_p=self.dropout, training=self.training)
+        if simple_call and type(offset) is int and _eager_inference(ids, weight) and (
+                self._prepared is None or not self._prepared.prepared_for(self, weight)):
+            self._prepared = PreparedForward.build(self, weight)
+        return out
+
+    def __getstate__(self):
+        # The prepared launch holds a binding object: not copied or pickled, prepared again on use.
+        return {**super().__getstate__(), "_prepared": None}
 
     @classmethod
     def from_preset(cls, name: str, num_embeddings: int, d_model: int, padding_idx: Optional[int] = None,

@@ -8,6 +8,8 @@
     forward(ids, weight, turns, positions, offsets, offset, seq_len, params, dropout) -> Tensor[N, width]
     backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype, dropout)
         -> Tensor[V, token_width]   (padding_idx: -1 for none)
+    prepare_forward(weight, turns, params) -> Optional[PreparedLaunch]: optional; ``forward`` with the
+        arguments fixed between a module's calls bound once (``posenc_fast._prepared``)
 
 ``params`` is a :class:`KernelParams`; ``dropout`` a :class:`Dropout` (``_dropout``) or None.  Backend choice
 lives in ``posenc_fast._dispatch``.
@@ -15,7 +17,7 @@ lives in ``posenc_fast._dispatch``.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, Dict, NamedTuple
 
 import torch
 
@@ -67,3 +69,16 @@ class KernelParams(NamedTuple):
     @property
     def num_pairs(self) -> int:
         return self.pe_width // 2
+
+
+class PreparedLaunch(NamedTuple):
+    """A backend's forward with the arguments that stay fixed between a module's calls bound once
+    (``prepare_forward``), for positions ``offset + t % seq_len`` and no dropout.  Called as
+    ``launch(ids_ptr, id_codes[ids.dtype], weight_ptr, weight_row_stride, out_ptr, offset, seq_len,
+    num_tokens, last_argument())``; ``is_current()`` turns False when the backend's extension changes."""
+
+    launch: Callable
+    id_codes: Dict[torch.dtype, int]  # the id dtypes the binding takes -> its codes
+    last_argument: Callable[[], int]  # asked per call: the CUDA stream handle, or the CPU thread count
+    is_current: Callable[[], bool]
+    turns: torch.Tensor  # the int64 frequencies whose pointer ``launch`` holds: kept alive with it

@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from . import Dropout, KernelParams, new_buffer, sort_ids_for_gradient
+from . import Dropout, KernelParams, PreparedLaunch, new_buffer, sort_ids_for_gradient
 from ._extension import Extension as _Extension
 from ._extension import constant_under_compile as _constant_under_compile
 from ._extension import dtype_code, int64_vector, load_file, pointer
@@ -148,6 +148,24 @@ def _dropout_arguments(dropout: Optional[Dropout]):
     if seed.device.type != "cpu":
         raise ValueError(f"the dropout seed is on {seed.device}, the kernels run on the CPU")
     return seed.data_ptr(), int(dropout.threshold), float(dropout.scale)
+
+
+def prepare_forward(weight, turns, params: KernelParams) -> Optional[PreparedLaunch]:
+    """``_cpu.ForwardLaunch`` bound to ``weight``'s dtype and size and to ``params``
+    (``posenc_fast._prepared``); None when the extension is missing."""
+    state = _lookup()
+    module = state.module
+    if module is None:
+        return None
+    turns = int64_vector(turns)
+    columns = params.columns
+    launch = module.ForwardLaunch(
+        _dtype_code(module, weight.dtype), turns.data_ptr(), turns.numel(), weight.shape[0], params.token_width,
+        params.pe_width, bool(params.concat), bool(columns.interleaved), columns.sin_base, columns.num_sin,
+        columns.cos_base, columns.num_cos, int(params.pe_zero_id), float(params.embed_scale),
+        float(params.pe_scale), bool(params.float64_math))
+    id_codes = {dtype: _dtype_code(module, dtype) for dtype in (torch.int32, torch.int64)}
+    return PreparedLaunch(launch, id_codes, torch.get_num_threads, lambda: _state is state, turns)
 
 
 def forward(ids, weight, turns, positions, offsets, offset, seq_len, params: KernelParams,

@@ -23,6 +23,7 @@ kernel source compiled for the CPU, so that backend="cuda" runs on CPU tensors t
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import threading
@@ -30,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from . import Dropout, KernelParams, new_buffer, sort_ids_for_gradient
+from . import Dropout, KernelParams, PreparedLaunch, new_buffer, sort_ids_for_gradient
 from ._extension import Extension as _Extension
 from ._extension import constant_under_compile as _constant_under_compile
 from ._extension import dtype_code, int64_vector, load_file, pointer
@@ -237,6 +238,35 @@ def _stream_and_device(t: torch.Tensor):
     if _raw_stream is not None:
         return _raw_stream(device.index), device.index
     return torch.cuda.current_stream(device).cuda_stream, device.index
+
+
+def _no_stream() -> int:
+    return 0  # host emulation
+
+
+def prepare_forward(weight, turns, params: KernelParams) -> Optional[PreparedLaunch]:
+    """``_C.ForwardLaunch`` bound to ``weight``'s dtype, size and device and to ``params``
+    (``posenc_fast._prepared``); None when the extension is missing."""
+    state = _lookup()
+    module, emulating = state.module, _host_emulation
+    if module is None:
+        return None
+    turns = int64_vector(turns)
+    columns = params.columns
+    device = weight.device
+    launch = module.ForwardLaunch(
+        dtype_code(module, weight.dtype, "cuda"), turns.data_ptr(), turns.shape[0], weight.shape[0],
+        params.token_width, params.pe_width, params.concat, columns.interleaved, columns.sin_base, columns.num_sin,
+        columns.cos_base, columns.num_cos, params.pe_zero_id, params.embed_scale, params.pe_scale,
+        params.float64_math, device.index or 0)
+    if device.type != "cuda":
+        stream = _no_stream
+    elif _raw_stream is not None:
+        stream = functools.partial(_raw_stream, device.index)
+    else:
+        stream = lambda: torch.cuda.current_stream(device).cuda_stream  # noqa: E731
+    id_codes = {dtype: dtype_code(module, dtype, "cuda") for dtype in (torch.int32, torch.int64)}
+    return PreparedLaunch(launch, id_codes, stream, lambda: _state is state and _host_emulation == emulating, turns)
 
 
 def forward(ids, weight, turns, positions, offsets, offset, seq_len, params: KernelParams,

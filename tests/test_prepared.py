@@ -1,0 +1,310 @@
+"""posenc_fast._prepared: a module's repeated eager inference call through its prepared launch.
+
+The prepared launch must be invisible: every call it serves gives what the general path gives (the
+float64 reference's bars, and bit for bit the general path of the same backend), and whatever a user
+changes between calls (the table's values, storage, dtype, size or device, the module's settings,
+grad mode, the backend's extension) either keeps it valid or sends the call back to the general path.
+"""
+
+import copy
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+import posenc_fast as pf
+from posenc_fast import _prepared, reference
+from posenc_fast.backends import cpu_backend, cuda_backend
+
+from cases import CASES, assert_within, backend_targets, make_inputs, output_bound
+
+TARGETS = backend_targets()
+PREPARED_BACKENDS = ("cpu", "cuda")  # the backends with prepare_forward
+# Cases whose positions an int offset gives: the calls a prepared launch serves.
+OFFSET_CASES = [c for c in CASES if c.position_rule in ("zero", "int")]
+
+
+@pytest.fixture
+def prepared_runs(monkeypatch):
+    """How many calls the prepared launch served (``PreparedForward.run`` returned an output)."""
+    served = []
+    run = _prepared.PreparedForward.run
+
+    def counting_run(self, *args):
+        out = run(self, *args)
+        if out is not None:
+            served.append(out)
+        return out
+
+    monkeypatch.setattr(_prepared.PreparedForward, "run", counting_run)
+    return served
+
+
+def _layer(case, weight, backend, **extra):
+    """The module for ``case`` around ``weight`` (a copy, so that tests may change it)."""
+    _, _, kwargs = make_inputs(case, "cpu", torch.float32, 0)
+    settings = {k: v for k, v in kwargs.items() if k not in ("offset", "positions")}
+    return pf.SinusoidalEmbedding.from_pretrained(weight.clone(), backend=backend, **settings, **extra)
+
+
+def _fresh(layer):
+    """A copy of ``layer`` with no prepared launch: its first call takes the general path."""
+    twin = copy.deepcopy(layer)
+    assert twin._prepared is None
+    return twin
+
+
+@pytest.mark.parametrize("backend,device", TARGETS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", OFFSET_CASES, ids=lambda c: c.name)
+def test_repeated_calls_match_float64(case, dtype, backend, device, seed, prepared_runs):
+    """Decoding-like calls: fresh ids and offsets each time, against the float64 reference."""
+    _, weight, _ = make_inputs(case, device, dtype, seed)
+    layer = _layer(case, weight, backend).eval()
+    g = torch.Generator().manual_seed(seed)
+    settings = {k: v for k, v in make_inputs(case, "cpu", torch.float32, 0)[2].items()
+                if k not in ("offset", "positions")}
+    calls = 4
+    with torch.no_grad():
+        for call in range(calls):
+            ids = torch.randint(0, case.vocab, case.ids_shape, generator=g).to(case.ids_dtype).to(device)
+            offset = int(torch.randint(-(2**24), 2**24, (), generator=g)) if call else 0
+            out = layer(ids, offset=offset)
+            assert out.dtype == dtype and out.shape == ids.shape + (case.d_model,)
+            exact = reference.sinusoidal_embedding(ids, layer.weight.double(), offset=offset, **settings)
+            assert_within(out, exact, output_bound(exact, dtype, case.precision), f"{case.name} call {call}")
+    served = len(prepared_runs)
+    assert served == (calls - 1 if backend in PREPARED_BACKENDS else 0), served
+
+
+def _basic_layer(backend, device, **kwargs):
+    torch.manual_seed(0)
+    return pf.SinusoidalEmbedding(50, 16, padding_idx=1, backend=backend, **kwargs).to(device).eval()
+
+
+def _ids(device, vocab=50, shape=(3, 5), seed=1):
+    return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed)).to(device)
+
+
+# What a user may change between two calls, and how the next call must then behave: each entry
+# changes the layer (and may return ids to call it with); the call must equal a fresh copy's.
+def _scale_weight_in_place(layer):
+    with torch.no_grad():
+        layer.weight.mul_(-3.0)
+
+
+def _swap_weight_data(layer):
+    layer.weight.data = torch.randn_like(layer.weight)
+
+
+def _weight_data_to_bfloat16(layer):
+    layer.weight.data = layer.weight.data.to(torch.bfloat16)
+
+
+def _module_to_float16(layer):
+    layer.to(torch.float16)
+
+
+def _new_parameter_with_more_rows(layer):
+    layer.weight = nn.Parameter(torch.randn(70, 16, device=layer.weight.device), requires_grad=False)
+    return _ids(layer.weight.device, vocab=70, seed=2)  # ids past the old table's end
+
+
+def _strided_weight(layer):
+    wide = torch.randn(50, 24, device=layer.weight.device)
+    layer.weight.data = wide[:, :16]  # rows 24 apart: not contiguous
+
+
+def _other_spec(layer):
+    layer.spec = pf.SinusoidalEmbedding(50, 16, padding_idx=1, embed_scale=4.0, layout="split").spec
+
+
+def _backend_torch(layer):
+    layer.backend = "torch"
+
+
+def _fairseq_positions(layer):
+    layer.position_rule = "fairseq"
+    ids = _ids(layer.weight.device)
+    ids[0, 3:] = 1  # padding: fairseq positions skip it
+    return ids
+
+
+def _int32_ids(layer):
+    return _ids(layer.weight.device).to(torch.int32)
+
+
+def _transposed_ids(layer):
+    return _ids(layer.weight.device, shape=(5, 3)).t()
+
+
+def _scalar_id(layer):
+    return torch.tensor(7, device=layer.weight.device)
+
+
+def _no_tokens(layer):
+    return torch.empty((2, 0), dtype=torch.int64, device=layer.weight.device)
+
+
+CHANGES = [_scale_weight_in_place, _swap_weight_data, _weight_data_to_bfloat16, _module_to_float16,
+           _new_parameter_with_more_rows, _strided_weight, _other_spec, _backend_torch, _fairseq_positions,
+           _int32_ids, _transposed_ids, _scalar_id, _no_tokens]
+
+
+@pytest.mark.parametrize("backend,device", TARGETS)
+@pytest.mark.parametrize("change", CHANGES, ids=lambda f: f.__name__.lstrip("_"))
+def test_changes_between_calls(change, backend, device, monkeypatch):
+    layer = _basic_layer(backend, device)
+    ids = _ids(device)
+    with torch.no_grad():
+        first = layer(ids, offset=9)
+        assert torch.equal(layer(ids, offset=9), first)
+        new_ids = change(layer)
+        if new_ids is not None:
+            ids = new_ids
+        want = _fresh(layer)(ids, offset=9)
+        got = layer(ids, offset=9)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(got, want)
+        assert torch.equal(layer(ids, offset=9), want)  # and once more, prepared again where it can be
+
+
+@pytest.mark.parametrize("backend,device", TARGETS)
+def test_prepared_calls_equal_the_general_path_bitwise(backend, device, prepared_runs):
+    layer = _basic_layer(backend, device, embed_scale=4.0, layout="split")
+    with torch.no_grad():
+        for offset in (0, 1, 2**31 + 5, -(2**40), 2**63 - 100):
+            ids = _ids(device, seed=offset % 97)
+            assert torch.equal(layer(ids, offset=offset), _fresh(layer)(ids, offset=offset)), offset
+        for offset in (torch.tensor([0, 7, 2**40], device=device), torch.tensor(5, device=device)):
+            assert torch.equal(layer(ids, offset=offset), _fresh(layer)(ids, offset=offset)), offset
+    assert len(prepared_runs) == (4 if backend in PREPARED_BACKENDS else 0)  # tensor offsets: general path
+
+
+@pytest.mark.parametrize("backend,device", TARGETS)
+def test_bad_calls_after_prepared_ones_still_raise(backend, device):
+    layer = _basic_layer(backend, device)
+    ids = _ids(device)
+    with torch.no_grad():
+        layer(ids)
+        layer(ids, offset=3)
+        with pytest.raises(IndexError, match="id 50 is out of range"):
+            layer(torch.full_like(ids, 50))
+        with pytest.raises(TypeError, match="int32 or int64"):
+            layer(ids.float())
+        with pytest.raises(ValueError, match="meta"):
+            layer(ids.to("meta"))
+        with pytest.raises(ValueError, match="does not fit in int64"):
+            layer(ids, offset=2**63)
+        layer.dropout = 1.5  # checked on every call, in eval mode too (as F.dropout does)
+        with pytest.raises(ValueError, match="1.5"):
+            layer(ids)
+        layer.dropout = 0.0
+        layer.weight = nn.Parameter(torch.randn(30, 16, device=device))
+        with pytest.raises(IndexError, match="30 rows"):  # the check uses the new table's size
+            layer(torch.full_like(ids, 40))
+
+
+@pytest.mark.parametrize("backend,device", [t for t in TARGETS if t.values[0] in PREPARED_BACKENDS])
+def test_a_changed_extension_is_not_used(backend, device, monkeypatch):
+    """A prepared launch holds a binding object of the extension it was prepared with; once the backend's
+    extension changes (a rebuild, tests switching host emulation), calls take the general path."""
+    module = {"cpu": cpu_backend, "cuda": cuda_backend}[backend]
+    layer = _basic_layer(backend, device)
+    ids = _ids(device)
+    with torch.no_grad():
+        layer(ids)
+        layer(ids)
+        monkeypatch.setattr(module, "_state", type(module._state)(None, "extension unloaded by the test"))
+        monkeypatch.setattr(module, "prepare", lambda device: None)  # no on-demand build either
+        with pytest.raises(RuntimeError, match="extension unloaded by the test"):
+            layer(ids)
+
+
+@pytest.mark.parametrize("backend,device", TARGETS)
+def test_out_of_range_ids_with_the_check_off(backend, device):
+    """With the id check off an out-of-range id reads nothing (a zero token vector), as on the general path."""
+    layer = _basic_layer(backend, device)
+    ids = _ids(device)
+    ids[0, 0], ids[1, 2] = 50, -7
+    with torch.no_grad(), pf.id_check(False):
+        layer(_ids(device))
+        layer(_ids(device))
+        assert torch.equal(layer(ids), _fresh(layer)(ids))
+
+
+@pytest.mark.parametrize("backend,device", TARGETS)
+def test_training_dropout_and_grad_take_the_general_path(backend, device, prepared_runs):
+    layer = _basic_layer(backend, device)
+    ids = _ids(device)
+    with torch.no_grad():
+        layer(ids)
+        layer(ids)
+    served = len(prepared_runs)
+    out = layer(ids)  # grad enabled, trainable weight: an autograd node
+    assert out.requires_grad and out.grad_fn is not None
+    out.sum().backward()
+    assert layer.weight.grad is not None
+    layer.dropout = 0.5
+    layer.train()
+    with torch.no_grad():
+        torch.manual_seed(5)
+        dropped = layer(ids)
+        torch.manual_seed(5)
+        assert torch.equal(dropped, _fresh(layer)(ids))
+        assert not torch.equal(dropped, layer.eval()(ids))  # eval: exact, no dropout
+        layer.eval()(ids)
+        torch.manual_seed(6)
+        dropped = layer.train()(ids)  # prepared for dropout 0.5 in eval mode; training must still drop
+        torch.manual_seed(6)
+        assert torch.equal(dropped, _fresh(layer)(ids))
+        assert torch.count_nonzero(dropped) < dropped.numel()
+    # Of these calls only the eval ones run prepared (prepared again for dropout 0.5 after the first
+    # training call); the grad call needs autograd, the training calls dropout.
+    assert served == (1 if backend in PREPARED_BACKENDS else 0)
+    assert len(prepared_runs) == 3 * served
+
+
+@pytest.mark.parametrize("backend,device", TARGETS)
+def test_copies_and_pickles_after_prepared_calls(backend, device):
+    layer = _basic_layer(backend, device)
+    ids = _ids(device)
+    with torch.no_grad():
+        want = layer(ids)
+        layer(ids)
+        for twin in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer)), copy.copy(layer)):
+            assert torch.equal(twin(ids), want)
+            assert torch.equal(twin(ids), want)
+
+
+def test_dispatch_modes_see_the_op_after_prepared_calls():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Log(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    layer = _basic_layer("auto", "cpu")
+    ids = _ids("cpu")
+    with torch.no_grad():
+        want = layer(ids)
+        layer(ids)
+        with Log():
+            got = layer(ids)
+    assert any("posenc_fast" in name for name in seen), seen
+    assert torch.equal(got, want)
+
+
+def test_compile_after_prepared_calls():
+    layer = _basic_layer("auto", "cpu")
+    ids = _ids("cpu")
+    with torch.no_grad():
+        want = layer(ids, offset=4)
+        layer(ids, offset=4)
+        compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+        assert torch.equal(compiled(ids, offset=4), want)
+        assert torch.equal(layer(ids, offset=4), want)  # and eager again
