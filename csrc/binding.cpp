@@ -110,34 +110,36 @@ class ForwardLaunch {
     args_.embed_scale = embed_scale;
     args_.pe_scale = pe_scale;
     args_.float64_math = float64_math;
-    args_.positions = nullptr;
-    args_.offsets = nullptr;
-    args_.dropout_seed = nullptr;
-    args_.dropout_threshold = 0;
-    args_.dropout_scale = 1.0;
   }
 
   // Positions offset + t % seq_len, no dropout: the call a decoding step makes.
   void operator()(uintptr_t ids, int ids_dtype, uintptr_t weight, int64_t weight_row_stride, uintptr_t out,
                   int64_t offset, int64_t seq_len, int64_t num_tokens, uintptr_t stream) const {
+    run(ids, ids_dtype, weight, weight_row_stride, out, 0, 0, offset, seq_len, num_tokens, 0, 0, 1.0, stream);
+  }
+
+  // Every per-call argument: explicit positions or per-sequence offsets (0: none), dropout.
+  void run(uintptr_t ids, int ids_dtype, uintptr_t weight, int64_t weight_row_stride, uintptr_t out,
+           uintptr_t positions, uintptr_t offsets, int64_t offset, int64_t seq_len, int64_t num_tokens,
+           uintptr_t dropout_seed, uint32_t dropout_threshold, double dropout_scale, uintptr_t stream) const {
     posenc::ForwardArgs args = args_;
     args.ids = pointer<const void>(ids);
     args.ids_dtype = id_code(ids_dtype);
     args.weight = pointer<const void>(weight);
     args.weight_row_stride = weight_row_stride;
     args.out = pointer<void>(out);
+    args.positions = pointer<const int64_t>(positions);
+    args.offsets = pointer<const int64_t>(offsets);
     args.offset = offset;
     args.seq_len = seq_len;
     args.num_tokens = num_tokens;
-    launch(args, stream, device_);
-  }
-
-  // The general launch: every argument given.
-  static void launch(const posenc::ForwardArgs& args, uintptr_t stream, int device) {
-    if (args.num_tokens == 0) return;  // nothing to launch; no device needed
-    if (args.seq_len < 1) throw py::value_error("seq_len must be >= 1, got " + std::to_string(args.seq_len));
+    args.dropout_seed = pointer<const int64_t>(dropout_seed);
+    args.dropout_threshold = dropout_threshold;
+    args.dropout_scale = dropout_scale;
+    if (num_tokens == 0) return;  // nothing to launch; no device needed
+    if (seq_len < 1) throw py::value_error("seq_len must be >= 1, got " + std::to_string(seq_len));
     py::gil_scoped_release no_gil;
-    DeviceGuard guard(device);
+    DeviceGuard guard(device_);
     check_cuda(posenc::launch_forward(args, pointer<CUstream_st>(stream)), "forward launch");
   }
 
@@ -152,33 +154,10 @@ void forward(uintptr_t ids, int ids_dtype, uintptr_t weight, int64_t weight_row_
              bool concat, bool interleaved, int64_t sin_base, int64_t num_sin, int64_t cos_base, int64_t num_cos,
              int64_t pe_zero_id, double embed_scale, double pe_scale, bool float64_math, uintptr_t dropout_seed,
              uint32_t dropout_threshold, double dropout_scale, uintptr_t stream, int device) {
-  posenc::ForwardArgs args;
-  args.ids = pointer<const void>(ids);
-  args.ids_dtype = id_code(ids_dtype);
-  args.weight = pointer<const void>(weight);
-  args.weight_row_stride = weight_row_stride;
-  args.dtype = float_code(dtype, "weight");
-  args.out = pointer<void>(out);
-  args.turns = pointer<const int64_t>(turns);
-  args.num_turns = num_turns;
-  args.positions = pointer<const int64_t>(positions);
-  args.offsets = pointer<const int64_t>(offsets);
-  args.offset = offset;
-  args.seq_len = seq_len;
-  args.num_tokens = num_tokens;
-  args.num_embeddings = num_embeddings;
-  args.token_width = token_width;
-  args.pe_width = pe_width;
-  args.concat = concat;
-  args.columns = posenc::PEColumns{interleaved, sin_base, num_sin, cos_base, num_cos};
-  args.pe_zero_id = pe_zero_id;
-  args.embed_scale = embed_scale;
-  args.pe_scale = pe_scale;
-  args.float64_math = float64_math;
-  args.dropout_seed = pointer<const int64_t>(dropout_seed);
-  args.dropout_threshold = dropout_threshold;
-  args.dropout_scale = dropout_scale;
-  ForwardLaunch::launch(args, stream, device);
+  ForwardLaunch(dtype, turns, num_turns, num_embeddings, token_width, pe_width, concat, interleaved, sin_base,
+                num_sin, cos_base, num_cos, pe_zero_id, embed_scale, pe_scale, float64_math, device)
+      .run(ids, ids_dtype, weight, weight_row_stride, out, positions, offsets, offset, seq_len, num_tokens,
+           dropout_seed, dropout_threshold, dropout_scale, stream);
 }
 
 void weight_grad(uintptr_t sorted_ids, int sorted_ids_dtype, uintptr_t order, uintptr_t grad_out,

@@ -243,17 +243,6 @@ void check(const char* error, const char* what) {
   if (error != nullptr) throw std::runtime_error(std::string("posenc_fast CPU ") + what + ": " + error);
 }
 
-void run_forward(const ForwardArgs& a) {
-  if (a.num_tokens == 0) return;
-  if (a.seq_len < 1) throw py::value_error("seq_len must be >= 1, got " + std::to_string(a.seq_len));
-  const char* error;
-  {
-    py::gil_scoped_release no_gil;
-    error = selected.forward(a);
-  }
-  check(error, "forward");
-}
-
 // The arguments a module's calls share (table dtype and size, PE columns, scales), checked once: a
 // decoding step calls ForwardLaunch with the nine that change, not `forward` with all thirty
 // (pybind11's conversion of each argument is most of a binding call's cost).
@@ -278,27 +267,41 @@ class ForwardLaunch {
     args_.embed_scale = embed_scale;
     args_.pe_scale = pe_scale;
     args_.float64_math = float64_math;
-    args_.positions = nullptr;
-    args_.offsets = nullptr;
-    args_.dropout_seed = nullptr;
-    args_.dropout_threshold = 0;
-    args_.dropout_scale = 1.0;
   }
 
   // Positions offset + t % seq_len, no dropout: the call a decoding step makes.
   void operator()(uintptr_t ids, int ids_dtype, uintptr_t weight, int64_t weight_row_stride, uintptr_t out,
                   int64_t offset, int64_t seq_len, int64_t num_tokens, int num_threads) const {
+    run(ids, ids_dtype, weight, weight_row_stride, out, 0, 0, offset, seq_len, num_tokens, 0, 0, 1.0, num_threads);
+  }
+
+  // Every per-call argument: explicit positions or per-sequence offsets (0: none), dropout.
+  void run(uintptr_t ids, int ids_dtype, uintptr_t weight, int64_t weight_row_stride, uintptr_t out,
+           uintptr_t positions, uintptr_t offsets, int64_t offset, int64_t seq_len, int64_t num_tokens,
+           uintptr_t dropout_seed, uint32_t dropout_threshold, double dropout_scale, int num_threads) const {
     ForwardArgs a = args_;
     a.ids = pointer<const void>(ids);
     a.ids_dtype = id_code(ids_dtype, "ids");
     a.weight = pointer<const void>(weight);
     a.weight_row_stride = weight_row_stride;
     a.out = pointer<void>(out);
+    a.positions = pointer<const int64_t>(positions);
+    a.offsets = pointer<const int64_t>(offsets);
     a.offset = offset;
     a.seq_len = seq_len;
     a.num_tokens = num_tokens;
+    a.dropout_seed = pointer<const int64_t>(dropout_seed);
+    a.dropout_threshold = dropout_threshold;
+    a.dropout_scale = dropout_scale;
     a.num_threads = num_threads < 1 ? 1 : num_threads;
-    run_forward(a);
+    if (num_tokens == 0) return;
+    if (seq_len < 1) throw py::value_error("seq_len must be >= 1, got " + std::to_string(seq_len));
+    const char* error;
+    {
+      py::gil_scoped_release no_gil;
+      error = selected.forward(a);
+    }
+    check(error, "forward");
   }
 
  private:
@@ -311,38 +314,10 @@ void forward(uintptr_t ids, int ids_dtype, uintptr_t weight, int64_t weight_row_
              bool concat, bool interleaved, int64_t sin_base, int64_t num_sin, int64_t cos_base, int64_t num_cos,
              int64_t pe_zero_id, double embed_scale, double pe_scale, bool float64_math, uintptr_t dropout_seed,
              uint32_t dropout_threshold, double dropout_scale, int num_threads) {
-  ForwardArgs a;
-  a.ids = pointer<const void>(ids);
-  a.ids_dtype = id_code(ids_dtype, "ids");
-  a.weight = pointer<const void>(weight);
-  a.weight_row_stride = weight_row_stride;
-  a.dtype = float_code(dtype, "weight");
-  a.out = pointer<void>(out);
-  a.turns = pointer<const int64_t>(turns);
-  a.num_turns = num_turns;
-  a.positions = pointer<const int64_t>(positions);
-  a.offsets = pointer<const int64_t>(offsets);
-  a.offset = offset;
-  a.seq_len = seq_len;
-  a.num_tokens = num_tokens;
-  a.num_embeddings = num_embeddings;
-  a.token_width = token_width;
-  a.pe_width = pe_width;
-  a.concat = concat;
-  a.interleaved = interleaved;
-  a.sin_base = sin_base;
-  a.num_sin = num_sin;
-  a.cos_base = cos_base;
-  a.num_cos = num_cos;
-  a.pe_zero_id = pe_zero_id;
-  a.embed_scale = embed_scale;
-  a.pe_scale = pe_scale;
-  a.float64_math = float64_math;
-  a.dropout_seed = pointer<const int64_t>(dropout_seed);
-  a.dropout_threshold = dropout_threshold;
-  a.dropout_scale = dropout_scale;
-  a.num_threads = num_threads < 1 ? 1 : num_threads;
-  run_forward(a);
+  ForwardLaunch(dtype, turns, num_turns, num_embeddings, token_width, pe_width, concat, interleaved, sin_base,
+                num_sin, cos_base, num_cos, pe_zero_id, embed_scale, pe_scale, float64_math)
+      .run(ids, ids_dtype, weight, weight_row_stride, out, positions, offsets, offset, seq_len, num_tokens,
+           dropout_seed, dropout_threshold, dropout_scale, num_threads);
 }
 
 void weight_grad(uintptr_t sorted_ids, int sorted_ids_dtype, uintptr_t order, uintptr_t grad_out,
