@@ -88,6 +88,14 @@ class DeviceGuard {
 };
 #endif
 
+// A tensor whose data pointer is null (torch's zero tensors, which have no memory) would be
+// dereferenced by the kernels; an empty table (no rows) legitimately has none.
+void check_pointers(const posenc::ForwardArgs& args) {
+  if (args.ids == nullptr || args.out == nullptr || (args.weight == nullptr && args.num_embeddings > 0)) {
+    throw py::value_error("forward: the ids, weight or output tensor has no memory (a null data pointer)");
+  }
+}
+
 // The arguments a module's calls share (table dtype and size, PE columns, scales), checked once: a
 // decoding step calls ForwardLaunch with the nine that change, not `forward` with all thirty-one
 // (pybind11's conversion of each argument is most of a binding call's cost).
@@ -138,6 +146,7 @@ class ForwardLaunch {
     args.dropout_scale = dropout_scale;
     if (num_tokens == 0) return;  // nothing to launch; no device needed
     if (seq_len < 1) throw py::value_error("seq_len must be >= 1, got " + std::to_string(seq_len));
+    check_pointers(args);
     py::gil_scoped_release no_gil;
     DeviceGuard guard(device_);
     check_cuda(posenc::launch_forward(args, pointer<CUstream_st>(stream)), "forward launch");

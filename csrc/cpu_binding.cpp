@@ -296,6 +296,11 @@ class ForwardLaunch {
     a.num_threads = num_threads < 1 ? 1 : num_threads;
     if (num_tokens == 0) return;
     if (seq_len < 1) throw py::value_error("seq_len must be >= 1, got " + std::to_string(seq_len));
+    // A null data pointer (torch's zero tensors have no memory) would be dereferenced; an empty
+    // table (no rows) legitimately has none.
+    if (a.ids == nullptr || a.out == nullptr || (a.weight == nullptr && a.num_embeddings > 0)) {
+      throw py::value_error("forward: the ids, weight or output tensor has no memory (a null data pointer)");
+    }
     const char* error;
     {
       py::gil_scoped_release no_gil;

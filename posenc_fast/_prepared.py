@@ -8,13 +8,13 @@ this one, ``SinusoidalEmbedding`` keeps a :class:`PreparedForward`: the resolved
 parameters and a ``PreparedLaunch`` (the backend's binding with those parameters bound).  The next
 call runs it if it is the same kind of call on the same kind of table; anything else (another dtype,
 shape or device of the table, another spec, backend, position rule, vocabulary range or dropout
-probability, a changed extension, a call that needs autograd, dropout, positions, a tensor offset or
+probability (compared by identity: the value prepared for is the object the general path checked), a changed extension, a call that needs autograd, dropout, positions, a tensor offset or
 cu_seqlens, or one under torch.compile, tracing, a functorch transform or a dispatch mode) takes the
 general path, which validates everything and raises the errors.
 
 What the prepared launch holds does not depend on the table's data: its pointer and row stride are
 read on every call, so in-place updates, ``.data`` swaps and a new Parameter of the same shape need
-no invalidation.  Backends without ``prepare_forward`` (torch, triton) always take the general path.
+no invalidation.  (A zero tensor, which has no memory, is refused by the binding itself.)  Backends without ``prepare_forward`` (torch, triton) always take the general path.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class PreparedForward:
         """Whether ``module`` with table ``weight`` is still what this launch was prepared for."""
         return (module.spec is self.spec and module.backend == self.backend
                 and module.position_rule == self.position_rule and module.vocab_range is None
-                and module.dropout == self.dropout and weight.dtype is self.dtype and weight.shape == self.shape
+                and module.dropout is self.dropout and weight.dtype is self.dtype and weight.shape == self.shape
                 and weight.device == self.device and self.is_current())
 
     def run(self, module, weight, ids, offset) -> Optional[torch.Tensor]:
@@ -74,13 +74,13 @@ class PreparedForward:
         if (type(offset) is not int or type(ids) is not torch.Tensor or not _INT64_MIN <= offset < _INT64_END
                 or module.spec is not self.spec or module.backend != self.backend
                 or module.position_rule != self.position_rule or module.vocab_range is not None
-                or module.dropout != self.dropout or (module.training and self.dropout)
+                or module.dropout is not self.dropout or (module.training and self.dropout)
                 or (weight.requires_grad and torch.is_grad_enabled())):
             return None
         id_code = self.id_codes.get(ids.dtype)
         if (id_code is None or weight.dtype is not self.dtype or weight.shape != self.shape
                 or ids.layout is not _STRIDED or weight.layout is not _STRIDED or not ids.is_contiguous()
-                or not weight.is_contiguous()
+                or not weight.is_contiguous() or ids.is_neg() or weight.is_neg()
                 or ids.device != self.device or weight.device != self.device
                 or not _eager_call(ids, weight) or not self.is_current()):
             return None

@@ -195,6 +195,24 @@ def _make_spec_cached(num_embeddings, token_width, mode, d_pos, base, layout, em
     )
 
 
+def _memory_backed(t: torch.Tensor) -> bool:
+    """Whether the kernels may read ``t``'s memory as it is: not a lazily negated view (``is_neg()``,
+    e.g. ``z.conj().imag``, would be read unnegated) nor a zero tensor (no memory at all).  Not asked
+    while torch.compile traces (it cannot trace these queries); the op asks at run time."""
+    return torch.compiler.is_compiling() or not (t.is_neg() or t._is_zerotensor())
+
+
+def _check_memory_backed(name: str, t: torch.Tensor) -> None:
+    if _memory_backed(t):
+        return
+    if t.is_neg():
+        raise ValueError(f"{name} is a lazily negated view ({name}.is_neg(), e.g. z.conj().imag); pass "
+                         f"{name}.resolve_neg()")
+    if t._is_zerotensor():
+        raise ValueError(f"{name} is a zero tensor without memory (torch._efficientzerotensor); pass a "
+                         f"materialised tensor ({name}.clone())")
+
+
 def check_weight(weight) -> None:
     if not isinstance(weight, torch.Tensor):
         raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
@@ -204,6 +222,7 @@ def check_weight(weight) -> None:
         raise TypeError(f"weight must be a floating-point tensor, got dtype {weight.dtype}")
     if weight.layout != torch.strided:
         raise TypeError(f"weight must be a dense (strided) tensor, got layout {weight.layout}")
+    _check_memory_backed("weight", weight)
 
 
 def check_weight_for_spec(weight, spec: PESpec) -> None:
@@ -211,7 +230,8 @@ def check_weight_for_spec(weight, spec: PESpec) -> None:
     if isinstance(weight, torch.Tensor):
         shape = weight.shape
         if len(shape) == 2 and shape[1] == spec.token_width and weight.is_floating_point() and (
-                spec.padding_idx is None or spec.padding_idx < shape[0]) and weight.layout == torch.strided:
+                spec.padding_idx is None or spec.padding_idx < shape[0]) and weight.layout == torch.strided and (
+                _memory_backed(weight)):
             return  # the common case, first: this runs on every call
     check_weight(weight)
     if weight.shape[1] != spec.token_width:
@@ -249,7 +269,8 @@ def check_offset(offset, ids: torch.Tensor, name: str = "offset") -> None:
 def make_batch(ids, weight: torch.Tensor, spec: PESpec, positions, offset) -> Batch:
     """Validate the per-call inputs and flatten them for the kernels."""
     if (positions is None and type(offset) is int and type(ids) is torch.Tensor and ids.dtype in ID_DTYPES
-            and ids.layout == torch.strided and ids.device == weight.device and _INT64_MIN <= offset < _INT64_END):
+            and ids.layout == torch.strided and ids.device == weight.device and _INT64_MIN <= offset < _INT64_END
+            and _memory_backed(ids)):
         # The common call (a decoding step: ids and an int offset) in a few us; the same checks as below.
         shape = ids.shape
         flat_ids = ids if len(shape) == 1 else ids.reshape(-1)  # a view costs about 1 us
@@ -264,6 +285,7 @@ def make_batch(ids, weight: torch.Tensor, spec: PESpec, positions, offset) -> Ba
         raise TypeError(f"ids must be a dense (strided) tensor, got layout {ids.layout}")
     if ids.device != weight.device:
         raise ValueError(f"ids are on {ids.device} but weight is on {weight.device}; move them to one device")
+    _check_memory_backed("ids", ids)
     seq_len = ids.shape[-1] if ids.dim() > 0 else 1
     sequences_shape = tuple(ids.shape[:-1]) if ids.dim() > 0 else ()
     flat_ids = ids.reshape(-1)
@@ -388,6 +410,8 @@ def check_op_inputs(ids, weight, turns, positions, offsets, seq_len: int, concat
     if ids.dim() != 1 or ids.dtype not in ID_DTYPES or ids.device != device or not ids.is_contiguous():
         raise ValueError(f"ids must be a contiguous 1-D int32 or int64 tensor on {device}, got dtype {ids.dtype}, "
                          f"shape {list(ids.shape)}, strides {list(ids.stride())} on {ids.device}")
+    _check_memory_backed("ids", ids)
+    _check_memory_backed("weight", weight)
     weight_shape = weight.shape
     if len(weight_shape) != 2:
         raise ValueError(f"weight must be 2-D [num_embeddings, width], got shape {list(weight_shape)}")

@@ -168,6 +168,11 @@ def apply_spec(ids, weight, spec: PESpec, turns: torch.Tensor, positions, offset
         else:
             out = run_forward(batch.ids, weight, turns, batch.positions, batch.offsets, batch.offset, batch.seq_len,
                               params, vocab_start, vocab_size, dropout_seed, dropout_p, name)
+            if out._base is None and out.is_contiguous():
+                # The backend's fresh [N, width] buffer, reshaped in place rather than viewed: like
+                # nn.Embedding's output (and the prepared launch's, posenc_fast._prepared) it is then not a
+                # view, which under no_grad could not later be modified in place with grad mode on.
+                return out.resize_(batch.out_shape)
     else:
         out = sinusoidal_embedding_op(
             batch.ids, weight, turns, batch.positions, batch.offsets, batch.offset, batch.seq_len,

@@ -166,8 +166,9 @@ class SinusoidalEmbedding(nn.Module):
         weight = self.weight
         # A decoding step: see posenc_fast._prepared (never under torch.compile, which traces the op).
         simple_call = positions is None and cu_seqlens is None and not torch.compiler.is_compiling()
-        if simple_call and self._prepared is not None:
-            out = self._prepared.run(self, weight, ids, offset)
+        prepared = self._prepared  # read once: another thread may replace it
+        if simple_call and prepared is not None:
+            out = prepared.run(self, weight, ids, offset)
             if out is not None:
                 return out
         spec = self.spec
@@ -175,7 +176,7 @@ class SinusoidalEmbedding(nn.Module):
                          cu_seqlens=cu_seqlens, position_rule=self.position_rule, vocab_range=self.vocab_range,
                          dropout_p=self.dropout, training=self.training)
         if simple_call and type(offset) is int and _eager_inference(ids, weight) and (
-                self._prepared is None or not self._prepared.prepared_for(self, weight)):
+                prepared is None or not prepared.prepared_for(self, weight)):
             self._prepared = PreparedForward.build(self, weight)
         return out
 

@@ -131,6 +131,11 @@ def _fairseq_positions(layer):
     return ids
 
 
+def _vocab_range_set(layer):
+    layer.vocab_range = (10, 60)  # the table now holds rows 10..59 of 60: ids below 10 read nothing
+    return _ids(layer.weight.device, vocab=60, seed=3)
+
+
 def _int32_ids(layer):
     return _ids(layer.weight.device).to(torch.int32)
 
@@ -149,12 +154,17 @@ def _no_tokens(layer):
 
 CHANGES = [_scale_weight_in_place, _swap_weight_data, _weight_data_to_bfloat16, _module_to_float16,
            _new_parameter_with_more_rows, _strided_weight, _other_spec, _backend_torch, _fairseq_positions,
-           _int32_ids, _transposed_ids, _scalar_id, _no_tokens]
+           _vocab_range_set, _int32_ids, _transposed_ids, _scalar_id, _no_tokens]
+
+
+# After these the calls keep taking the general path: another backend, a position rule or vocabulary
+# range the prepared launch does not serve, ids or a table that are not contiguous.
+GENERAL_PATH_ONLY = {_backend_torch, _fairseq_positions, _vocab_range_set, _transposed_ids, _strided_weight}
 
 
 @pytest.mark.parametrize("backend,device", TARGETS)
 @pytest.mark.parametrize("change", CHANGES, ids=lambda f: f.__name__.lstrip("_"))
-def test_changes_between_calls(change, backend, device, monkeypatch):
+def test_changes_between_calls(change, backend, device, prepared_runs):
     layer = _basic_layer(backend, device)
     ids = _ids(device)
     with torch.no_grad():
@@ -167,7 +177,10 @@ def test_changes_between_calls(change, backend, device, monkeypatch):
         got = layer(ids, offset=9)
         assert got.dtype == want.dtype and got.shape == want.shape
         assert torch.equal(got, want)
+        served = len(prepared_runs)
         assert torch.equal(layer(ids, offset=9), want)  # and once more, prepared again where it can be
+    runs_prepared = backend in PREPARED_BACKENDS and change not in GENERAL_PATH_ONLY
+    assert len(prepared_runs) == served + runs_prepared
 
 
 @pytest.mark.parametrize("backend,device", TARGETS)
@@ -184,26 +197,49 @@ def test_prepared_calls_equal_the_general_path_bitwise(backend, device, prepared
 
 @pytest.mark.parametrize("backend,device", TARGETS)
 def test_bad_calls_after_prepared_ones_still_raise(backend, device):
+    """Each bad call comes right after good ones (a prepared launch in place where the backend has one)
+    and must raise what the general path raises."""
     layer = _basic_layer(backend, device)
     ids = _ids(device)
-    with torch.no_grad():
-        layer(ids)
-        layer(ids, offset=3)
-        with pytest.raises(IndexError, match="id 50 is out of range"):
-            layer(torch.full_like(ids, 50))
-        with pytest.raises(TypeError, match="int32 or int64"):
-            layer(ids.float())
-        with pytest.raises(ValueError, match="meta"):
-            layer(ids.to("meta"))
-        with pytest.raises(ValueError, match="does not fit in int64"):
-            layer(ids, offset=2**63)
-        layer.dropout = 1.5  # checked on every call, in eval mode too (as F.dropout does)
-        with pytest.raises(ValueError, match="1.5"):
+
+    def bad_call(error, match, *args, **kwargs):
+        with torch.no_grad():
+            layer(ids)
+            layer(ids, offset=3)
+            assert (layer._prepared is not None) == (backend in PREPARED_BACKENDS)
+            with pytest.raises(error, match=match):
+                layer(*args, **kwargs)
+
+    bad_call(IndexError, "id 50 is out of range", torch.full_like(ids, 50))
+    bad_call(TypeError, "int32 or int64", ids.float())
+    bad_call(TypeError, "dense", ids.to_sparse())
+    bad_call(ValueError, "meta", ids.to("meta"))
+    bad_call(ValueError, "negated", torch._neg_view(ids))
+    bad_call(ValueError, "memory", torch._efficientzerotensor(ids.shape, dtype=ids.dtype, device=device))
+    bad_call(ValueError, "does not fit in int64", ids, offset=2**63)
+    # Settings changed after the good calls: checked on every call, in eval mode too (as F.dropout does);
+    # False and a tensor 0.0 compare equal to the prepared 0.0 and are still not probabilities.
+    for value, match in ((1.5, "1.5"), (False, "dropout"), (torch.tensor(0.0), "dropout")):
+        with torch.no_grad():
+            layer(ids)
+            layer(ids)
+        layer.dropout = value
+        with pytest.raises(ValueError, match=match), torch.no_grad():
             layer(ids)
         layer.dropout = 0.0
-        layer.weight = nn.Parameter(torch.randn(30, 16, device=device))
-        with pytest.raises(IndexError, match="30 rows"):  # the check uses the new table's size
-            layer(torch.full_like(ids, 40))
+    table = layer.weight
+    for bad_table, match in ((table.detach().to("meta"), "meta"), (torch._neg_view(table.detach()), "negated"),
+                             (torch._efficientzerotensor(table.shape, device=device), "memory")):
+        with torch.no_grad():
+            layer(ids)
+            layer(ids)
+        layer.weight = nn.Parameter(bad_table, requires_grad=False)  # the same shape and dtype
+        with pytest.raises(ValueError, match=match), torch.no_grad():
+            layer(ids)
+        layer.weight = table
+    layer.weight = nn.Parameter(torch.randn(30, 16, device=device), requires_grad=False)
+    ids = ids % 30
+    bad_call(IndexError, "30 rows", torch.full_like(ids, 40))  # the check uses the new table's size
 
 
 @pytest.mark.parametrize("backend,device", [t for t in TARGETS if t.values[0] in PREPARED_BACKENDS])
@@ -264,6 +300,19 @@ def test_training_dropout_and_grad_take_the_general_path(backend, device, prepar
     # training call); the grad call needs autograd, the training calls dropout.
     assert served == (1 if backend in PREPARED_BACKENDS else 0)
     assert len(prepared_runs) == 3 * served
+
+
+@pytest.mark.parametrize("backend,device", TARGETS)
+def test_outputs_are_not_views(backend, device):
+    """As nn.Embedding's: a view made under no_grad could not later be modified in place with grad on."""
+    layer = _basic_layer(backend, device)
+    scale = torch.tensor(2.0, requires_grad=True)
+    for call in range(3):
+        with torch.no_grad():
+            out = layer(_ids(device), offset=call)
+        assert not out._is_view(), call
+        out.mul_(scale)  # raises for a view created in no_grad mode
+        assert out.requires_grad
 
 
 @pytest.mark.parametrize("backend,device", TARGETS)
