@@ -81,11 +81,18 @@ _PROBE = """
                   False, 0, 0, 1.0, 0, 0)
     except ValueError as error:
         report["bad_code"] = str(error)
+    try:  # one token and null pointers (a zero tensor has no memory): refused before any device work
+        C.forward(0, C.INT64, 0, 6, C.FLOAT32, 0, 0, 3, 0, 0, 0, 1, 1, 4, 6, 5, True, False, 0, 3, 3, 2, -1, 1.0, 1.0,
+                  False, 0, 0, 1.0, 0, 0)
+    except ValueError as error:
+        report["null_pointer"] = str(error)
     if count == 0:
-        # One token on a machine without a GPU: a clean RuntimeError before anything touches memory.
+        # One token on a machine without a GPU: a clean RuntimeError before anything touches memory
+        # (the addresses are never dereferenced; nonzero, as null ones are refused first).
+        address = 256
         try:
-            C.forward(0, C.INT64, 0, 6, C.FLOAT32, 0, 0, 3, 0, 0, 0, 1, 1, 4, 6, 5, True, False, 0, 3, 3, 2, -1,
-                      1.0, 1.0, False, 0, 0, 1.0, 0, 0)
+            C.forward(address, C.INT64, address, 6, C.FLOAT32, address, address, 3, 0, 0, 0, 1, 1, 4, 6, 5, True,
+                      False, 0, 3, 3, 2, -1, 1.0, 1.0, False, 0, 0, 1.0, 0, 0)
         except RuntimeError as error:
             report["launch_error"] = str(error)
     print(json.dumps(report))
@@ -116,6 +123,7 @@ def test_extension_imports_and_reports_devices(installed):
     else:
         assert installed["why"] == ""
     assert "dtype code 99" in installed["bad_code"]
+    assert "null data pointer" in installed["null_pointer"]
 
 
 def test_extension_without_gpu_raises_cleanly(installed):
