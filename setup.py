@@ -119,7 +119,9 @@ class BuildPyWithSources(build_py):
             return  # an editable install finds <repo>/csrc directly
         target = os.path.join(self.build_lib, "posenc_fast", "_csrc")
         self.mkpath(target)
-        for name in sorted(set(_build.SOURCES + _build.HEADERS + _build.CPU_SOURCES + _build.CPU_HEADERS)):
+        for name in sorted(set(_build.SOURCES + _build.HEADERS + _build.EMULATION_HEADERS + _build.CPU_SOURCES
+                               + _build.CPU_HEADERS)):
+            self.mkpath(os.path.dirname(os.path.join(target, name)))
             self.copy_file(os.path.join(CSRC, name), os.path.join(target, name))
 
 
@@ -131,7 +133,10 @@ if NVCC is not None:
         depends=[os.path.join("csrc", name) for name in _build.HEADERS],
     ))
 if CXX is not None:
-    ext_modules.append(Extension("posenc_fast._cpu", sources=[os.path.join("csrc", n) for n in _build.CPU_SOURCES]))
+    ext_modules.append(Extension("posenc_fast._cpu", sources=[os.path.join("csrc", n) for n in _build.CPU_SOURCES],
+                                 depends=[os.path.join("csrc", n) for n in _build.CPU_HEADERS]))
+# The sdist's file list comes from MANIFEST.in (every file of csrc/, LICENSE), not from these
+# Extension lists: they name the CUDA sources only when nvcc is found here.
 
 setup(
     ext_modules=ext_modules,
