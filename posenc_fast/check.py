@@ -17,6 +17,7 @@ from ._dispatch import BACKENDS
 from ._timing import median_ms
 from .backends import cuda_backend
 from .baselines import EagerSinusoidalEmbedding
+from .cli import device_from_arg
 from .functional import sinusoidal_embedding
 
 
@@ -76,7 +77,7 @@ def _triton_version() -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = device_from_arg(args.device)
     gpu = device.type == "cuda"
     batch = args.batch or (16 if gpu else 4)
     seq_len = args.seq_len or (4096 if gpu else 128)
@@ -144,5 +145,10 @@ def run(args: argparse.Namespace) -> int:
                 continue
             ms = median_ms(lambda: sinusoidal_embedding(ids, weight, embed_scale=scale, backend=backend), device)
             print(f"  {backend:<36}{ms:>9.3f} ms   {eager_ms / ms:5.2f}x")
+    print("\ncolumns: max |err| = largest absolute error of any output element against the float64 reference;\n"
+          "  err/bar = the worst element's error divided by its bar (fp32: 1e-6 + 2^-22|y|; bf16: that plus half\n"
+          "  an ulp of the exact value, i.e. correct rounding); <= 1 passes;\n"
+          "  grad rel err = max |grad_W - exact| / max |exact| (bar 1e-5 fp32, 2^-7 bf16);\n"
+          "  deterministic = two backward passes give bitwise equal gradients")
     print("\nall bars met" if ok else "\nSOME BARS MISSED")
     return 0 if ok else 1

@@ -14,6 +14,32 @@ from typing import List, Optional
 _COMMAND_MODULES = ("posenc_fast.check", "posenc_fast.benchmark", "posenc_fast.explore.cli")
 
 
+def device_from_arg(name: Optional[str]):
+    """The torch.device a ``--device`` option names (None or "auto": cuda if available, else cpu).
+
+    A device this machine cannot run ends the command with a one-line error naming the device and
+    backends that can, rather than torch's traceback from the first tensor moved there."""
+    import torch
+
+    if name in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise SystemExit(f"error: --device {name!r} is not a device name; use cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise SystemExit(f"error: --device {name} but torch sees no CUDA device here (torch {torch.__version__}"
+                             f"{', a CPU-only build' if torch.version.cuda is None else ''}); use --device cpu, "
+                             "where backend 'cpu' (the native CPU kernels) and 'torch' run")
+        if device.index is not None and device.index >= count:
+            raise SystemExit(f"error: --device {name} but torch sees {count} CUDA device(s) (cuda:0 to cuda:{count - 1})")
+    elif device.type != "cpu":
+        raise SystemExit(f"error: --device {name}: posenc_fast's commands run on cpu or cuda only")
+    return device
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m posenc_fast",

@@ -24,6 +24,20 @@ def test_check_passes_and_names_each_skipped_backend(capsys):
     assert "all bars met" in printed and "versions: torch " in printed
     assert "skipped backend 'cuda': needs an NVIDIA GPU (this run is on the CPU)" in printed
     assert "torch                 float32" in printed
+    assert "err/bar = the worst element's error divided by its bar" in printed  # the columns are explained
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:1"])
+def test_unrunnable_device_is_one_line_naming_the_one_that_runs(device, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    for command in (["check", "--device", device], ["bench", "--device", device],
+                    ["experiment", "add-vs-concat", "--device", device]):
+        with pytest.raises(SystemExit) as raised:
+            cli.main(command)
+        message = str(raised.value.code)
+        assert "\n" not in message and f"--device {device} but torch sees no CUDA device" in message
+        assert "use --device cpu, where backend 'cpu'" in message
 
 
 def test_check_without_triton_says_so(monkeypatch, capsys):

@@ -131,6 +131,15 @@ def test_cpu_backend_refuses_other_devices():
     assert reason is not None and "CPU tensors" in reason
 
 
+def test_cuda_backend_on_cpu_tensors_names_the_cpu_backend(monkeypatch):
+    from posenc_fast.backends import cuda_backend
+
+    monkeypatch.setattr(cuda_backend, "_host_emulation", False)  # other tests may leave the test setting on
+    with pytest.raises(RuntimeError) as raised:
+        pf.sinusoidal_embedding(torch.zeros(2, 3, dtype=torch.long), torch.randn(4, 8), backend="cuda")
+    assert "\n" not in str(raised.value) and "use backend='cpu' (or 'auto') for cpu tensors" in str(raised.value)
+
+
 @pytest.mark.skipif(not {"avx512", "avx2"} <= set(_isas()), reason="needs a CPU with both AVX-512 and AVX2")
 @pytest.mark.parametrize("precision", ["float32", "float64"])
 def test_avx2_and_avx512_variants_agree_bitwise(precision, seed):

@@ -126,8 +126,10 @@ def available(device: torch.device) -> Optional[str]:
     if _host_emulation:
         return None if device.type == "cpu" else "backend='cuda' is in host-emulation mode (a test setting)"
     if device.type != "cuda":
+        # Name the backend that runs there: the native CPU kernels for CPU tensors, else the torch op.
+        other = "'cpu' (or 'auto')" if device.type == "cpu" else "'torch' (or 'auto')"
         return (f"backend='cuda' runs on CUDA tensors, but these are on {device.type!r}: move them to a GPU "
-                f"(.cuda()), or use backend='torch' (or 'auto') for {device.type} tensors")
+                f"(.cuda()), or use backend={other} for {device.type} tensors")
     return _unusable_reason()
 
 

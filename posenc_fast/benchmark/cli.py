@@ -15,6 +15,7 @@ from .cases import OPS, IMPLS, GPU_DEFAULT_IMPLS, CPU_DEFAULT_IMPLS, CASE_BY_NAM
 from .results import MergeError, validate_document
 from .report import target_report, format_table, plot_results
 from .run import run_benchmark
+from ..cli import device_from_arg
 
 # In the current directory; a clear name, not a folder of this repository's layout (bench/results/
 # holds the committed results; copy a run's files there by hand).
@@ -75,10 +76,7 @@ def summarize(path: str, log: Callable[[str], None] = print) -> int:
 def run_command(args: argparse.Namespace) -> int:
     if args.summarize:
         return summarize(args.summarize)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("error: --device cuda but torch sees no CUDA device", file=sys.stderr)
-        return 2
+    device = device_from_arg(args.device)
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
     try:

@@ -20,6 +20,7 @@ from typing import List
 
 from . import experiment as experiment_module
 from . import subspace
+from ..cli import device_from_arg
 
 
 def add_subcommand(subparsers) -> None:
@@ -124,7 +125,7 @@ def _add_experiment(subparsers) -> None:
 
 
 def _resolve_device(name: str) -> str:
-    return experiment_module.default_device() if name == "auto" else name
+    return experiment_module.default_device() if name == "auto" else str(device_from_arg(name))
 
 
 def _run_add_vs_concat(args: argparse.Namespace) -> int:
