@@ -66,8 +66,9 @@ def main(argv=None) -> int:
                         help="positional encoding: added, concatenated, or none")
     parser.add_argument("--d-pos", type=int, default=32, help="PE columns for --pe concat")
     parser.add_argument("--dropout", type=float, default=0.0, help="dropout after embedding + PE (fused)")
-    parser.add_argument("--backend", default="auto", choices=("auto", "torch", "triton", "cuda"),
-                        help="posenc_fast backend")
+    parser.add_argument("--backend", default="auto", choices=("auto", "torch", "triton", "cuda", "cpu"),
+                        help="posenc_fast backend (on CPU: auto, cpu, torch, triton through its interpreter; "
+                             "on CUDA: auto, triton, cuda, torch)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="cpu, cuda or cuda:N (the default is cuda when torch sees a GPU)")
     parser.add_argument("--steps", type=int, default=300, help="training steps")
@@ -87,6 +88,12 @@ def main(argv=None) -> int:
         build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
         parser.error(f"--device {args.device}: torch {torch.__version__} ({build}) sees no CUDA GPU; "
                      "run with --device cpu, or install a CUDA torch on a machine with an NVIDIA GPU (README)")
+
+    try:  # a backend that cannot run on this device is a one-line usage error here, not a traceback mid-run
+        posenc_fast.sinusoidal_embedding(torch.zeros(1, 2, dtype=torch.long, device=device),
+                                         torch.zeros(2, 4, device=device), backend=args.backend)
+    except (RuntimeError, TypeError) as error:
+        parser.error(f"--backend {args.backend} on --device {args.device}: {error}")
 
     torch.manual_seed(args.seed)
     vocab = len(ALPHABET)

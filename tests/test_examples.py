@@ -9,15 +9,19 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("pe,dropout", [("add", "0"), ("concat", "0.1"), ("none", "0.1")])
-def test_train_tiny_lm_runs(pe, dropout):
+# Every backend a CPU can run (triton through its interpreter) is accepted by the example.
+@pytest.mark.parametrize("pe,dropout,backend", [("add", "0", "auto"), ("concat", "0.1", "auto"), ("none", "0.1", "auto"),
+                                                ("add", "0.1", "cpu"), ("concat", "0", "torch"), ("add", "0", "triton")])
+def test_train_tiny_lm_runs(pe, dropout, backend):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     result = subprocess.run(
         [sys.executable, os.path.join(ROOT, "examples", "train_tiny_lm.py"), "--pe", pe, "--steps", "6",
-         "--batch", "4", "--length", "5", "--d-model", "16", "--d-pos", "8", "--device", "cpu", "--dropout", dropout],
+         "--batch", "4", "--length", "5", "--d-model", "16", "--d-pos", "8", "--device", "cpu", "--dropout", dropout,
+         "--backend", backend],
         capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert f"pe={pe}" in result.stdout and "held-out reversed half" in result.stdout
+    assert f"pe={pe}" in result.stdout and f"backend={backend}" in result.stdout
+    assert "held-out reversed half" in result.stdout
 
 
 def test_train_tiny_lm_help_and_device_errors():
@@ -29,3 +33,6 @@ def test_train_tiny_lm_help_and_device_errors():
         refused = subprocess.run([sys.executable, script, "--device", "cuda"], capture_output=True, text=True,
                                  timeout=120, env=env)
         assert refused.returncode == 2 and "sees no CUDA GPU" in refused.stderr and "--device cpu" in refused.stderr
+        wrong_backend = subprocess.run([sys.executable, script, "--device", "cpu", "--backend", "cuda"],
+                                       capture_output=True, text=True, timeout=120, env=env)
+        assert wrong_backend.returncode == 2 and "use backend='cpu'" in wrong_backend.stderr
