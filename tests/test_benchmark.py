@@ -20,7 +20,7 @@ DOCUMENT_TYPES = {"device": str, "torch": str, "triton": str, "cuda": str, "date
 ROW_TYPES = {"op": str, "impl": str, "dtype": str, "mode": str, "tokens": int, "d_model": int, "vocab": int,
              "median_ms": float, "bytes": int, "GBps": float, "peak_mem_bytes": (int, type(None))}
 ROW_ENUMS = {"op": {"forward", "backward", "step"},
-             "impl": {"eager", "compile", "compile-max-autotune", "triton", "cuda"},
+             "impl": {"eager", "compile", "compile-max-autotune", "triton", "cuda", "cpu"},
              "mode": {"add", "concat"}}
 
 N_HEADLINE = 64 * 8192  # 2^19 tokens
@@ -97,6 +97,18 @@ def test_case_selection():
         bench.select_cases(["nonsense"])
 
 
+def test_cpu_case_selection_is_realistic_sizes():
+    """On CPU the default list is the CPU cases, at sizes people run (>= 4096 tokens, d_model >= 512)."""
+    default = bench.select_cases(device_type="cpu")
+    assert default and default[0].name == "cpu-headline"
+    assert all(c.device_type == "cpu" and c.tokens >= 4096 and c.d_model >= 512 for c in default)
+    assert all(c.ops == bench.OPS for c in default), "forward, backward and step"
+    assert [c.name for c in bench.select_cases(quick=True, device_type="cpu")] == ["cpu-headline"]
+    assert {c.name for c in bench.select_cases(full=True, device_type="cpu")} > {c.name for c in default}
+    assert not any(c.device_type == "cpu" for c in bench.select_cases())
+    assert bench.CPU_DEFAULT_IMPLS == ("eager", "compile", "cpu")
+
+
 def test_decode_is_a_latency_case():
     decode = bench.CASE_BY_NAME["decode"]
     assert decode.tokens == 64 and decode.d_model == 4096 and decode.latency and decode.ops == ("forward",)
@@ -104,11 +116,12 @@ def test_decode_is_a_latency_case():
 
 def test_cpu_sizes_are_tiny_and_keep_the_shape_of_the_case():
     cpu = torch.device("cpu")
-    for case in bench.CASES:
+    for case in (c for c in bench.CASES if c.device_type == "cuda"):
         small = bench.for_device(case, cpu)
         assert small.tokens <= 4096 and small.d_model <= 128 and small.token_width >= 1
         assert (small.mode, small.dtype, small.ops) == (case.mode, case.dtype, case.ops)
     assert bench.for_device(bench.CASE_BY_NAME["decode"], cpu).tokens == 64
+    assert bench.for_device(bench.CASE_BY_NAME["cpu-headline"], cpu) == bench.CASE_BY_NAME["cpu-headline"]
 
 
 def test_device_slug():
@@ -206,13 +219,15 @@ def test_summarize_reads_a_results_file(tmp_path, capsys):
 
 def test_bench_command_end_to_end_on_cpu(tmp_path, capsys):
     out_dir = tmp_path / "results"
-    code = cli.main(["bench", "--device", "cpu", "--quick", "--impls", "eager,torch", "--out", str(out_dir)])
+    code = cli.main(["bench", "--device", "cpu", "--cases", "headline,decode", "--impls", "eager,torch",
+                     "--out", str(out_dir)])
     printed = capsys.readouterr().out
     assert code == 0, printed
-    with open(out_dir / "cpu.json", encoding="utf-8") as f:
+    with open(out_dir / CPU_JSON(), encoding="utf-8") as f:
         doc = json.load(f)
     check_schema(doc)
-    assert doc["device"] == "cpu" and doc["cuda"] == (torch.version.cuda or "none") and doc["copy_GBps"] > 0
+    assert doc["device"] == f"CPU {bench.cpu_model()}, {torch.get_num_threads()} threads"
+    assert doc["cuda"] == (torch.version.cuda or "none") and doc["copy_GBps"] > 0
     cpu = torch.device("cpu")
     headline, decode = (bench.for_device(bench.CASE_BY_NAME[n], cpu) for n in ("headline", "decode"))
     got = {(r["op"], r["tokens"]) for r in doc["cases"]}
@@ -225,9 +240,8 @@ def test_bench_command_end_to_end_on_cpu(tmp_path, capsys):
     assert "id range check OFF" in printed and "median ms" in printed
     assert printed.count("torch ") >= 4, "torch rows are printed though not written"
     assert "backward deterministic (two runs bitwise equal), torch: yes" in printed
-    assert "id range check ON" in printed
     if _has_matplotlib():
-        assert os.path.getsize(out_dir / "cpu.png") > 1000
+        assert os.path.getsize(out_dir / CPU_JSON().replace(".json", ".png")) > 1000
     else:
         assert "no plot" in printed
 
@@ -239,8 +253,36 @@ def test_bench_command_default_output_folder(tmp_path, monkeypatch, capsys):
     printed = capsys.readouterr().out
     folder = tmp_path / bench.cli.DEFAULT_OUT
     assert os.listdir(tmp_path) == [bench.cli.DEFAULT_OUT]
-    assert (folder / "cpu.json").is_file()
-    assert f"results go to {folder}" in printed and f"wrote {folder / 'cpu.json'}" in printed
+    assert (folder / CPU_JSON()).is_file()
+    assert f"results go to {folder}" in printed and f"wrote {folder / CPU_JSON()}" in printed
+
+
+def CPU_JSON():
+    return bench.device_slug(bench.device_name(torch.device("cpu"))) + ".json"
+
+
+def test_bench_command_times_the_cpu_backend_on_cpu(tmp_path, capsys):
+    """--device cpu: the CPU case at its real size, the native CPU backend beside eager (compile left
+    out here for the test's time), its rows in the JSON, and the CPU targets read against the
+    measured gather + write floor.  No timing is asserted: only that each was measured and reported."""
+    code = cli.main(["bench", "--device", "cpu", "--quick", "--impls", "eager,cpu", "--ops", "forward,step",
+                     "--out", str(tmp_path)])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    with open(tmp_path / CPU_JSON(), encoding="utf-8") as f:
+        doc = json.load(f)
+    check_schema(doc)
+    case = bench.CASE_BY_NAME["cpu-headline"]
+    got = {(r["op"], r["impl"]) for r in doc["cases"]}
+    assert got == {(op, impl) for op in ("forward", "step") for impl in ("eager", "cpu")}
+    for r in doc["cases"]:
+        assert r["tokens"] == case.tokens == 4096 and r["d_model"] == 512 and r["median_ms"] > 0
+        assert r["bytes"] == bench.bytes_moved(r["op"], case) and math.isclose(r["GBps"], r["bytes"] / r["median_ms"] / 1e6)
+    assert "gather + write floor" in printed
+    assert "targets (cpu-headline: 4096 tokens x 512" in printed and "no fused implementation" not in printed
+    for target in ("% of floor (>= 70%)", "over eager (>= 2x)", "forward x_compile: no baseline", "step "):
+        assert target in printed, target
+    assert "cpu-headline forward, cpu, with the id range check ON" in printed and "with it off" in printed
 
 
 def test_bench_command_rejects_unknown_names(capsys):

@@ -40,7 +40,8 @@ a decoding loop without CUDA graphs.  CPU: ``_timing.median_ms``.
 
 from .cases import (  # noqa: F401
     OPS, IMPLS, JSON_IMPLS, FUSED_IMPLS, COMPILE_IMPLS, GPU_DEFAULT_IMPLS, CPU_DEFAULT_IMPLS, ID_BYTES, D_POS,
-    RESULT_KEYS, DOCUMENT_KEYS, TARGETS, DECODE_TARGET_X_EAGER, Case, CASES, QUICK_CASES, CASE_BY_NAME, select_cases,
+    RESULT_KEYS, DOCUMENT_KEYS, TARGETS, CPU_TARGETS, DECODE_TARGET_X_EAGER, Case, CASES, CPU_CASES, QUICK_CASES,
+    CPU_QUICK_CASES, HEADLINE, CASE_BY_NAME, select_cases,
     for_device, bytes_moved, floor_ms,
 )
 from .impls import (  # noqa: F401
@@ -48,10 +49,10 @@ from .impls import (  # noqa: F401
     relative_error, agreement_bar,
 )
 from .timing import (  # noqa: F401
-    sync, Timing, time_op, copy_bandwidth_GBps, step_peak_bytes,
+    sync, Timing, time_op, copy_bandwidth_GBps, gather_bandwidth_GBps, step_peak_bytes,
 )
 from .results import (  # noqa: F401
-    Measurement, device_name, device_slug, make_document, MergeError, rows_to_merge, validate_document,
+    Measurement, cpu_model, device_name, device_slug, make_document, MergeError, rows_to_merge, validate_document,
     write_document, _key,
 )
 from .report import (  # noqa: F401

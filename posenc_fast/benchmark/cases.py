@@ -1,5 +1,7 @@
-"""The benchmark's cases and byte model: which problem sizes run, which implementations and ops
-exist, and the fewest bytes each op must move (bench/README.md, "The byte model")."""
+"""The benchmark's cases and byte model: which problem sizes run on which device, which
+implementations and ops exist, the targets, and the fewest bytes each op must move (bench/README.md,
+"The byte model").  One case list serves both devices: the GPU cases, and the CPU cases (what
+bench/cpu_bench.py used to time in a harness of its own)."""
 
 from __future__ import annotations
 
@@ -12,12 +14,13 @@ import torch
 
 
 OPS = ("forward", "backward", "step")
-IMPLS = ("eager", "compile", "compile-max-autotune", "triton", "cuda", "torch")
-JSON_IMPLS = ("eager", "compile", "compile-max-autotune", "triton", "cuda")  # the schema's impl enum
-FUSED_IMPLS = ("triton", "cuda", "torch")
+IMPLS = ("eager", "compile", "compile-max-autotune", "triton", "cuda", "cpu", "torch")
+JSON_IMPLS = ("eager", "compile", "compile-max-autotune", "triton", "cuda", "cpu")  # the schema's impl enum
+FUSED_IMPLS = ("triton", "cuda", "cpu", "torch")
 COMPILE_IMPLS = ("compile", "compile-max-autotune")
 GPU_DEFAULT_IMPLS = ("eager", "compile", "compile-max-autotune", "triton", "cuda")
-CPU_DEFAULT_IMPLS = ("eager", "torch")
+# On CPU: the native kernels (what backend="auto" runs there) beside eager and torch.compile.
+CPU_DEFAULT_IMPLS = ("eager", "compile", "cpu")
 
 ID_BYTES = 8  # ids are int64, as nn.Embedding users hold them
 D_POS = 64  # PE columns in concat mode
@@ -39,6 +42,18 @@ TARGETS = (
 )
 DECODE_TARGET_X_EAGER = 2.0
 
+# Targets on CPU, for the cpu-headline case.  The floor there ("copy_GBps" of a CPU run) is a
+# measured gather + write: torch.index_select of random rows of a table larger than the last-level
+# cache into a fresh output, i.e. the forward's own memory traffic without its arithmetic
+# (timing.gather_bandwidth_GBps).  The speedup bars are those the CPU backend was built to
+# (docs/cpu_backend.md): 2x eager and at least torch.compile on the forward, 1.5x eager on the step.
+CPU_TARGETS = (
+    ("forward", "pct_copy", 70.0),
+    ("forward", "x_eager", 2.0),
+    ("forward", "x_compile", 1.0),
+    ("step", "x_eager", 1.5),
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class Case:
@@ -56,6 +71,7 @@ class Case:
     latency: bool = False  # time one call at a time, host overhead included (decode)
     autotune: bool = False  # also time compile-max-autotune by default (its autotuning is slow)
     full_only: bool = False  # run only with --full (or when named in --cases)
+    device_type: str = "cuda"  # the device whose default list holds the case ("cuda" or "cpu")
 
     @property
     def tokens(self) -> int:
@@ -105,14 +121,29 @@ CASES: Tuple[Case, ...] = (
     Case("wide-concat", "wide", 16, 4096, 4096, 262144, mode="concat", full_only=True),
     Case("wide-fp32", "wide", 16, 4096, 4096, 262144, dtype=torch.float32, full_only=True),
 )
+
+# CPU cases, at the sizes people run on CPU (the former bench/cpu_bench.py's case first: 4096 tokens,
+# d_model 512, a 32000-row fp32 table).  They run on torch's threads: `bench --threads 1` times one
+# core (the thread count is part of a CPU run's device name, so each count has its own results file).
+CPU_CASES: Tuple[Case, ...] = (
+    Case("cpu-headline", "cpu", 8, 512, 512, 32000, dtype=torch.float32, device_type="cpu"),
+    Case("cpu-long", "cpu", 4, 4096, 1024, 32000, dtype=torch.float32, device_type="cpu"),
+    Case("cpu-bf16", "cpu", 8, 512, 512, 32000, device_type="cpu", full_only=True),
+    Case("cpu-concat", "cpu", 8, 512, 512, 32000, dtype=torch.float32, mode="concat", device_type="cpu",
+         full_only=True),
+)
+CASES = CASES + CPU_CASES
 QUICK_CASES = ("headline", "decode")
+CPU_QUICK_CASES = ("cpu-headline",)
+HEADLINE = {"cuda": "headline", "cpu": "cpu-headline"}  # the case each device's targets are read from
 CASE_BY_NAME = {case.name: case for case in CASES}
 
 
-def select_cases(patterns: Optional[Sequence[str]] = None, *, quick: bool = False, full: bool = False) -> List[Case]:
-    """Cases to run, in run order.  ``patterns`` (chosen among all cases): a case name, else a
-    group name ("sweep"), else an fnmatch pattern ("headline*"); without them ``--quick``'s pair,
-    ``--full``'s list, or the default list."""
+def select_cases(patterns: Optional[Sequence[str]] = None, *, quick: bool = False, full: bool = False,
+                 device_type: str = "cuda") -> List[Case]:
+    """Cases to run, in run order.  ``patterns`` (chosen among all cases, of either device): a case
+    name, else a group name ("sweep"), else an fnmatch pattern ("headline*"); without them
+    ``--quick``'s cases, ``--full``'s list, or the default list of ``device_type`` ("cuda", "cpu")."""
     if patterns:
         chosen = []
         for pattern in patterns:
@@ -120,23 +151,25 @@ def select_cases(patterns: Optional[Sequence[str]] = None, *, quick: bool = Fals
                     or [c for c in CASES if fnmatch.fnmatchcase(c.name, pattern)])
             if not hits:
                 raise ValueError(f"no case matches {pattern!r}; cases: {', '.join(CASE_BY_NAME)} "
-                                 f"(groups: headline, wide, decode, sweep)")
+                                 f"(groups: headline, wide, decode, sweep, cpu)")
             chosen.extend(hits)
         names = {c.name for c in chosen}
         cases = [c for c in CASES if c.name in names]
     elif quick:
-        cases = [CASE_BY_NAME[name] for name in QUICK_CASES]
+        cases = [CASE_BY_NAME[name] for name in (CPU_QUICK_CASES if device_type == "cpu" else QUICK_CASES)]
     else:
-        cases = [c for c in CASES if full or not c.full_only]
+        home = "cpu" if device_type == "cpu" else "cuda"
+        cases = [c for c in CASES if c.device_type == home and (full or not c.full_only)]
     if full:
         cases = [dataclasses.replace(c, autotune=True, ops=c.ops if c.latency else OPS) for c in cases]
     return cases
 
 
 def for_device(case: Case, device: torch.device) -> Case:
-    """The case at the size this device runs it: unchanged on GPU; on CPU (smoke runs of the
-    harness, not measurements) 1/2048 of the tokens, width <= 128 and vocab / 64."""
-    if device.type == "cuda":
+    """The case at the size this device runs it: unchanged on its own device (and a CPU case on a
+    GPU); a GPU case on CPU (a smoke run of the harness, not a measurement) at 1/2048 of the tokens,
+    width <= 128 and vocab / 64."""
+    if device.type == "cuda" or case.device_type == "cpu":
         return case
     if case.latency:
         batch, seq_len = case.batch, case.seq_len

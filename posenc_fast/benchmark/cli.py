@@ -11,7 +11,7 @@ from typing import Callable, List, Optional
 
 import torch
 
-from .cases import OPS, IMPLS, GPU_DEFAULT_IMPLS, CPU_DEFAULT_IMPLS, CASE_BY_NAME, select_cases, for_device
+from .cases import OPS, IMPLS, GPU_DEFAULT_IMPLS, CPU_DEFAULT_IMPLS, CASE_BY_NAME, HEADLINE, select_cases, for_device
 from .results import MergeError, validate_document
 from .report import target_report, format_table, plot_results
 from .run import run_benchmark
@@ -29,7 +29,7 @@ def add_subcommand(subparsers) -> None:
                     "fused backends; print a table, write <out>/<device-slug>.json and a PNG plot.")
     parser.add_argument("--out", default=DEFAULT_OUT,
                         help="folder for the JSON and the plot, created if needed (default: ./%(default)s)")
-    parser.add_argument("--quick", action="store_true", help="only the headline and decode cases")
+    parser.add_argument("--quick", action="store_true", help="only the headline and decode cases (CPU: cpu-headline)")
     parser.add_argument("--full", action="store_true",
                         help="every case, every op, compile-max-autotune everywhere (longer than one 10-minute call)")
     parser.add_argument("--cases", default=None,
@@ -39,6 +39,8 @@ def add_subcommand(subparsers) -> None:
                              f"(default: {','.join(GPU_DEFAULT_IMPLS)} on GPU, {','.join(CPU_DEFAULT_IMPLS)} on CPU)")
     parser.add_argument("--ops", default=",".join(OPS), help="comma-separated ops (default: %(default)s)")
     parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if available)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU: torch.set_num_threads for the run (default: torch's, all cores); part of the device name")
     parser.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
                         help="skip the remaining cases once this much time has passed (the JSON stays complete)")
     parser.add_argument("--merge", action="store_true",
@@ -65,7 +67,9 @@ def summarize(path: str, log: Callable[[str], None] = print) -> int:
         return 1
     log(f"{path}: {doc['device']}, {doc['date']}, torch {doc['torch']}, triton {doc['triton']}, "
         f"CUDA {doc['cuda']}; copy {doc['copy_GBps']:.1f} GB/s; {len(doc['cases'])} measurements")
-    for line in target_report(doc["cases"], doc["copy_GBps"], CASE_BY_NAME["headline"], CASE_BY_NAME["decode"]):
+    on_cpu = doc["device"].startswith("CPU")
+    headline = CASE_BY_NAME[HEADLINE["cpu" if on_cpu else "cuda"]]
+    for line in target_report(doc["cases"], doc["copy_GBps"], headline, None if on_cpu else CASE_BY_NAME["decode"]):
         log(line)
     png = os.path.splitext(path)[0] + ".png"
     why_not = plot_results(doc["cases"], doc["copy_GBps"], png, title=f"posenc_fast on {doc['device']}")
@@ -79,8 +83,13 @@ def run_command(args: argparse.Namespace) -> int:
     device = device_from_arg(args.device)
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
+    if args.threads is not None:
+        if args.threads < 1:
+            print(f"error: --threads {args.threads}: must be >= 1", file=sys.stderr)
+            return 2
+        torch.set_num_threads(args.threads)
     try:
-        cases = select_cases(_split(args.cases), quick=args.quick, full=args.full)
+        cases = select_cases(_split(args.cases), quick=args.quick, full=args.full, device_type=device.type)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -105,7 +114,7 @@ def run_command(args: argparse.Namespace) -> int:
         return 2
     notes = list(report.notes)
     if any(m.impl == "torch" for m in report.measurements):
-        notes.append("torch (the float64 reference backend) is a CPU smoke-test row: printed, not written to the JSON")
+        notes.append("torch (the float64 reference backend) is a smoke-test row: printed, not written to the JSON")
     print()
     print(format_table(report.measurements, report.copy_GBps, device=report.document["device"], notes=notes))
     print(f"\nwrote {os.path.abspath(report.json_path)}")
@@ -113,8 +122,8 @@ def run_command(args: argparse.Namespace) -> int:
     why_not = plot_results(report.document["cases"], report.copy_GBps, png,
                            title=f"posenc_fast on {report.document['device']}")
     print(f"wrote {os.path.abspath(png)}" if why_not is None else f"no plot: {why_not}")
-    headline = for_device(CASE_BY_NAME["headline"], device)
-    decode = for_device(CASE_BY_NAME["decode"], device)
+    headline = for_device(CASE_BY_NAME[HEADLINE[device.type]], device)
+    decode = for_device(CASE_BY_NAME["decode"], device) if device.type == "cuda" else None
     print()
     for line in target_report(report.document["cases"], report.copy_GBps, headline, decode, report.deterministic):
         print(line)

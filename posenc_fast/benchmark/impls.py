@@ -68,6 +68,12 @@ def impl_unavailable(impl: str, device: torch.device) -> Optional[str]:
         except Exception as error:  # the backend is optional and may be half-written: never fatal here
             return f"posenc_fast.backends.cuda_backend does not import ({type(error).__name__}: {error})"
         return cuda_backend.available(device)
+    if impl == "cpu":
+        if device.type != "cpu":
+            return "the CPU backend is timed on CPU only (--device cpu)"
+        from ..backends import cpu_backend
+
+        return cpu_backend.available(device)
     return None
 
 

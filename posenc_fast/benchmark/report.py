@@ -7,7 +7,7 @@ import math
 import os
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .cases import JSON_IMPLS, COMPILE_IMPLS, TARGETS, DECODE_TARGET_X_EAGER, Case
+from .cases import JSON_IMPLS, COMPILE_IMPLS, TARGETS, CPU_TARGETS, DECODE_TARGET_X_EAGER, Case
 from .results import Measurement, _key
 
 
@@ -29,23 +29,30 @@ def speedups(rows: Sequence[dict]) -> Dict[Tuple, Tuple[Optional[float], Optiona
     return out
 
 
-def target_report(rows: Sequence[dict], copy_GBps: float, headline: Case, decode: Case,
+def target_report(rows: Sequence[dict], copy_GBps: float, headline: Case, decode: Optional[Case],
                   deterministic: Optional[Dict[str, bool]] = None) -> List[str]:
-    """One line per fused implementation and target of the issue, each 'ok' or 'MISSED'."""
+    """One line per fused implementation and target, each 'ok' or 'MISSED'.  A CPU headline
+    (``headline.device_type == "cpu"``) is read against CPU_TARGETS, whose floor is a measured
+    gather + write; ``decode`` None: no decode target (CPU)."""
     x = speedups(rows)
     by_key = {_key(r) + (r["impl"],): r for r in rows}
-    fused = [impl for impl in ("triton", "cuda") if any(r["impl"] == impl for r in rows)]
+    on_cpu = headline.device_type == "cpu"
+    targets = CPU_TARGETS if on_cpu else TARGETS
+    fused = [impl for impl in ("triton", "cuda", "cpu") if any(r["impl"] == impl for r in rows)]
     if not fused:
-        return ["targets: no fused implementation was measured"]
-    lines = [f"targets (headline {headline.tokens} tokens x {headline.d_model}, {headline.dtype_name}, "
-             f"{headline.mode}; x compile = over the faster compile mode):"]
+        return [f"targets: no fused implementation ({'cpu' if on_cpu else 'triton, cuda'}) was measured"]
+    floor = ("the gather + write floor: torch.index_select of random rows, ids + rows + output bytes over its time"
+             if on_cpu else "the copy bandwidth")
+    lines = [f"targets ({headline.name}: {headline.tokens} tokens x {headline.d_model}, {headline.dtype_name}, "
+             f"{headline.mode}; x compile = over the faster compile mode; % of floor = GB/s by the byte model over "
+             f"{floor}, {copy_GBps:.1f} GB/s):"]
 
     def key(op, case, impl):
         return (op,) + (case.dtype_name, case.mode, case.tokens, case.d_model, case.vocab) + (impl,)
 
     for impl in fused:
         parts = []
-        for op, quantity, bar in TARGETS:
+        for op, quantity, bar in targets:
             row = by_key.get(key(op, headline, impl))
             if row is None:
                 parts.append(f"{op} {quantity}: not measured")
@@ -58,21 +65,25 @@ def target_report(rows: Sequence[dict], copy_GBps: float, headline: Case, decode
                 parts.append(f"{op} {quantity}: no baseline")
                 continue
             unit = "%" if quantity == "pct_copy" else "x"
-            label = "of copy" if quantity == "pct_copy" else quantity.replace("x_", "over ")
+            label = ("of floor" if on_cpu else "of copy") if quantity == "pct_copy" else quantity.replace("x_", "over ")
             parts.append(f"{op} {value:.2f}{unit} {label} (>= {bar:g}{unit}) {'ok' if value >= bar else 'MISSED'}")
         if deterministic is not None and impl in deterministic:
             parts.append(f"backward deterministic: {'ok' if deterministic[impl] else 'MISSED'}")
         else:
             parts.append("backward deterministic: not checked here (see the run's log)")
-        decode_row = by_key.get(key("forward", decode, impl))
-        dx = x.get(key("forward", decode, impl), (None, None))[0]
-        if decode_row is None or dx is None:
+        decode_row = by_key.get(key("forward", decode, impl)) if decode is not None else None
+        dx = x.get(key("forward", decode, impl), (None, None))[0] if decode is not None else None
+        if decode is None:
+            pass  # no decode target on CPU
+        elif decode_row is None or dx is None:
             parts.append("decode forward over eager: not measured")
         else:
             parts.append(f"decode forward {dx:.2f}x over eager (>= {DECODE_TARGET_X_EAGER:g}x) "
                          f"{'ok' if dx >= DECODE_TARGET_X_EAGER else 'MISSED'}")
         mine, eager = by_key.get(key("step", headline, impl)), by_key.get(key("step", headline, "eager"))
-        if mine and eager and mine["peak_mem_bytes"] is not None and eager["peak_mem_bytes"] is not None:
+        if on_cpu:
+            pass  # peak memory is measured on GPU only
+        elif mine and eager and mine["peak_mem_bytes"] is not None and eager["peak_mem_bytes"] is not None:
             ok = mine["peak_mem_bytes"] < eager["peak_mem_bytes"]
             parts.append(f"step peak memory {mine['peak_mem_bytes'] / 2**20:.0f} MiB vs eager "
                          f"{eager['peak_mem_bytes'] / 2**20:.0f} MiB {'ok' if ok else 'MISSED'}")
@@ -88,11 +99,13 @@ def format_table(measurements: Sequence[Measurement], copy_GBps: float, *, devic
     """The printed table: one line per (case, op, impl)."""
     rows = [m.as_json() for m in measurements]
     x = speedups(rows)
+    floor = ("gather + write floor (torch.index_select of random rows)" if device.startswith("CPU")
+             else "copy bandwidth")
     lines = [
-        f"posenc_fast bench on {device or '?'}: copy bandwidth {copy_GBps:.1f} GB/s (read + write); "
+        f"posenc_fast bench on {device or '?'}: {floor} {copy_GBps:.1f} GB/s (read + write); "
         f"posenc_fast timed with the id range check OFF (posenc_fast.id_check(False))",
         "bytes = the fewest bytes the op must move (posenc_fast.benchmark.bytes_moved); %copy = GB/s over the "
-        "copy bandwidth; x eager / x compile = speedup (compile: the faster compile mode); peak = step only",
+        f"{floor}; x eager / x compile = speedup (compile: the faster compile mode); peak = step only",
     ]
     header = (f"{'case':<21}{'op':<9}{'impl':<21}{'dtype':<9}{'tokens':>9}{'median ms':>11}{'spread':>8}"
               f"{'MB':>9}{'GB/s':>9}{'%copy':>7}{'x eager':>9}{'x compile':>10}{'peak MiB':>10}")

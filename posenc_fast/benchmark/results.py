@@ -42,8 +42,26 @@ class Measurement:
                 "GBps": float(self.GBps), "peak_mem_bytes": self.peak_mem_bytes}
 
 
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo on Linux, else platform.processor())."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
 def device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    """The GPU's name, or "CPU <model>, <n> threads": a CPU result is only comparable at the same thread
+    count, so the count is part of the name (and of the results file's name)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU {cpu_model()}, {torch.get_num_threads()} threads"
 
 
 def device_slug(name: str) -> str:

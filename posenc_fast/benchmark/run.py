@@ -12,7 +12,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from .. import config
-from .cases import OPS, FUSED_IMPLS, COMPILE_IMPLS, Case, for_device
+from .cases import OPS, FUSED_IMPLS, COMPILE_IMPLS, HEADLINE, Case, for_device
 from .impls import (
     rotation_sets, CaseInputs, impl_unavailable, build_runner, forward_fn, backward_fn, step_fn, relative_error,
     agreement_bar,
@@ -82,7 +82,7 @@ def run_benchmark(cases: Sequence[Case], impls: Sequence[str], device: torch.dev
             log(f"skipping {impl}: {reason.splitlines()[0][:300]}")
 
     copy = copy_bandwidth_GBps(device)
-    log(f"device {device_name(device)}; copy bandwidth {copy:.1f} GB/s (read + write)")
+    log(f"device {device_name(device)}; {'copy' if device.type == 'cuda' else 'gather + write'} bandwidth {copy:.1f} GB/s (read + write)")
     skipped_for_time = []
 
     for case in (for_device(c, device) for c in cases):
@@ -168,7 +168,7 @@ def _measure_impl(case, case_ops, impl, inputs, reference, device, measurements,
                 g1 = torch.autograd.grad(first_out, (runner.weight,), first_grad, retain_graph=True)[0]
                 g2 = torch.autograd.grad(first_out, (runner.weight,), first_grad)[0]
                 same = torch.equal(g1, g2)
-                if case.name == "headline":
+                if case.name == HEADLINE[device.type]:
                     deterministic[impl] = same
                 notes.append(f"{case.name} backward deterministic (two runs bitwise equal), {impl}: "
                              f"{'yes' if same else 'NO'}")
@@ -190,10 +190,13 @@ def _measure_impl(case, case_ops, impl, inputs, reference, device, measurements,
             del fn
             runner.weight.grad = None
             _free_memory(device)
-    if case.name == "headline" and "forward" in case_ops and impl in FUSED_IMPLS:
+    if case.name == HEADLINE[device.type] and "forward" in case_ops and impl in FUSED_IMPLS:
         with config.id_check(True):
             on = time_op(forward_fn(runner, inputs), device, latency=case.latency)
         off = next(m for m in results if m.op == "forward")
-        notes.append(f"headline forward with the id range check ON (one device->host sync per call), {impl}: "
-                     f"{on.median_ms:.4f} ms ({100.0 * (on.median_ms / off.median_ms - 1):+.1f}% over the check off)")
+        what = ("one device->host sync per call" if device.type == "cuda"
+                else "a range check of every id on the host per call")
+        notes.append(f"{case.name} forward, {impl}, with the id range check ON ({what}): {on.median_ms:.4f} ms, "
+                     f"against {off.median_ms:.4f} ms with it off (the timed rows): "
+                     f"{100.0 * (on.median_ms / off.median_ms - 1):+.1f}%")
     log(f"  {case.name} {impl}: {time.monotonic() - t0:.1f} s in all (warm-up and compilation included)")

@@ -1,15 +1,17 @@
 """How the benchmark times: triton.testing.do_bench (GPU throughput), CUDA events one call at a time
-(latency), perf_counter on CPU; the copy bandwidth and a step's peak memory."""
+(latency), perf_counter on CPU; the floor bandwidth (GPU: a copy; CPU: a gather + write) and a
+step's peak memory."""
 
 from __future__ import annotations
 
 import dataclasses
 import statistics
+import time
 from typing import Callable, List, Optional, Sequence
 
 import torch
 
-from .._timing import cuda_event_times, median_ms
+from .._timing import cuda_event_times
 
 
 def sync(device: torch.device) -> None:
@@ -40,11 +42,24 @@ def _quantile(sorted_values: Sequence[float], q: float) -> float:
 
 
 def time_op(fn: Callable, device: torch.device, *, latency: bool = False, warmup_calls: int = 3,
-            cpu_reps: int = 5) -> Timing:
+            cpu_seconds: float = 0.5) -> Timing:
     """Median time of ``fn`` in ms after ``warmup_calls`` untimed calls (compile, autotune, JIT).
-    On CPU (smoke runs) one warm-up call and ``cpu_reps`` timed ones."""
+    On CPU: perf_counter around each call, as many calls as fit in about ``cpu_seconds`` (5 to 200),
+    and the spread as on GPU."""
     if device.type != "cuda":
-        return Timing(median_ms(fn, device, warmup=1, reps=cpu_reps), None)
+        for _ in range(warmup_calls):
+            fn()
+        t0 = time.perf_counter()
+        fn()
+        one = max(time.perf_counter() - t0, 1e-6)
+        times = []
+        for _ in range(int(min(200, max(5, cpu_seconds / one)))):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        times.sort()
+        median = statistics.median(times)
+        return Timing(median, 100.0 * (_quantile(times, 0.8) - _quantile(times, 0.2)) / median if median > 0 else None)
     for _ in range(warmup_calls):
         fn()
     sync(device)
@@ -55,12 +70,28 @@ def time_op(fn: Callable, device: torch.device, *, latency: bool = False, warmup
 
 
 def copy_bandwidth_GBps(device: torch.device, nbytes: Optional[int] = None) -> float:
-    """A large device-to-device copy of random data, counting bytes read plus bytes written."""
-    nbytes = nbytes or ((1 << 30) if device.type == "cuda" else (64 << 20))
+    """The bandwidth the floor is measured against (a results file's ``copy_GBps``).  GPU: a large
+    device-to-device copy of random data, counting bytes read plus bytes written.  CPU: the gather
+    + write of gather_bandwidth_GBps (a plain copy streams, which a row gather cannot)."""
+    if device.type != "cuda":
+        return gather_bandwidth_GBps(device)
+    nbytes = nbytes or (1 << 30)
     src = torch.randn(nbytes // 4, device=device)  # random, never zeros
     dst = torch.empty_like(src)
     timing = time_op(lambda: dst.copy_(src), device)
     return 2 * src.numel() * src.element_size() / (timing.median_ms * 1e6)
+
+
+def gather_bandwidth_GBps(device: torch.device, rows: int = 65536, width: int = 512, tokens: int = 32768) -> float:
+    """torch.index_select of ``tokens`` random rows of a [rows, width] fp32 table (128 MiB: larger
+    than any last-level cache) into an output buffer: ids + gathered rows + output bytes over the time.
+    The forward's memory traffic (bytes_moved) without its arithmetic: the floor on CPU."""
+    g = torch.Generator(device=device).manual_seed(0)
+    table = torch.randn(rows, width, device=device, generator=g)  # random, never zeros
+    ids = torch.randint(0, rows, (tokens,), device=device, generator=g)
+    out = torch.empty(tokens, width, device=device)  # reused: a fresh one per call would time page faults
+    timing = time_op(lambda: torch.index_select(table, 0, ids, out=out), device)
+    return (ids.numel() * ids.element_size() + 2 * tokens * width * 4) / (timing.median_ms * 1e6)
 
 
 def step_peak_bytes(step: Callable, weight: torch.nn.Parameter, device: torch.device) -> Optional[int]:
