@@ -106,7 +106,8 @@ def measure(shape, p, device, dtype, smoke=False):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=".")
+    parser.add_argument("--out", default="posenc_fast-bench-results",
+                        help="folder for dropout_cost.json (default: ./%(default)s, which .gitignore covers)")
     parser.add_argument("--p", type=float, default=0.1)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, torch backend: checks the script")
     args = parser.parse_args(argv)
@@ -124,6 +125,7 @@ def main(argv=None) -> int:
         rows += measure(shape, args.p, device, dtype, smoke=args.smoke)
     doc = {"device": benchmark.device_name(device), "torch": torch.__version__, "date": date.today().isoformat(),
            "copy_GBps": copy, "p": args.p, "dtype": str(dtype).replace("torch.", ""), "rows": rows}
+    os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "dropout_cost.json"), "w") as f:
         json.dump(doc, f, indent=1)
     return 0

@@ -693,8 +693,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--kernels", default="all", choices=["all", "forward", "grad"])
     parser.add_argument("--only", default=None, help="substring of the variant names to keep")
     parser.add_argument("--json", action="store_true", help="print the entries as one JSON list last")
-    parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results"),
-                        help="directory for sass-sm<arch>.json (not written with --only)")
+    # Not bench/results/ by default: a run must not overwrite the committed files unless asked to.
+    parser.add_argument("--out", default="posenc_fast-bench-results",
+                        help="directory for sass-sm<arch>.json (not written with --only; default: ./%(default)s; "
+                             "--out bench/results replaces the committed files)")
     args = parser.parse_args(argv)
     results = run(args.arch, args.backend, args.only, args.kernels)
     if args.json:
