@@ -155,7 +155,7 @@ def test_import_without_extension(tmp_path):
 
 def test_cuda_backend_on_cpu_tensors_raises(real_extension_state):
     ids, weight = torch.tensor([[1, 2, 3]]), torch.randn(5, 8)
-    with pytest.raises(RuntimeError, match=r"CUDA tensors.*backend='torch'"):
+    with pytest.raises(RuntimeError, match=r"CUDA tensors.*backend='cpu'"):
         pf.sinusoidal_embedding(ids, weight, backend="cuda")
 
 
