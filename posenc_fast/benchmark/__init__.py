@@ -22,7 +22,9 @@ Implementations (``IMPLS``):
 - ``triton`` / ``cuda``: ``SinusoidalEmbedding(backend=...)``, timed with the host-side id range
   check OFF (``posenc_fast.id_check(False)``); the headline forward with the check on is printed
   as an extra line (the JSON's ``impl`` enum has no slot for it).
-- ``torch``: the float64 reference backend; CPU smoke runs only, printed but never written to
+- ``cpu``: ``SinusoidalEmbedding(backend="cpu")``, the native CPU kernels (what ``auto`` runs on
+  CPU tensors), timed on the CPU cases (group ``cpu``) with the id check off, as triton/cuda are.
+- ``torch``: the float64 reference backend; timed only when named, printed but never written to
   the JSON (not in its ``impl`` enum).
 
 Ops: ``forward`` (under ``torch.no_grad()``, as inference and decoding run it), ``backward``
@@ -35,7 +37,8 @@ autotuning and Triton's JIT stay out of the numbers).  Inputs are random (ids ov
 vocabulary, N(0, 1) weights and output gradients, never zeros) and rotated among several sets
 when one set would fit in L2.  Latency cases (decode) are timed one call at a time with the GPU
 idle at the start event, so host overhead (Python, dispatch, launches) is part of the time, as in
-a decoding loop without CUDA graphs.  CPU: ``_timing.median_ms``.
+a decoding loop without CUDA graphs.  CPU: perf_counter around each call (``timing.time_op``),
+against a measured gather + write floor (``timing.gather_bandwidth_GBps``).
 """
 
 from .cases import (  # noqa: F401
