@@ -29,6 +29,7 @@ SESSION_SEED = int(os.environ.get("POSENC_FAST_TEST_SEED", random.SystemRandom()
 # (CPU kernels, the CUDA kernels' host build) and the other cases through the interpreter.
 SLOW_CASES = [
     (("long_sequence", "triton-interpreter"), "the longest case through Triton's interpreter: 5 to 40 s each"),
+    (("hot_id_padding", "triton-interpreter"), "a hot-id case through the interpreter: 4 to 9 s each"),
     (("test_keep_rate_and_scale", "triton-interpreter"), "a large dropout sample through the interpreter: ~25 s"),
     (("test_train_tiny_lm_runs", "-triton]"), "a training run through the interpreter: ~20 s"),
     (("test_properties.py", "triton-interpreter"), "hypothesis examples through the interpreter: ~10 s"),
