@@ -6,12 +6,21 @@
 // version.  Validation happens in Python before the call; here only the codes are checked.  The
 // GIL is released while the kernels run.
 //
-// Threads: a small pool of std::threads, created on first use and kept (spinning briefly, then
-// blocked on a condition variable between calls, so they take nothing from torch's own threads).  The
-// caller passes the thread count (posenc_fast passes torch.get_num_threads()).
+// Threads: the kernels run on the OpenMP runtime that the process already has loaded (torch's
+// libgomp, or an LLVM/Intel libomp, which export the same GOMP_ entry points), found among the
+// loaded libraries and never loaded by us.  So they share torch's worker threads: right after a
+// torch op those workers are still spinning, and a second pool of our own would compete with them
+// for the same cores (measured on 2 cores: a forward after a GEMM took 1.0-2.5 ms on our own pool
+// against 0.6 ms alone; bench/NOTES.md).  Where no OpenMP runtime is loaded, a small pool of
+// std::threads (created on first use, spinning briefly and then blocked between calls) does the
+// same job.  The caller passes the thread count (posenc_fast passes torch.get_num_threads()).
 #include <pybind11/pybind11.h>
 
 #include <unistd.h>
+#ifdef __linux__
+#include <dlfcn.h>
+#include <link.h>
+#endif
 #ifdef __linux__
 #include <sys/mman.h>
 #endif
@@ -149,6 +158,100 @@ ThreadPool& pool() {
   }
   return *current;
 }
+
+// ---- the process's OpenMP runtime ----
+
+// GOMP_parallel is the entry point GCC emits for `#pragma omp parallel`; libgomp defines it, and
+// LLVM's libomp and Intel's libiomp5 define it too for GCC-compiled code.  Called through pointers
+// looked up in the already-loaded library, so this file needs no -fopenmp and links no runtime:
+// linking one would load a second copy beside torch's, with a second set of threads.
+struct OpenMPRuntime {
+  void (*parallel)(void (*)(void*), void*, unsigned, unsigned) = nullptr;  // GOMP_parallel
+  int (*thread_num)() = nullptr;                                           // omp_get_thread_num
+  int (*in_parallel)() = nullptr;                                          // omp_in_parallel
+  std::string path;
+};
+
+bool is_openmp_library(const char* path) {
+  const char* slash = std::strrchr(path, '/');
+  const char* name = slash != nullptr ? slash + 1 : path;
+  for (const char* prefix : {"libgomp", "libomp", "libiomp5"}) {
+    if (std::strncmp(name, prefix, std::strlen(prefix)) == 0) return true;
+  }
+  return false;
+}
+
+OpenMPRuntime find_loaded_openmp() {
+  OpenMPRuntime found;
+#ifdef __linux__
+  std::vector<std::string> candidates;
+  dl_iterate_phdr(
+      [](dl_phdr_info* info, size_t, void* data) {
+        if (info->dlpi_name != nullptr && is_openmp_library(info->dlpi_name)) {
+          static_cast<std::vector<std::string>*>(data)->emplace_back(info->dlpi_name);
+        }
+        return 0;
+      },
+      &candidates);
+  for (const std::string& path : candidates) {
+    // RTLD_NOLOAD: a handle to the copy already in the process, or nothing; never a new copy.
+    void* handle = dlopen(path.c_str(), RTLD_NOW | RTLD_NOLOAD);
+    if (handle == nullptr) continue;
+    OpenMPRuntime runtime;
+    runtime.parallel = reinterpret_cast<decltype(runtime.parallel)>(dlsym(handle, "GOMP_parallel"));
+    runtime.thread_num = reinterpret_cast<decltype(runtime.thread_num)>(dlsym(handle, "omp_get_thread_num"));
+    runtime.in_parallel = reinterpret_cast<decltype(runtime.in_parallel)>(dlsym(handle, "omp_in_parallel"));
+    if (runtime.parallel != nullptr && runtime.thread_num != nullptr && runtime.in_parallel != nullptr) {
+      runtime.path = path;
+      return runtime;  // the handle stays open: the runtime lives as long as the process
+    }
+    dlclose(handle);
+  }
+#endif
+  return found;
+}
+
+// Looked up on first use (torch, imported before any kernel runs, has loaded its runtime by then).
+// "pool" forces the std::thread pool (POSENC_FAST_CPU_THREADS=pool, or set_threading): for
+// comparisons and for a runtime that misbehaves.
+struct Threading {
+  OpenMPRuntime openmp;
+  bool use_openmp = false;
+  pid_t owner = 0;  // a forked child (a DataLoader worker) uses the pool: libgomp's team does not survive fork
+};
+
+Threading& threading() {
+  static Threading* current = [] {
+    auto* t = new Threading();
+    t->openmp = find_loaded_openmp();
+    const char* requested = std::getenv("POSENC_FAST_CPU_THREADS");
+    const bool pool_requested = requested != nullptr && std::strcmp(requested, "pool") == 0;
+    t->use_openmp = t->openmp.parallel != nullptr && !pool_requested;
+    t->owner = getpid();
+    return t;
+  }();
+  return *current;
+}
+
+// One parallel_for on an OpenMP team: the team's threads take chunks from a shared counter, as the
+// pool's workers do, so the split (and so every result) is the same on both.
+struct OpenMPJob {
+  void (*fn)(void*, int64_t, int64_t);
+  void* context;
+  int64_t num_items;
+  int64_t grain;
+  std::atomic<int64_t> next_chunk{0};
+
+  static void run(void* data) {
+    auto* job = static_cast<OpenMPJob*>(data);
+    for (;;) {
+      const int64_t begin = job->next_chunk.fetch_add(1) * job->grain;
+      if (begin >= job->num_items) return;
+      const int64_t end = begin + job->grain < job->num_items ? begin + job->grain : job->num_items;
+      job->fn(job->context, begin, end);
+    }
+  }
+};
 
 // Asks Linux to back the 2 MiB-aligned part of a buffer that is about to be written for the first
 // time with transparent huge pages (where THP is "madvise", the common default): a large fresh
@@ -367,7 +470,38 @@ void parallel_for(int64_t num_items, int64_t grain, int num_threads, void (*fn)(
                   void* context) {
   if (num_items <= 0) return;
   if (grain < 1) grain = 1;
-  pool().run(num_items, grain, num_threads, fn, context);
+  const Threading& t = threading();
+  if (!t.use_openmp || t.owner != getpid()) {
+    pool().run(num_items, grain, num_threads, fn, context);
+    return;
+  }
+  const int64_t num_chunks = (num_items + grain - 1) / grain;
+  const int64_t team = num_threads < num_chunks ? num_threads : num_chunks;
+  // Inside a parallel region already (called from an OpenMP worker): run here, as torch's own
+  // at::parallel_for does, rather than nest a team.
+  if (team <= 1 || t.openmp.in_parallel()) {
+    fn(context, 0, num_items);
+    return;
+  }
+  OpenMPJob job{fn, context, num_items, grain};
+  t.openmp.parallel(&OpenMPJob::run, &job, static_cast<unsigned>(team), 0);
+}
+
+std::string threading_name() {
+  const Threading& t = threading();
+  return t.use_openmp && t.owner == getpid() ? "openmp:" + t.openmp.path : std::string("pool");
+}
+
+void set_threading(const std::string& name) {
+  Threading& t = threading();
+  if (name == "pool") {
+    t.use_openmp = false;
+  } else if (name == "openmp") {
+    if (t.openmp.parallel == nullptr) throw std::invalid_argument("no OpenMP runtime is loaded in this process");
+    t.use_openmp = true;
+  } else {
+    throw std::invalid_argument("threading must be 'openmp' or 'pool', got '" + name + "'");
+  }
 }
 
 }  // namespace cpu
@@ -419,6 +553,11 @@ PYBIND11_MODULE(_cpu, m) {
         py::arg("num_tokens"), py::arg("num_embeddings"), py::arg("token_width"), py::arg("padding_idx"),
         py::arg("embed_scale"), py::arg("dropout_seed"), py::arg("dropout_threshold"), py::arg("dropout_scale"),
         py::arg("num_threads"));
+  m.def("threading", &cpu::threading_name,
+        "Where the kernels' threads come from: 'openmp:<library>' (the process's OpenMP runtime, torch's "
+        "threads) or 'pool' (posenc_fast's own).");
+  m.def("set_threading", &cpu::set_threading, py::arg("name"),
+        "Use 'openmp' (the loaded runtime) or 'pool' (our own threads); benchmarks compare them.");
   m.def("isa", [] { return std::string(cpu::selected.name); }, "The instruction-set variant in use.");
   m.def("supported_isas", &cpu::isa_names, "Variants this CPU and build can run, best first.");
   m.def("set_isa", &cpu::select_variant, py::arg("name"),

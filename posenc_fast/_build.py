@@ -572,6 +572,8 @@ def plan_cpu_build(source_dir: str, build_dir: str, output: str, cxx: str) -> Bu
                      os.path.join(source_dir, "cpu_binding.cpp"), "-o", obj])
     objects.append(obj)
     link = [cxx, "-shared", "-pthread", "-o", output] + objects
+    if sys.platform.startswith("linux"):
+        link.append("-ldl")  # dlopen/dlsym of the process's OpenMP runtime (in libc itself from glibc 2.34)
     if sys.platform == "darwin":
         link += ["-undefined", "dynamic_lookup"]
     return BuildPlan(compiles, objects, link, output)

@@ -160,3 +160,50 @@ def test_avx2_and_avx512_variants_agree_bitwise(precision, seed):
     finally:
         module.set_isa("")
     assert torch.equal(outputs[0], outputs[1])
+
+
+@pytest.fixture(params=["openmp", "pool"])
+def threading(request):
+    """Each way the kernels get their threads: the process's OpenMP runtime (torch's workers) and
+    posenc_fast's own pool."""
+    module = cpu_backend.extension()
+    before = module.threading()
+    try:
+        module.set_threading(request.param)
+    except ValueError as error:  # no OpenMP runtime loaded: a torch built without OpenMP
+        pytest.skip(str(error))
+    yield request.param
+    module.set_threading("pool" if before == "pool" else "openmp")
+
+
+def test_kernels_run_on_torchs_openmp_runtime():
+    """With torch's OpenMP runtime loaded (torch's Linux wheels: libgomp), the kernels use it, so they
+    share torch's worker threads instead of competing with them (bench/NOTES.md, "CPU threads")."""
+    if "OpenMP" not in torch.__config__.parallel_info():
+        pytest.skip("this torch is not built with OpenMP")
+    module = cpu_backend.extension()
+    with open("/proc/self/maps", encoding="utf-8") as maps:
+        loaded = {line.split()[-1] for line in maps if "omp" in line.rsplit("/", 1)[-1]}
+    name = module.threading()
+    assert name.startswith("openmp:") and name[len("openmp:"):] in loaded, (name, loaded)
+
+
+def test_threading_names_are_checked():
+    with pytest.raises(ValueError, match="'openmp' or 'pool', got 'tbb'"):
+        cpu_backend.extension().set_threading("tbb")
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_results_do_not_depend_on_where_threads_come_from(threading, threads, seed):
+    """OpenMP team and own pool split the work the same way: bitwise the same forward and gradient
+    as one thread, after a torch op has left torch's workers spinning."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 64, (4, 257), generator=g)
+    weight = torch.randn(64, 200, generator=g)
+    grad_out = torch.randn(4, 257, 200, generator=g)
+    offset = torch.tensor([0, 3, 70000, 9], dtype=torch.int64)
+    one = _run(ids, weight, grad_out, 1, offset=offset, embed_scale=2.0)
+    torch.mm(torch.randn(256, 256), torch.randn(256, 256))
+    many = _run(ids, weight, grad_out, threads, offset=offset, embed_scale=2.0)
+    assert torch.equal(many[0], one[0]) and torch.equal(many[1], one[1])
+
