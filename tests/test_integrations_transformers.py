@@ -345,6 +345,29 @@ def test_patch_twice_changes_nothing_more():
                                    original(input_ids=ids, decoder_input_ids=ids).logits, atol=LOGITS_ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("version", ["5.24.0", "6.0.0", "5.0.0", "4.57.6", "5.24.0.dev0"])
+def test_unverified_transformers_release_leaves_the_model_unpatched(monkeypatch, version, seed):
+    """A transformers release outside VERIFIED_TRANSFORMERS (5.24 changed how the cache reaches the
+    decoders) gets a warning naming the version and an unpatched model: never different numbers."""
+    model, original = _pair(FAMILIES[0])
+    monkeypatch.setattr(integration, "_installed_transformers_version", lambda: version)
+    forwards = {name: m.__dict__.get("forward") for name, m in model.named_modules()}
+    with pytest.warns(RuntimeWarning, match=f"transformers {version} is outside"):
+        assert pf.patch_model(model) is model
+    assert forwards == {name: m.__dict__.get("forward") for name, m in model.named_modules()}
+    assert all(getattr(m, "_posenc_fast", None) is None for m in model.modules())
+    ids = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids, decoder_input_ids=ids).logits,
+                                   original(input_ids=ids, decoder_input_ids=ids).logits, atol=0, rtol=0)
+
+
+def test_installed_transformers_is_a_verified_release():
+    """The test extra resolves a release inside the verified range; this fails if it ever resolves one
+    the patch was not verified against (the rest of this file would then test an unpatched model)."""
+    assert integration._unverified_transformers() is None, transformers.__version__
+
+
 def test_unsupported_model_raises_and_changes_nothing():
     config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=D, num_hidden_layers=1, num_attention_heads=2,
                                      intermediate_size=32)

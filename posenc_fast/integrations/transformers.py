@@ -29,6 +29,7 @@ import dataclasses
 import functools
 import inspect
 import sys
+import warnings
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -40,7 +41,45 @@ from .._validate import make_spec
 from ..functional import apply_add_spec, apply_spec
 from ..positions import make_positions
 
-__all__ = ["patch_model", "supported_classes"]
+__all__ = ["patch_model", "supported_classes", "VERIFIED_TRANSFORMERS"]
+
+# The transformers releases the patches were verified against: [first, end).  On 2026-11-25 the test
+# file passed on 5.23.0 only: 4.57.6, 5.0.0 and 5.15.0 each failed some families (crashes and one
+# different generation), 5.24.0 numbers cached steps wrong.  The families re-state
+# steps of each model's forward, which transformers rewrites between releases (5.24 passes the KV
+# cache as ``cache=``, and the patched decoders would number cached steps from 0).  Outside this range
+# patch_model warns and leaves the model as it is: slower, never different numbers.  Raise ``end``
+# only after tests/test_integrations_transformers.py passes on the new release (.ci/run tests both ends).
+VERIFIED_TRANSFORMERS = ((5, 23), (5, 24))
+
+
+def _release(version: str) -> Tuple[int, int]:
+    parts = []
+    for piece in version.split(".")[:2]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts + [0] * (2 - len(parts)))  # type: ignore[return-value]
+
+
+def _installed_transformers_version() -> Optional[str]:
+    try:
+        import transformers
+    except ImportError:
+        return None
+    return str(getattr(transformers, "__version__", "0"))
+
+
+def _unverified_transformers() -> Optional[str]:
+    """Why the installed transformers is outside VERIFIED_TRANSFORMERS, or None."""
+    version = _installed_transformers_version()
+    if version is None:
+        return None  # a model built without transformers' package: nothing to compare against
+    first, end = VERIFIED_TRANSFORMERS
+    if first <= _release(version) < end:
+        return None
+    return (f"transformers {version} is outside the releases posenc_fast.patch_model was verified "
+            f"against (>= {first[0]}.{first[1]}, < {end[0]}.{end[1]}); the model is left unpatched "
+            f"(same outputs, unfused). Install a release in that range to use the fused layer.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -494,6 +533,10 @@ def patch_model(model: nn.Module) -> nn.Module:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"patch_model takes a transformers model (an nn.Module), got {type(model).__name__}")
+    unverified = _unverified_transformers()
+    if unverified is not None:
+        warnings.warn(unverified, RuntimeWarning, stacklevel=2)
+        return model
     patches, found = [], False
     for module in model.modules():
         family = _family_of(module)
