@@ -181,20 +181,31 @@ class PESpec:
         return self.pe_width // 2
 
     def turns_tensor(self, device) -> torch.Tensor:
-        """The int64 ``R_i`` on ``device``; cached, so one host-to-device copy per (spec, device)."""
+        """The int64 ``R_i`` on ``device``; cached, so one host-to-device copy per (spec, device).
+
+        The cache is process-wide (specs are shared by every layer with the same parameters), so it
+        only ever holds a plain tensor.  Under a dispatch mode (torch.export's or a FakeTensorMode's
+        fake tensors, make_fx's proxies, a user's mode) the tensor is made under that mode and not kept;
+        what torch.compile traces is a graph constant; one made under a torch.func transform or
+        inference mode is made outside them."""
         cached = self._turns_by_device.get(device)  # a torch.device already (weight.device): no conversion
         if cached is None:
             device = torch.device(device)
             cached = self._turns_by_device.get(device)
+        if torch.compiler.is_compiling():
+            return cached if cached is not None else self._new_turns(device)
+        if _dispatch_mode_depth():
+            return self._new_turns(device)
         if cached is None:
-            # A normal tensor even under inference_mode: the cache outlives the block.
-            if not torch.compiler.is_compiling() and torch.is_inference_mode_enabled():
-                with torch.inference_mode(False):
-                    cached = torch.tensor(self.turns_fixed_point, dtype=torch.int64, device=device).reshape(-1)
-            else:
-                cached = torch.tensor(self.turns_fixed_point, dtype=torch.int64, device=device).reshape(-1)
-            self._turns_by_device[device] = cached
+            with torch._C._DisableFuncTorch(), torch.inference_mode(False):
+                cached = self._turns_by_device[device] = self._new_turns(device)
         return cached
+
+    def _new_turns(self, device) -> torch.Tensor:
+        return torch.tensor(self.turns_fixed_point, dtype=torch.int64, device=device).reshape(-1)
+
+
+_dispatch_mode_depth = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 0)
 
 
 _FLOAT64_MAX = 1.7976931348623157e308

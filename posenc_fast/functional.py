@@ -5,13 +5,15 @@ from __future__ import annotations
 from typing import Optional, Sequence, Union
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 
 from ._dispatch import resolve_backend
 from ._dropout import check_dropout_p, draw_seed
 from ._spec import PESpec
 from ._validate import check_offset, check_weight, check_weight_for_spec, make_batch, make_spec
 from .backends import KernelParams
-from .ops import EagerEmbedding, add_sinusoidal_forward, add_sinusoidal_op, run_forward, sinusoidal_embedding_op
+from .ops import (AddSinusoidalFunction, EmbeddingFunction, add_sinusoidal_forward, add_sinusoidal_op, run_forward,
+                  sinusoidal_embedding_op)
 from .positions import make_positions, packed_positions
 from .presets import POSITION_RULES
 
@@ -93,20 +95,30 @@ def _positions_by_rule(ids, spec: PESpec, positions, offset, cu_seqlens, positio
 # goes through the dispatcher: calls under one take the torch.library op.
 _dispatch_mode_depth = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 0)
 
+# How a call runs (``_route``):
+_RUN = "run"            # eager, nothing to differentiate: the op's implementation, directly
+_FUNCTION = "function"  # eager with autograd, forward-mode AD or torch.func: ops.EmbeddingFunction
+_OP = "op"              # traced (torch.compile, torch.export) or intercepted (a dispatch mode): the op
+
+
+def _forward_ad_active() -> bool:
+    """Inside ``torch.autograd.forward_ad.dual_level()``: an input may carry a tangent."""
+    return _forward_ad._current_level >= 0
+
 
 def _eager_call(ids, weight) -> bool:
     """Whether the call may run the op's implementation without torch.library: eager, on plain
-    tensors, with nothing tracing (torch.compile, jit.trace), transforming (torch.func, vmap) or
-    intercepting (a dispatch mode) it.
+    tensors, with nothing tracing (torch.compile, torch.export, jit.trace), transforming (torch.func,
+    vmap, forward-mode AD) or intercepting (a dispatch mode) it.
 
     The dispatcher (autograd wrapper, redispatch, alias checks) costs about 20 us of Python per
     call, most of the host time of a decoding step, and its custom-op autograd wrapper about 150
-    us more in training (``ops.EagerEmbedding``).  Same implementation, same checks.
+    us more in training (``ops.EmbeddingFunction``).  Same implementation, same checks.
     """
     return (not torch.compiler.is_compiling()
             and type(ids) is torch.Tensor and type(weight) in (torch.Tensor, torch.nn.Parameter)
             and not torch._C._is_tracing() and not torch._C._are_functorch_transforms_active()
-            and not _dispatch_mode_depth())
+            and not _dispatch_mode_depth() and _forward_ad._current_level < 0)
 
 
 def _eager_inference(ids, weight) -> bool:
@@ -114,18 +126,45 @@ def _eager_inference(ids, weight) -> bool:
     return not (torch.is_grad_enabled() and weight.requires_grad) and _eager_call(ids, weight)
 
 
+def _route(ids, weight) -> str:
+    """How a call with these tensors runs now (``_RUN``, ``_FUNCTION`` or ``_OP``), or a clear error
+    for a transform that cannot be right."""
+    if _eager_call(ids, weight):
+        return _FUNCTION if torch.is_grad_enabled() and weight.requires_grad else _RUN
+    if torch.compiler.is_compiling() or _dispatch_mode_depth():
+        return _OP
+    if torch._C._are_functorch_transforms_active():
+        _check_function_transforms()
+        return _FUNCTION
+    if _forward_ad_active():
+        return _FUNCTION
+    return _OP  # tensor subclasses (a FakeTensor outside its mode, DTensor...): through the dispatcher
+
+
+def _refuse_jit_trace() -> None:
+    """jit.trace would record the op with this call's sequence length and offsets as constants: the
+    trace would be silently wrong at any other length.  Checked first, before any validation (which
+    the tracer would warn about)."""
+    if torch._C._is_tracing():
+        raise RuntimeError(
+            "posenc_fast does not support torch.jit.trace (nor torch.onnx.export's TorchScript exporter, "
+            "which traces): a trace bakes in this call's sequence length. Use torch.export.export, or "
+            "torch.onnx.export(..., dynamo=True), which keep the lengths symbolic")
+
+
 def _check_function_transforms() -> None:
-    """torch.vmap runs the op slice by slice (PyTorch's fallback for ops without a batching rule);
-    torch.func's grad, jvp, jacrev... cannot differentiate a torch.library op here: refuse them clearly."""
+    """torch.func's grad, vjp, jacrev, jvp, jacfwd, hessian and vmap (per-sample gradients) are
+    supported (``ops.EmbeddingFunction``); refuse anything else clearly."""
     from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
+    supported = (torch._C._functorch.TransformType.Grad, torch._C._functorch.TransformType.Jvp,
+                 torch._C._functorch.TransformType.Vmap)
     for interpreter in retrieve_all_functorch_interpreters():
         kind = interpreter.key()
-        if kind != torch._C._functorch.TransformType.Vmap:
+        if kind not in supported:
             raise RuntimeError(
-                f"posenc_fast does not support the torch.func transform {kind.name} (torch.func.grad, jvp, "
-                "jacrev, jacfwd, hessian): differentiate with torch.autograd.grad / .backward() instead; "
-                "torch.vmap is supported")
+                f"posenc_fast does not support the torch.func transform {kind.name}; supported are grad, vjp, "
+                "jacrev, jvp, jacfwd, hessian and vmap")
 
 
 def apply_spec(ids, weight, spec: PESpec, turns: torch.Tensor, positions, offset, backend: str, *,
@@ -138,12 +177,11 @@ def apply_spec(ids, weight, spec: PESpec, turns: torch.Tensor, positions, offset
     ``dropout_p`` is checked on every call (as ``F.dropout`` does, so a module attribute set
     later is checked too) and applies when ``training``; otherwise no seed is drawn.
     """
+    _refuse_jit_trace()
     dropout_p = check_dropout_p(dropout_p)  # checked even when not training, as F.dropout does
     if not training:
         dropout_p = 0.0
     check_weight_for_spec(weight, spec)  # a module's weight may have been replaced since it was built
-    if torch._C._are_functorch_transforms_active():
-        _check_function_transforms()
     zero_pe_at_padding = spec.zero_pe_at_padding
     if position_rule != "offset" or cu_seqlens is not None:  # (the common call has nothing to rewrite)
         if position_rule == "fsmt" and positions is None and isinstance(offset, int) and offset != 0:
@@ -159,12 +197,13 @@ def apply_spec(ids, weight, spec: PESpec, turns: torch.Tensor, positions, offset
     batch = make_batch(ids, weight, spec, positions, offset)
     name = resolve_backend(backend, weight.device, weight.dtype, float64_math=spec.precision == "float64")
     dropout_seed = draw_seed(weight.device) if dropout_p > 0.0 else None
-    if _eager_call(batch.ids, weight):
+    route = _route(batch.ids, weight)
+    if route is not _OP:
         params = _kernel_params(spec, zero_pe_at_padding)
-        if torch.is_grad_enabled() and weight.requires_grad:
-            out = EagerEmbedding.apply(weight, batch.ids, turns, batch.positions, batch.offsets, batch.offset,
-                                       batch.seq_len, params, -1 if spec.padding_idx is None else spec.padding_idx,
-                                       vocab_start, vocab_size, dropout_seed, dropout_p, name)
+        if route is _FUNCTION:
+            out = EmbeddingFunction.apply(weight, batch.ids, turns, batch.positions, batch.offsets, batch.offset,
+                                          batch.seq_len, params, -1 if spec.padding_idx is None else spec.padding_idx,
+                                          vocab_start, vocab_size, dropout_seed, dropout_p, name)
         else:
             out = run_forward(batch.ids, weight, turns, batch.positions, batch.offsets, batch.offset, batch.seq_len,
                               params, vocab_start, vocab_size, dropout_seed, dropout_p, name)
@@ -230,6 +269,7 @@ def add_sinusoidal(
 
 def apply_add_spec(x, spec: PESpec, turns: torch.Tensor, positions, offset, cu_seqlens, backend: str) -> torch.Tensor:
     """Run :func:`add_sinusoidal` as ``spec`` describes it (``spec.embed_scale`` is ``x_scale``)."""
+    _refuse_jit_trace()
     if x.shape[-1] != spec.pe_width:
         raise ValueError(f"x has width {x.shape[-1]} but the PE has width {spec.pe_width}")
     rows = x.reshape(-1, x.shape[-1]).contiguous()  # the kernels read rows of x as rows of a dense table
@@ -239,8 +279,8 @@ def apply_add_spec(x, spec: PESpec, turns: torch.Tensor, positions, offset, cu_s
     positions, offset = _positions_by_rule(row_ids, spec, positions, offset, cu_seqlens, "offset")
     batch = make_batch(row_ids, rows, spec, positions, offset)
     name = resolve_backend(backend, x.device, x.dtype, float64_math=spec.precision == "float64")
-    eager = _eager_inference(batch.ids, x)
-    op = add_sinusoidal_forward if eager else add_sinusoidal_op
+    route = _route(batch.ids, x)
+    op = {_RUN: add_sinusoidal_forward, _FUNCTION: AddSinusoidalFunction.apply, _OP: add_sinusoidal_op}[route]
     out = op(rows, turns, batch.positions, batch.offsets, batch.offset, batch.seq_len, spec.columns.as_list(),
              spec.embed_scale, spec.pe_scale, spec.precision == "float64", name)
     return out.reshape(x.shape)

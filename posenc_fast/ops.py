@@ -172,25 +172,84 @@ def _backward(ctx, grad_out):
 sinusoidal_embedding_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-class EagerEmbedding(torch.autograd.Function):
-    """The op's forward and autograd formula for eager training, without torch.library's custom-op
-    wrapper: in torch 2.13 that wrapper re-reads the op's schema once per argument on every call
-    (``torch._library.utils.fill_defaults``), about 150 us of Python for this op's 20 arguments,
-    7x the rest of the call.  Same implementation (``run_forward``), same saved tensors, and the
-    same backward op, so gradients, determinism and double backward are those of the op.
-    ``functional.apply_spec`` uses it only where nothing traces or intercepts the call."""
+def _plain(t) -> bool:
+    """A tensor whose memory a kernel can read: not a functorch wrapper (``grad``'s or ``vmap``'s)."""
+    return t is None or not torch._C._functorch.is_functorch_wrapped_tensor(t)
+
+
+class EmbeddingFunction(torch.autograd.Function):
+    """The op's forward and autograd formula without torch.library's custom-op wrapper, for eager
+    training, forward-mode AD and torch.func (``functional._route`` picks it).
+
+    - Eager training: in torch 2.13 the custom-op wrapper re-reads the op's schema once per argument on
+      every call (``torch._library.utils.fill_defaults``), about 150 us of Python for this op's 20
+      arguments, 7x the rest of the call.  Same implementation (``run_forward``), same saved tensors,
+      same backward op, so gradients, determinism and double backward are those of the op.
+    - Forward-mode AD and ``torch.func.jvp``/``jacfwd``: the output is linear in the weight, so its
+      tangent is the same layer on the weight's tangent with no PE (``pe_scale = 0``), the same dropout
+      mask, and none at ``padding_idx`` tokens: the adjoint of the weight gradient, so ``jacfwd`` and
+      ``jacrev`` agree.
+    - ``torch.func.grad``/``vjp``/``jacrev``: ``setup_context`` is separate from ``forward``, as
+      functorch requires.  ``vmap`` (per-sample gradients): ``generate_vmap_rule``; under it the
+      tensors are batched wrappers, and the forward goes through the op, which vmap runs slice by slice.
+    """
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, weight, ids, turns, positions, offsets, offset, seq_len, params: KernelParams, padding_idx,
+    def forward(weight, ids, turns, positions, offsets, offset, seq_len, params: KernelParams, padding_idx,
                 vocab_start, vocab_size, dropout_seed, dropout_p, backend):
+        return _layer(weight, ids, turns, positions, offsets, offset, seq_len, params, vocab_start, vocab_size,
+                      dropout_seed, dropout_p, backend)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        (weight, ids, turns, positions, offsets, offset, seq_len, params, padding_idx, vocab_start, vocab_size,
+         dropout_seed, dropout_p, backend) = inputs
         _save_for_weight_gradient(ctx, ids, weight, params.embed_scale, padding_idx, dropout_seed, dropout_p, backend)
-        return run_forward(ids, weight, turns, positions, offsets, offset, seq_len, params, vocab_start, vocab_size,
-                           dropout_seed, dropout_p, backend)
+        ctx.save_for_forward(ids, turns, positions, offsets, dropout_seed)
+        ctx.layer = (offset, seq_len, params, padding_idx, vocab_start, vocab_size, dropout_p, backend)
 
     @staticmethod
     def backward(ctx, grad_out):
-        grad_weight = _weight_gradient(ctx, grad_out) if ctx.needs_input_grad[0] else None
+        grad_weight = None
+        if ctx.needs_input_grad[0]:
+            ids, dropout_seed = ctx.saved_tensors
+            grad_weight = WeightGradient.apply(grad_out, ids, ctx.num_embeddings, ctx.token_width, ctx.embed_scale,
+                                               ctx.padding_idx, ctx.weight_dtype, dropout_seed, ctx.dropout_p,
+                                               ctx.backend)
         return (grad_weight,) + (None,) * 13
+
+    @staticmethod
+    def jvp(ctx, weight_tangent, *_input_tangents):
+        ids, turns, positions, offsets, dropout_seed = ctx.saved_tensors
+        offset, seq_len, params, padding_idx, vocab_start, vocab_size, dropout_p, backend = ctx.layer
+        if weight_tangent is None:
+            return None
+        token_params = params._replace(pe_scale=0.0, pe_zero_id=-1)
+        # The range check already ran on these ids in the forward.
+        tangent = _layer(weight_tangent, ids, turns, positions, offsets, offset, seq_len, token_params, vocab_start,
+                         vocab_size, dropout_seed, dropout_p, backend, check_ids=False)
+        if padding_idx >= 0:
+            tangent = torch.where((ids == padding_idx).unsqueeze(-1), 0.0, tangent)
+        return tangent
+
+
+def _layer(weight, ids, turns, positions, offsets, offset, seq_len, params: KernelParams, vocab_start, vocab_size,
+           dropout_seed, dropout_p, backend, check_ids: bool = True):
+    """The forward on plain tensors (``run_forward``), or through the op where torch.func has wrapped them
+    (``vmap``'s batched tensors: the dispatcher runs the op slice by slice)."""
+    if _plain(weight) and _plain(ids) and _plain(positions) and _plain(offsets):
+        if not check_ids:
+            return get_backend(backend).forward(ids, weight, turns, positions, offsets, offset, seq_len, params,
+                                                dropout_for(dropout_seed, dropout_p))
+        return run_forward(ids, weight, turns, positions, offsets, offset, seq_len, params, vocab_start, vocab_size,
+                           dropout_seed, dropout_p, backend)
+    # The op rebuilds these params from its flat arguments (pe_zero_id: padding_idx with zero_pe_at_padding).
+    return sinusoidal_embedding_op(ids, weight, turns, positions, offsets, offset, seq_len, params.concat,
+                                   params.pe_width, params.columns.as_list(), params.embed_scale, params.pe_scale,
+                                   params.pe_zero_id, params.pe_zero_id >= 0, params.float64_math, vocab_start,
+                                   vocab_size, dropout_seed, dropout_p, backend)
 
 
 def _backward_setup_context(ctx, inputs, output):
@@ -226,6 +285,39 @@ def _backward_backward(ctx, grad_grad_weight):
 
 
 sinusoidal_embedding_backward_op.register_autograd(_backward_backward, setup_context=_backward_setup_context)
+
+
+class WeightGradient(torch.autograd.Function):
+    """The weight-gradient op as an autograd.Function, for ``EmbeddingFunction.backward``: the same op and
+    double-backward formula, plus what torch.func needs to differentiate a gradient (``hessian``,
+    ``jacfwd(jacrev(...))``): a separate ``setup_context``, a vmap rule, and a ``jvp`` (the gradient is
+    linear in ``grad_out``: its tangent is the gradient of ``grad_out``'s tangent)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype, dropout_seed,
+                dropout_p, backend):
+        return sinusoidal_embedding_backward_op(grad_out, ids, num_embeddings, token_width, embed_scale,
+                                                padding_idx, weight_dtype, dropout_seed, dropout_p, backend)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _backward_setup_context(ctx, inputs, output)
+        ids, ctx.num_embeddings, ctx.weight_dtype, dropout_seed, ctx.backend = (inputs[1], inputs[2], inputs[6],
+                                                                                 inputs[7], inputs[9])
+        ctx.save_for_forward(ids, dropout_seed)
+
+    backward = staticmethod(_backward_backward)
+
+    @staticmethod
+    def jvp(ctx, grad_out_tangent, *_input_tangents):
+        if grad_out_tangent is None:
+            return None
+        ids, dropout_seed = ctx.saved_tensors
+        return sinusoidal_embedding_backward_op(grad_out_tangent, ids, ctx.num_embeddings, ctx.token_width,
+                                                ctx.embed_scale, ctx.padding_idx, ctx.weight_dtype, dropout_seed,
+                                                ctx.dropout_p, ctx.backend)
 
 
 # The PE added to an existing float tensor (speech encoders: conv features; MusicGen: summed codebooks):
@@ -276,3 +368,24 @@ def _add_backward(ctx, grad_out):
 
 
 add_sinusoidal_op.register_autograd(_add_backward, setup_context=_add_setup_context)
+
+
+class AddSinusoidalFunction(torch.autograd.Function):
+    """``add_sinusoidal``'s op without the custom-op wrapper, for eager training, forward-mode AD and
+    torch.func (as ``EmbeddingFunction``): linear in ``x``, so the tangent and the gradient are both
+    ``x_scale`` times the incoming one."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, turns, positions, offsets, offset, seq_len, pe_columns, x_scale, pe_scale, float64_math, backend):
+        run = add_sinusoidal_forward if _plain(x) and _plain(positions) and _plain(offsets) else add_sinusoidal_op
+        return run(x, turns, positions, offsets, offset, seq_len, pe_columns, x_scale, pe_scale, float64_math,
+                   backend)
+
+    setup_context = staticmethod(_add_setup_context)
+    backward = staticmethod(_add_backward)
+
+    @staticmethod
+    def jvp(ctx, x_tangent, *_input_tangents):
+        return None if x_tangent is None else x_tangent * ctx.x_scale

@@ -452,11 +452,8 @@ def test_vmap_matches_the_batched_call(backend, device):
         torch.vmap(m)(torch.full((2, 3), 30, device=device))
 
 
-def test_function_transforms_other_than_vmap_are_refused():
-    m = pf.SinusoidalEmbedding(30, 8)
-    ids = torch.randint(0, 30, (2, 5))
-    with pytest.raises(RuntimeError, match="torch.autograd.grad"):
-        torch.func.grad(lambda w: pf.sinusoidal_embedding(ids, w).sum())(m.weight.detach())
+# torch.func (grad, jvp, hessian, per-sample gradients), forward-mode AD and the refusal of jit.trace:
+# tests/test_transforms.py.
 
 
 @pytest.mark.parametrize("backend,device", TARGETS)
@@ -508,15 +505,6 @@ def test_torchscript_is_refused_clearly_every_time():
         with pytest.raises(TypeError, match="TorchScript"):
             torch.jit.script(m)
     assert m(torch.zeros(3, dtype=torch.int64)).shape == (3, 8)
-
-
-def test_torch_jit_trace_records_the_op():
-    m = pf.SinusoidalEmbedding(10, 8)
-    ids = torch.randint(0, 10, (2, 5))
-    with torch.no_grad():
-        traced = torch.jit.trace(m, ids)
-        other = torch.randint(0, 10, (2, 5))
-        assert torch.equal(traced(other), m(other))
 
 
 # -- 15. threads ---------------------------------------------------------------------------------------

@@ -1,0 +1,316 @@
+"""The op under torch's transforms, on every backend target: forward-mode AD, torch.func (grad, vjp,
+jacrev, jvp, jacfwd, hessian, vmap), gradcheck with forward mode, jit.trace, and that none of them
+(nor torch.export, a fake mode or a dispatch mode) leaves anything behind in the process-wide caches.
+
+Every entry point is one row of ``ENTRIES``; every mode one row of ``MODES``.  Both ops are linear in
+their differentiable input (the table, or ``x``), so every derivative has an exact value to compare
+with: the layer on the tangent with no PE (``embed_scale * T[ids]``, nothing at padding tokens, nothing
+in concat's PE columns) and, for ``add_sinusoidal``, ``x_scale * t``.
+"""
+
+import itertools
+
+import pytest
+import torch
+import torch.autograd.forward_ad as fwAD
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import posenc_fast as pf
+from posenc_fast import reference
+
+from cases import assert_within, backend_targets, output_bound
+
+TARGETS = backend_targets()
+VOCAB, WIDTH, BATCH, SEQ, OFFSET, SCALE = 23, 10, 2, 5, 7, 1.5
+_bases = itertools.count(20000)
+
+
+def fresh_base() -> float:
+    """A base no other call has used: its spec (and the spec's device tensors) are made by this test."""
+    return float(next(_bases)) + 0.5
+
+
+def _ids(seed, shape=(BATCH, SEQ), vocab=VOCAB):
+    return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _randn(seed, *shape, dtype=torch.float32):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(dtype)
+
+
+# The differentiable entry points: (name, make(backend, base) -> f(ids, primal), primal width, exact tangent).
+# ``tangent_of(ids, t)`` is the derivative applied to a tangent t of the primal, in float64.
+class Entry:
+    def __init__(self, name, make, primal_shape, tangent_of, module=False):
+        self.name, self.make, self.primal_shape, self.tangent_of, self.module = (name, make, primal_shape,
+                                                                                  tangent_of, module)
+
+    def __repr__(self):
+        return self.name
+
+
+def _embedding_tangent(mode="add", padding_idx=None, d_pos=4):
+    def tangent_of(ids, t):
+        rows = SCALE * t.double()[ids]
+        if padding_idx is not None:
+            rows = torch.where((ids == padding_idx).unsqueeze(-1), 0.0, rows)
+        if mode == "concat":
+            rows = torch.cat([rows, rows.new_zeros(rows.shape[:-1] + (d_pos,))], dim=-1)
+        return rows
+    return tangent_of
+
+
+def _functional(mode="add", padding_idx=None):
+    def make(backend, base):
+        kwargs = dict(embed_scale=SCALE, base=base, offset=OFFSET, padding_idx=padding_idx, backend=backend)
+        if mode == "concat":
+            kwargs.update(mode="concat", d_pos=4)
+        return lambda ids, weight: pf.sinusoidal_embedding(ids, weight, **kwargs)
+    return make
+
+
+def _module(backend, base):
+    layer = pf.SinusoidalEmbedding(VOCAB, WIDTH, embed_scale=SCALE, base=base, backend=backend)
+
+    call = lambda ids, weight: torch.func.functional_call(layer, {"weight": weight}, (ids,), {"offset": OFFSET})  # noqa: E731
+    call.layer, call.traced_input = layer, lambda ids, weight: ids
+    return call
+
+
+def _add(backend, base):
+    return lambda ids, x: pf.add_sinusoidal(x, x_scale=SCALE, base=base, offset=OFFSET, backend=backend)
+
+
+def _add_module(backend, base):
+    layer = pf.SinusoidalPositionalEncoding(WIDTH, x_scale=SCALE, base=base, backend=backend)
+    call = lambda ids, x: layer(x, offset=OFFSET)  # noqa: E731
+    call.layer, call.traced_input = layer, lambda ids, x: x
+    return call
+
+
+ENTRIES = [
+    Entry("embedding", _functional(), (VOCAB, WIDTH), _embedding_tangent()),
+    Entry("embedding-padding", _functional(padding_idx=3), (VOCAB, WIDTH), _embedding_tangent(padding_idx=3)),
+    Entry("embedding-concat", _functional("concat"), (VOCAB, WIDTH - 4), _embedding_tangent("concat")),
+    Entry("module", _module, (VOCAB, WIDTH), _embedding_tangent(), module=True),
+    Entry("add_sinusoidal", _add, (BATCH, SEQ, WIDTH), lambda ids, t: SCALE * t.double()),
+    Entry("add_module", _add_module, (BATCH, SEQ, WIDTH), lambda ids, t: SCALE * t.double(), module=True),
+]
+
+
+def _assert_tangent(actual, expected, what):
+    """A tangent computed in fp32 from fp32 tangents: scale * t rounded once (exact for SCALE = 1.5 up to
+    one rounding), so the fp32 bar of the forward applies."""
+    assert actual is not None, f"{what}: the tangent was dropped"
+    assert_within(actual, expected, 1e-6 + 2.0**-22 * expected.abs(), what)
+
+
+@pytest.mark.parametrize("backend,device", TARGETS)
+@pytest.mark.parametrize("entry", ENTRIES, ids=repr)
+def test_forward_mode_ad_tangent(entry, backend, device, seed):
+    """A dual table (or dual x) under torch.autograd.forward_ad: the output carries the exact tangent, and
+    its primal is the plain call's output; with and without grad mode."""
+    f = entry.make(backend, fresh_base())
+    ids, primal, tangent = _ids(seed), _randn(seed + 1, *entry.primal_shape), _randn(seed + 2, *entry.primal_shape)
+    plain = f(ids, primal)
+    for grad_mode in (False, True):
+        with torch.set_grad_enabled(grad_mode), fwAD.dual_level():
+            out = f(ids, fwAD.make_dual(primal, tangent))
+            out_primal, out_tangent = fwAD.unpack_dual(out)
+            torch.testing.assert_close(out_primal, plain, atol=0, rtol=0)
+            _assert_tangent(out_tangent, entry.tangent_of(ids, tangent), f"{entry} {backend} forward AD")
+
+
+@pytest.mark.parametrize("backend,device", TARGETS)
+@pytest.mark.parametrize("entry", ENTRIES, ids=repr)
+def test_func_jvp_and_vjp_are_exact_and_adjoint(entry, backend, device, seed):
+    """torch.func.jvp gives the exact tangent, torch.func.vjp the exact cotangent, and the two are
+    adjoint: <J t, u> = <t, J^T u> (so jacfwd and jacrev describe one Jacobian, padding included)."""
+    f = entry.make(backend, fresh_base())
+    ids, primal, tangent = _ids(seed), _randn(seed + 1, *entry.primal_shape), _randn(seed + 2, *entry.primal_shape)
+    out, out_tangent = torch.func.jvp(lambda p: f(ids, p), (primal,), (tangent,))
+    torch.testing.assert_close(out, f(ids, primal), atol=0, rtol=0)
+    _assert_tangent(out_tangent, entry.tangent_of(ids, tangent), f"{entry} {backend} jvp")
+    cotangent = _randn(seed + 3, *out.shape)
+    _, pullback = torch.func.vjp(lambda p: f(ids, p), primal)
+    (primal_cotangent,) = pullback(cotangent)
+    exact_forward = (entry.tangent_of(ids, tangent) * cotangent.double()).sum()
+    exact_backward = (tangent.double() * primal_cotangent.double()).sum()
+    assert abs(exact_forward - exact_backward) <= 1e-5 * (1 + abs(exact_forward)), (exact_forward, exact_backward)
+    # The cotangent itself, against autograd on the same call.
+    leaf = primal.clone().requires_grad_(True)
+    (expected,) = torch.autograd.grad(f(ids, leaf), leaf, cotangent)
+    torch.testing.assert_close(primal_cotangent, expected, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("backend,device", TARGETS)
+@pytest.mark.parametrize("entry", [e for e in ENTRIES if e.name in ("embedding", "embedding-padding",
+                                                                     "add_sinusoidal")], ids=repr)
+def test_jacfwd_equals_jacrev_and_hessian(entry, backend, device, seed):
+    """The full Jacobian both ways on a small case, and the Hessian of a quadratic loss (which goes
+    through the weight gradient's own jvp: jacfwd(jacrev(...))), against the float64 Jacobian."""
+    f = entry.make(backend, fresh_base())
+    ids, primal = _ids(seed, shape=(1, 3)), _randn(seed + 1, *entry.primal_shape[:-2], *(
+        (1, 3) if entry.name == "add_sinusoidal" else entry.primal_shape[-2:-1]), entry.primal_shape[-1])
+    forward = torch.func.jacfwd(lambda p: f(ids, p))(primal)
+    backward = torch.func.jacrev(lambda p: f(ids, p))(primal)
+    torch.testing.assert_close(forward, backward, atol=0, rtol=0)
+    # The exact Jacobian: the tangent map applied to every basis tangent.
+    basis = torch.eye(primal.numel(), dtype=torch.float64).reshape(primal.numel(), *primal.shape)
+    exact = torch.stack([entry.tangent_of(ids, b) for b in basis], dim=-1).reshape(forward.shape)
+    _assert_tangent(forward, exact, f"{entry} {backend} jacfwd")
+    hessian = torch.func.hessian(lambda p: (f(ids, p) ** 2).sum() / 2)(primal)
+    jacobian = exact.reshape(-1, primal.numel())
+    exact_hessian = (jacobian.T @ jacobian).reshape(hessian.shape)
+    assert_within(hessian, exact_hessian, 1e-5 + 1e-5 * exact_hessian.abs(), f"{entry} {backend} hessian")
+
+
+@pytest.mark.parametrize("backend,device", TARGETS)
+@pytest.mark.parametrize("entry", [e for e in ENTRIES if not e.name.startswith("add")], ids=repr)
+def test_per_sample_gradients_with_vmap(entry, backend, device, seed):
+    """Opacus-style per-sample gradients, vmap(grad(loss)) over the batch, equal one autograd call per
+    sample; the weight gradient stays deterministic per sample."""
+    f = entry.make(backend, fresh_base())
+    ids, weight = _ids(seed, shape=(4, SEQ)), _randn(seed + 1, *entry.primal_shape)
+    targets = _randn(seed + 2, 4, SEQ, f(ids[:1], weight).shape[-1])
+
+    def loss(w, sample_ids, target):
+        return ((f(sample_ids.unsqueeze(0), w) - target) ** 2).sum()
+
+    per_sample = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))(weight, ids, targets)
+    for n in range(ids.shape[0]):
+        leaf = weight.clone().requires_grad_(True)
+        (expected,) = torch.autograd.grad(loss(leaf, ids[n], targets[n]), leaf)
+        torch.testing.assert_close(per_sample[n], expected, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("entry", ENTRIES, ids=repr)
+def test_gradcheck_forward_and_reverse_mode(entry, seed):
+    """torch.autograd.gradcheck / gradgradcheck with forward mode on the float64 backend (the only one
+    with float64 tables), against finite differences."""
+    f = entry.make("torch", fresh_base())
+    ids = _ids(seed, shape=(2, 3))
+    primal_shape = (2, 3, WIDTH) if entry.name.startswith("add") else entry.primal_shape
+    primal = _randn(seed + 1, *primal_shape, dtype=torch.float64).requires_grad_(True)
+    if entry.name == "embedding-padding":  # padding rows get no gradient by definition (as in nn.Embedding)
+        ids = torch.where(ids == 3, 4, ids)
+    assert torch.autograd.gradcheck(lambda p: f(ids, p), (primal,), check_forward_ad=True, check_batched_grad=True)
+    assert torch.autograd.gradgradcheck(lambda p: f(ids, p), (primal,), check_fwd_over_rev=True,
+                                        check_rev_over_rev=True)
+
+
+def test_unsupported_functorch_transform_is_refused_clearly():
+    weight = _randn(1, VOCAB, WIDTH)
+    with pytest.raises(RuntimeError, match="posenc_fast does not support the torch.func transform"):
+        torch.func.functionalize(lambda w: pf.sinusoidal_embedding(_ids(1), w, backend="torch"))(weight)
+
+
+@pytest.mark.parametrize("backend,device", TARGETS)
+@pytest.mark.parametrize("entry", ENTRIES, ids=repr)
+def test_jit_trace_is_refused(entry, backend, device):
+    """A trace would bake in the sequence length (silently wrong at any other): refused, pointing to
+    torch.export; TorchScript's ONNX exporter traces, so it is refused the same way."""
+    f = entry.make(backend, fresh_base())
+    primal = _randn(1, *entry.primal_shape)
+    ids = _ids(2)
+    with pytest.raises(RuntimeError, match="does not support torch.jit.trace.*torch.export"):
+        _trace(f, ids, primal)
+
+
+def _trace(f, ids, primal):
+    """jit.trace of the module itself (a module entry), else of the function of the primal."""
+    if hasattr(f, "layer"):
+        return torch.jit.trace(f.layer, (f.traced_input(ids, primal),), check_trace=False)
+    return torch.jit.trace(lambda p: f(ids, p), (primal,), check_trace=False)
+
+
+# --- No state left behind -------------------------------------------------------------------------
+class _PassThrough(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+# Each mode gets ``build`` (makes the layer: inside the mode where the mode can see it) and the inputs.
+def _under_fake_mode(build, ids, primal):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        build()(mode.from_tensor(ids), mode.from_tensor(primal))
+
+
+def _under_export(build, ids, primal):
+    f = build()
+
+    class Wrapper(torch.nn.Module):
+        def forward(self, ids, primal):
+            return f(ids, primal)
+
+    torch.export.export(Wrapper(), (ids, primal), strict=False)
+
+
+def _under_dispatch_mode(build, ids, primal):
+    with _PassThrough():
+        build()(ids, primal)
+
+
+def _under_jit_trace(build, ids, primal):
+    _trace(build(), ids, primal)
+
+
+def _under_forward_ad(build, ids, primal):
+    with fwAD.dual_level():
+        build()(ids, fwAD.make_dual(primal, primal))
+
+
+def _under_inference_mode(build, ids, primal):
+    with torch.inference_mode():
+        build()(ids, primal)
+
+
+def _under_func_grad(build, ids, primal):
+    torch.func.grad(lambda p: build()(ids, p).sum())(primal)
+
+
+def _under_func_jvp(build, ids, primal):
+    torch.func.jvp(lambda p: build()(ids, p), (primal,), (primal,))
+
+
+def _under_vmap(build, ids, primal):
+    torch.func.vmap(lambda p: build()(ids, p), randomness="same")(primal.unsqueeze(0).expand(2, *primal.shape))
+
+
+MODES = {name[len("_under_"):]: fn for name, fn in globals().items() if name.startswith("_under_")}
+
+
+@pytest.mark.parametrize("backend,device", TARGETS)
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("entry", ENTRIES, ids=repr)
+def test_no_state_left_behind(entry, mode, backend, device, seed):
+    """The first call with a new set of parameters happens under ``mode`` (whatever it makes of it,
+    a refusal included); every later plain call, of a fresh layer too, is still right."""
+    base = fresh_base()
+    ids, primal = _ids(seed), _randn(seed + 1, *entry.primal_shape)
+    try:
+        MODES[mode](lambda: entry.make(backend, base), ids, primal)
+    except RuntimeError as error:  # posenc_fast's own refusal (jit.trace) is fine; nothing else is
+        assert "posenc_fast does not support" in str(error), error
+    for f in (entry.make(backend, base), entry.make(backend, base)):
+        for grad_mode in (False, True):
+            with torch.set_grad_enabled(grad_mode):
+                out = f(ids, primal.clone().requires_grad_(grad_mode))
+            _assert_output(entry, base, ids, primal, out, f"{entry} after {mode} on {backend}")
+
+
+def _assert_output(entry, base, ids, primal, out, what):
+    if entry.name.startswith("add"):
+        positions = (OFFSET + torch.arange(SEQ)).expand(ids.shape)
+        exact = SCALE * primal.double() + reference.sinusoidal_table(positions, WIDTH, frequencies=[
+            base ** (-2.0 * i / WIDTH) for i in range(WIDTH // 2)])
+    else:
+        kwargs = dict(embed_scale=SCALE, base=base, offset=OFFSET)
+        if entry.name == "embedding-padding":
+            kwargs["padding_idx"] = 3
+        if entry.name == "embedding-concat":
+            kwargs.update(mode="concat", d_pos=4)
+        exact = reference.sinusoidal_embedding(ids, primal.double(), **kwargs)
+    assert_within(out.detach(), exact, output_bound(exact, torch.float32), what)
