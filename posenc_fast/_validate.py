@@ -251,7 +251,8 @@ def _check_integer_tensor(name: str, value: torch.Tensor, device: torch.device) 
 
 
 def check_offset(offset, ids: torch.Tensor, name: str = "offset") -> None:
-    """``offset`` is an int in int64 range, or an integer tensor, 0-d or of shape ``ids.shape[:-1]``."""
+    """``offset`` is an int in int64 range, or an integer tensor, 0-d or of shape ``ids.shape[:-1]``.
+    A ``torch.SymInt`` (a traced past length, e.g. ``past.shape[1]`` under torch.export) is accepted as it is."""
     if isinstance(offset, torch.Tensor):
         _check_integer_tensor(name, offset, ids.device)
         sequences_shape = tuple(ids.shape[:-1]) if ids.dim() > 0 else ()
@@ -260,6 +261,8 @@ def check_offset(offset, ids: torch.Tensor, name: str = "offset") -> None:
                 f"{name} tensor has shape {list(offset.shape)}; expected ids.shape[:-1] = "
                 f"{list(sequences_shape)} (one start position per sequence) or a 0-d tensor"
             )
+    elif isinstance(offset, torch.SymInt):
+        return  # symbolic (torch.export, dynamic torch.compile): an int64 value of the graph; no check may guard on it
     elif isinstance(offset, bool) or not isinstance(offset, int):
         raise TypeError(f"{name} must be an int or an integer tensor, got {offset!r}")
     elif not _INT64_MIN <= offset < _INT64_END:
@@ -276,7 +279,7 @@ def make_batch(ids, weight: torch.Tensor, spec: PESpec, positions, offset) -> Ba
         flat_ids = ids if len(shape) == 1 else ids.reshape(-1)  # a view costs about 1 us
         if not flat_ids.is_contiguous():
             flat_ids = flat_ids.contiguous()
-        return Batch(flat_ids, (*shape, spec.width), int(shape[-1]) if shape else 1, offset, None, None)
+        return Batch(flat_ids, (*shape, spec.width), shape[-1] if shape else 1, offset, None, None)
     if not isinstance(ids, torch.Tensor):
         raise TypeError(f"ids must be a torch.Tensor, got {type(ids).__name__}")
     if ids.dtype not in ID_DTYPES:
@@ -286,7 +289,7 @@ def make_batch(ids, weight: torch.Tensor, spec: PESpec, positions, offset) -> Ba
     if ids.device != weight.device:
         raise ValueError(f"ids are on {ids.device} but weight is on {weight.device}; move them to one device")
     _check_memory_backed("ids", ids)
-    seq_len = ids.shape[-1] if ids.dim() > 0 else 1
+    seq_len = ids.shape[-1] if ids.dim() > 0 else 1  # an int, or a SymInt under torch.export: kept as it is
     sequences_shape = tuple(ids.shape[:-1]) if ids.dim() > 0 else ()
     flat_ids = ids.reshape(-1)
     if not flat_ids.is_contiguous():
@@ -301,8 +304,8 @@ def make_batch(ids, weight: torch.Tensor, spec: PESpec, positions, offset) -> Ba
         check_offset(offset, ids)
         if isinstance(offset, torch.Tensor):
             offsets = offset.to(torch.int64).expand(sequences_shape).reshape(-1).contiguous()
-        else:
-            scalar_offset = int(offset)
+        else:  # kept symbolic when traced (torch.export with a dynamic past length): int() would specialise it
+            scalar_offset = offset if isinstance(offset, torch.SymInt) else int(offset)
 
     flat_positions = None
     if positions is not None:
@@ -328,7 +331,7 @@ def make_batch(ids, weight: torch.Tensor, spec: PESpec, positions, offset) -> Ba
     return Batch(
         ids=flat_ids,
         out_shape=out_shape,
-        seq_len=int(seq_len),
+        seq_len=seq_len,
         offset=scalar_offset,
         offsets=offsets,
         positions=flat_positions,

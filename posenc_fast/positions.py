@@ -37,6 +37,8 @@ def make_positions(ids: torch.Tensor, padding_idx: int, past_length: Union[int, 
             raise ValueError(f"past_length of shape {list(past_length.shape)} must be 0-d or ids.shape[:-1] "
                              f"= {list(ids.shape[:-1])}")
         past_length = past_length.to(device=ids.device, dtype=torch.int64).unsqueeze(-1)
+    elif isinstance(past_length, torch.SymInt):
+        pass  # a traced past length (torch.export: ``past.shape[1]``), kept symbolic
     elif isinstance(past_length, bool) or not isinstance(past_length, int):
         raise TypeError(f"past_length must be an int or an integer tensor, got {past_length!r}")
     elif not -(1 << 63) <= past_length < (1 << 63):
