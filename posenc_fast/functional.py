@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Optional, Sequence, Union
 
 import torch
@@ -12,8 +13,8 @@ from ._dropout import check_dropout_p, draw_seed
 from ._spec import PESpec
 from ._validate import check_offset, check_weight, check_weight_for_spec, make_batch, make_spec
 from .backends import KernelParams
-from .ops import (AddSinusoidalFunction, EmbeddingFunction, add_sinusoidal_forward, add_sinusoidal_op, run_forward,
-                  sinusoidal_embedding_op)
+from .ops import (AddSinusoidalFunction, EmbeddingFunction, add_sinusoidal_forward, add_sinusoidal_op,
+                  add_sinusoidal_standard_ops, run_forward, sinusoidal_embedding_op, standard_ops_forward)
 from .positions import make_positions, packed_positions
 from .presets import POSITION_RULES
 
@@ -99,6 +100,7 @@ _dispatch_mode_depth = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 0)
 _RUN = "run"            # eager, nothing to differentiate: the op's implementation, directly
 _FUNCTION = "function"  # eager with autograd, forward-mode AD or torch.func: ops.EmbeddingFunction
 _OP = "op"              # traced (torch.compile, torch.export) or intercepted (a dispatch mode): the op
+_STANDARD_OPS = "standard"  # torch.onnx.export: the definition in standard torch ops (ops.standard_ops_forward)
 
 
 def _forward_ad_active() -> bool:
@@ -126,11 +128,22 @@ def _eager_inference(ids, weight) -> bool:
     return not (torch.is_grad_enabled() and weight.requires_grad) and _eager_call(ids, weight)
 
 
+def _in_onnx_export() -> bool:
+    """``torch.onnx.is_in_onnx_export()``, also where torch.onnx.export captures the model with Dynamo
+    (its strict strategy), which folds that function to False: there the flag it reads is read directly."""
+    if torch.compiler.is_compiling():
+        flags = sys.modules.get("torch.onnx._internal.exporter._flags")
+        return bool(getattr(flags, "_is_onnx_exporting", False))
+    return torch.onnx.is_in_onnx_export()
+
+
 def _route(ids, weight) -> str:
     """How a call with these tensors runs now (``_RUN``, ``_FUNCTION`` or ``_OP``), or a clear error
     for a transform that cannot be right."""
     if _eager_call(ids, weight):
         return _FUNCTION if torch.is_grad_enabled() and weight.requires_grad else _RUN
+    if _in_onnx_export():  # ONNX has no fused op: the exporter gets the math in standard ops
+        return _STANDARD_OPS
     if torch.compiler.is_compiling() or _dispatch_mode_depth():
         return _OP
     if torch._C._are_functorch_transforms_active():
@@ -145,7 +158,7 @@ def _refuse_jit_trace() -> None:
     """jit.trace would record the op with this call's sequence length and offsets as constants: the
     trace would be silently wrong at any other length.  Checked first, before any validation (which
     the tracer would warn about)."""
-    if torch._C._is_tracing():
+    if not torch.compiler.is_compiling() and torch._C._is_tracing():  # (Dynamo cannot trace _is_tracing)
         raise RuntimeError(
             "posenc_fast does not support torch.jit.trace (nor torch.onnx.export's TorchScript exporter, "
             "which traces): a trace bakes in this call's sequence length. Use torch.export.export, or "
@@ -210,7 +223,10 @@ def apply_spec(ids, weight, spec: PESpec, turns: torch.Tensor, positions, offset
     name = resolve_backend(backend, weight.device, weight.dtype, float64_math=spec.precision == "float64")
     dropout_seed = draw_seed(weight.device) if dropout_p > 0.0 else None
     route = _route(batch.ids, weight)
-    if route is not _OP:
+    if route is _STANDARD_OPS:
+        out = standard_ops_forward(batch.ids, weight, turns, batch.positions, batch.offsets, batch.offset,
+                                   batch.seq_len, _kernel_params(spec, zero_pe_at_padding), dropout_seed)
+    elif route is not _OP:
         params = _kernel_params(spec, zero_pe_at_padding)
         if route is _FUNCTION:
             out = EmbeddingFunction.apply(weight, batch.ids, turns, batch.positions, batch.offsets, batch.offset,
@@ -292,7 +308,8 @@ def apply_add_spec(x, spec: PESpec, turns: torch.Tensor, positions, offset, cu_s
     batch = make_batch(row_ids, rows, spec, positions, offset)
     name = resolve_backend(backend, x.device, x.dtype, float64_math=spec.precision == "float64")
     route = _route(batch.ids, x)
-    op = {_RUN: add_sinusoidal_forward, _FUNCTION: AddSinusoidalFunction.apply, _OP: add_sinusoidal_op}[route]
+    op = {_RUN: add_sinusoidal_forward, _FUNCTION: AddSinusoidalFunction.apply, _OP: add_sinusoidal_op,
+          _STANDARD_OPS: add_sinusoidal_standard_ops}[route]
     out = op(rows, turns, batch.positions, batch.offsets, batch.offset, batch.seq_len, spec.columns.as_list(),
              spec.embed_scale, spec.pe_scale, spec.precision == "float64", name)
     return out.reshape(x.shape)

@@ -172,6 +172,17 @@ def _backward(ctx, grad_out):
 sinusoidal_embedding_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _by_slices(function, info, in_dims, *args):
+    """A vmap rule for these Functions: one call per slice of the batched arguments, stacked (what PyTorch's
+    fallback for ops without a batching rule does, without its warning; an error inside stays the error)."""
+    calls = []
+    for b in range(info.batch_size):
+        # A tensor's in_dim is an int or None; a non-tensor argument's (KernelParams, a list) is a tree of Nones.
+        sliced = [arg.select(dim, b).contiguous() if isinstance(dim, int) else arg for arg, dim in zip(args, in_dims)]
+        calls.append(function.apply(*sliced))
+    return torch.stack(calls), 0
+
+
 def _plain(t) -> bool:
     """A tensor whose memory a kernel can read: not a functorch wrapper (``grad``'s or ``vmap``'s)."""
     return t is None or not torch._C._functorch.is_functorch_wrapped_tensor(t)
@@ -190,11 +201,12 @@ class EmbeddingFunction(torch.autograd.Function):
       mask, and none at ``padding_idx`` tokens: the adjoint of the weight gradient, so ``jacfwd`` and
       ``jacrev`` agree.
     - ``torch.func.grad``/``vjp``/``jacrev``: ``setup_context`` is separate from ``forward``, as
-      functorch requires.  ``vmap`` (per-sample gradients): ``generate_vmap_rule``; under it the
-      tensors are batched wrappers, and the forward goes through the op, which vmap runs slice by slice.
+      functorch requires.  ``vmap`` (per-sample gradients, ``jacfwd``): one call per slice.
     """
 
-    generate_vmap_rule = True
+    @staticmethod
+    def vmap(info, in_dims, *args):
+        return _by_slices(EmbeddingFunction, info, in_dims, *args)
 
     @staticmethod
     def forward(weight, ids, turns, positions, offsets, offset, seq_len, params: KernelParams, padding_idx,
@@ -227,22 +239,18 @@ class EmbeddingFunction(torch.autograd.Function):
         if weight_tangent is None:
             return None
         token_params = params._replace(pe_scale=0.0, pe_zero_id=-1)
-        # The range check already ran on these ids in the forward.
-        tangent = _layer(weight_tangent, ids, turns, positions, offsets, offset, seq_len, token_params, vocab_start,
-                         vocab_size, dropout_seed, dropout_p, backend, check_ids=False)
+        tangent = EmbeddingFunction.apply(weight_tangent, ids, turns, positions, offsets, offset, seq_len,
+                                          token_params, padding_idx, vocab_start, vocab_size, dropout_seed, dropout_p,
+                                          backend)
         if padding_idx >= 0:
             tangent = torch.where((ids == padding_idx).unsqueeze(-1), 0.0, tangent)
         return tangent
 
 
 def _layer(weight, ids, turns, positions, offsets, offset, seq_len, params: KernelParams, vocab_start, vocab_size,
-           dropout_seed, dropout_p, backend, check_ids: bool = True):
-    """The forward on plain tensors (``run_forward``), or through the op where torch.func has wrapped them
-    (``vmap``'s batched tensors: the dispatcher runs the op slice by slice)."""
+           dropout_seed, dropout_p, backend):
+    """The forward on plain tensors (``run_forward``), or through the op where torch.func has wrapped them."""
     if _plain(weight) and _plain(ids) and _plain(positions) and _plain(offsets):
-        if not check_ids:
-            return get_backend(backend).forward(ids, weight, turns, positions, offsets, offset, seq_len, params,
-                                                dropout_for(dropout_seed, dropout_p))
         return run_forward(ids, weight, turns, positions, offsets, offset, seq_len, params, vocab_start, vocab_size,
                            dropout_seed, dropout_p, backend)
     # The op rebuilds these params from its flat arguments (pe_zero_id: padding_idx with zero_pe_at_padding).
@@ -293,7 +301,9 @@ class WeightGradient(torch.autograd.Function):
     ``jacfwd(jacrev(...))``): a separate ``setup_context``, a vmap rule, and a ``jvp`` (the gradient is
     linear in ``grad_out``: its tangent is the gradient of ``grad_out``'s tangent)."""
 
-    generate_vmap_rule = True
+    @staticmethod
+    def vmap(info, in_dims, *args):
+        return _by_slices(WeightGradient, info, in_dims, *args)
 
     @staticmethod
     def forward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype, dropout_seed,
@@ -315,9 +325,8 @@ class WeightGradient(torch.autograd.Function):
         if grad_out_tangent is None:
             return None
         ids, dropout_seed = ctx.saved_tensors
-        return sinusoidal_embedding_backward_op(grad_out_tangent, ids, ctx.num_embeddings, ctx.token_width,
-                                                ctx.embed_scale, ctx.padding_idx, ctx.weight_dtype, dropout_seed,
-                                                ctx.dropout_p, ctx.backend)
+        return WeightGradient.apply(grad_out_tangent, ids, ctx.num_embeddings, ctx.token_width, ctx.embed_scale,
+                                    ctx.padding_idx, ctx.weight_dtype, dropout_seed, ctx.dropout_p, ctx.backend)
 
 
 # The PE added to an existing float tensor (speech encoders: conv features; MusicGen: summed codebooks):
@@ -375,7 +384,9 @@ class AddSinusoidalFunction(torch.autograd.Function):
     torch.func (as ``EmbeddingFunction``): linear in ``x``, so the tangent and the gradient are both
     ``x_scale`` times the incoming one."""
 
-    generate_vmap_rule = True
+    @staticmethod
+    def vmap(info, in_dims, *args):
+        return _by_slices(AddSinusoidalFunction, info, in_dims, *args)
 
     @staticmethod
     def forward(x, turns, positions, offsets, offset, seq_len, pe_columns, x_scale, pe_scale, float64_math, backend):
@@ -389,3 +400,33 @@ class AddSinusoidalFunction(torch.autograd.Function):
     @staticmethod
     def jvp(ctx, x_tangent, *_input_tangents):
         return None if x_tangent is None else x_tangent * ctx.x_scale
+
+
+# --- ONNX: the layer in standard torch ops --------------------------------------------------------------
+# torch.onnx.export(dynamo=True) translates standard ops only; while it traces (torch.onnx.is_in_onnx_export),
+# the public functions emit the definition itself: the torch backend's float64 math on flat inputs (a gather,
+# the exact fixed-point phase as a wrapping int64 multiply, float64 sin/cos, one rounding).  Lengths and
+# offsets stay symbolic; the id range check is a host-side check and is not exported.
+def standard_ops_forward(ids, weight, turns, positions, offsets, offset, seq_len, params: KernelParams,
+                         dropout_seed) -> Tensor:
+    if dropout_seed is not None:
+        raise ValueError("posenc_fast's fused dropout has no ONNX form: export the model in eval mode "
+                         "(model.eval(), or training=False)")
+    if positions is None and ids.shape[0]:
+        # Positions as ranges, not ``n % seq_len + offset``: the exporter's translation of a remainder or a
+        # sum with a symbolic scalar fails, and a range with symbolic ends is ONNX's Range.
+        if offsets is not None:
+            within = torch.arange(seq_len, device=ids.device, dtype=torch.int64)
+            positions = (offsets.unsqueeze(-1) + within).reshape(-1)
+        else:
+            positions = torch.arange(offset, offset + seq_len, device=ids.device, dtype=torch.int64).repeat(
+                ids.shape[0] // seq_len)
+    return get_backend("torch").forward(ids, weight, turns, positions, None, 0, seq_len, params, None)
+
+
+def add_sinusoidal_standard_ops(x, turns, positions, offsets, offset, seq_len, pe_columns, x_scale, pe_scale,
+                                float64_math, backend) -> Tensor:
+    rows = torch.arange(x.shape[0], device=x.device, dtype=torch.int64)
+    params = KernelParams(False, x.shape[1], x.shape[1], PEColumns.from_list(pe_columns), x_scale, pe_scale, -1,
+                          float64_math)
+    return standard_ops_forward(rows, x, turns, positions, offsets, offset, seq_len, params, None)

@@ -33,6 +33,8 @@ SLOW_CASES = [
     (("test_keep_rate_and_scale", "triton-interpreter"), "a large dropout sample through the interpreter: ~25 s"),
     (("test_train_tiny_lm_runs", "-triton]"), "a training run through the interpreter: ~20 s"),
     (("test_properties.py", "triton-interpreter"), "hypothesis examples through the interpreter: ~10 s"),
+    (("test_jacfwd_equals_jacrev_and_hessian", "triton-interpreter"), "a full Jacobian and Hessian through the "
+     "interpreter: 40 to 75 s"),
     (("test_sass_report.py",), "compiles every kernel variant to SASS: ~55 s"),
     (("test_triton_native_compile.py",), "native Triton compiles for sm_80/sm_90: ~70 s"),
     (("test_cuda_build.py::test_kernels_compile_without_spills",), "an nvcc build for ptxas' report: ~70 s"),

@@ -23,8 +23,10 @@ def test_readme_has_python_examples():
     assert len(PYTHON_BLOCKS) >= 2
 
 
-def test_readme_python_examples_run_as_printed():
-    """The blocks run in order in one namespace, as a reader pasting them into one session would."""
+def test_readme_python_examples_run_as_printed(tmp_path, monkeypatch):
+    """The blocks run in order in one namespace, as a reader pasting them into one session would (in an
+    empty folder: the Deploy block saves a file)."""
+    monkeypatch.chdir(tmp_path)
     namespace = {"__name__": "readme"}
     ran = 0
     for block in PYTHON_BLOCKS:
