@@ -38,6 +38,7 @@ def sinusoidal_embedding(
     precision: str = "float32",
     dropout_p: float = 0.0,
     training: bool = True,
+    sparse: bool = False,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Token embedding lookup + sinusoidal positional encoding, fused.
@@ -57,6 +58,9 @@ def sinusoidal_embedding(
     the same kernel: each element is zeroed with probability ``dropout_p``, the others scaled by
     ``1 / (1 - dropout_p)``.  The mask is Philox of a seed drawn from torch's generator (so
     ``torch.manual_seed`` reproduces it) and is regenerated in backward, not stored.
+    ``sparse=True`` makes the weight's gradient a sparse COO tensor of the rows the ids touch, as
+    ``nn.Embedding(sparse=True)`` does (for ``torch.optim.SparseAdam``, SGD...): deterministic, and
+    its cost tracks the tokens, not the vocabulary.  Eager only (not under torch.compile/export).
     Presets for other libraries:
     ``posenc_fast.presets``.  See ``posenc_fast.reference`` for the exact definition.
     """
@@ -64,7 +68,7 @@ def sinusoidal_embedding(
     spec = make_spec(weight.shape[0], weight.shape[1], mode, d_pos, base, layout, embed_scale, pe_scale, padding_idx,
                      frequencies, zero_pe_at_padding, precision)
     return apply_spec(ids, weight, spec, spec.turns_tensor(weight.device), positions, offset, backend,
-                      cu_seqlens=cu_seqlens, dropout_p=dropout_p, training=training)
+                      cu_seqlens=cu_seqlens, dropout_p=dropout_p, training=training, sparse=sparse)
 
 
 def _positions_by_rule(ids, spec: PESpec, positions, offset, cu_seqlens, position_rule: str):
@@ -192,15 +196,18 @@ def _check_fsmt_symbolic_past() -> None:
 
 def apply_spec(ids, weight, spec: PESpec, turns: torch.Tensor, positions, offset, backend: str, *,
                cu_seqlens=None, position_rule: str = "offset", vocab_range=None,
-               dropout_p: float = 0.0, training: bool = True) -> torch.Tensor:
+               dropout_p: float = 0.0, training: bool = True, sparse: bool = False) -> torch.Tensor:
     """Run the layer described by ``spec`` (``turns``: its fixed-point frequencies on weight's device).
 
     ``vocab_range=(start, end)``: ``weight`` holds rows start..end-1 of a larger vocabulary of
     ``end``-or-more rows (vocabulary parallel, see SinusoidalEmbedding); ids are global.
     ``dropout_p`` is checked on every call (as ``F.dropout`` does, so a module attribute set
     later is checked too) and applies when ``training``; otherwise no seed is drawn.
+    ``sparse``: the weight's gradient as a sparse tensor (``ops.sparse_weight_gradient``).
     """
     _refuse_jit_trace()
+    if sparse is not False and sparse is not True:
+        raise TypeError(f"sparse must be a bool, got {sparse!r}")
     dropout_p = check_dropout_p(dropout_p)  # checked even when not training, as F.dropout does
     if not training:
         dropout_p = 0.0
@@ -231,7 +238,7 @@ def apply_spec(ids, weight, spec: PESpec, turns: torch.Tensor, positions, offset
         if route is _FUNCTION:
             out = EmbeddingFunction.apply(weight, batch.ids, turns, batch.positions, batch.offsets, batch.offset,
                                           batch.seq_len, params, -1 if spec.padding_idx is None else spec.padding_idx,
-                                          vocab_start, vocab_size, dropout_seed, dropout_p, name)
+                                          vocab_start, vocab_size, dropout_seed, dropout_p, name, sparse)
         else:
             out = run_forward(batch.ids, weight, turns, batch.positions, batch.offsets, batch.offset, batch.seq_len,
                               params, vocab_start, vocab_size, dropout_seed, dropout_p, name)
@@ -241,6 +248,9 @@ def apply_spec(ids, weight, spec: PESpec, turns: torch.Tensor, positions, offset
                 # view, which under no_grad could not later be modified in place with grad mode on.
                 return out.resize_(batch.out_shape)
     else:
+        if sparse and torch.is_grad_enabled() and weight.requires_grad:
+            raise NotImplementedError("sparse=True gradients are computed in eager mode only; under torch.compile or "
+                                      "torch.export use sparse=False (a dense, equally deterministic gradient)")
         out = sinusoidal_embedding_op(
             batch.ids, weight, turns, batch.positions, batch.offsets, batch.offset, batch.seq_len,
             spec.mode == "concat", spec.pe_width, spec.columns.as_list(), spec.embed_scale, spec.pe_scale,

@@ -40,7 +40,9 @@ class SinusoidalEmbedding(nn.Module):
     ``dropout``, the shards must draw the same seed: the same torch RNG state on every rank of
     the tensor-parallel group (Megatron's default generator, not inside its per-rank
     ``get_cuda_rng_tracker().fork()``).  They then drop the same elements, and the sum is still
-    the unsharded layer's output.  Library
+    the unsharded layer's output.  ``sparse=True``: the weight's gradient is a sparse tensor of the
+    rows the ids touch, as with ``nn.Embedding(sparse=True)`` (see
+    :func:`posenc_fast.sinusoidal_embedding`).  Library
     conventions: :meth:`from_preset`; an existing token table: :meth:`from_pretrained`.
     """
 
@@ -62,11 +64,14 @@ class SinusoidalEmbedding(nn.Module):
         precision: str = "float32",
         vocab_range: Optional[Tuple[int, int]] = None,
         dropout: float = 0.0,
+        sparse: bool = False,
         backend: str = "auto",
         device=None,
         dtype=None,
     ):
         super().__init__()
+        if sparse is not False and sparse is not True:
+            raise TypeError(f"sparse must be a bool, got {sparse!r}")
         for name, value in (("num_embeddings", num_embeddings), ("d_model", d_model)):
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < 2**63:
                 raise ValueError(f"{name} must be an int in [1, 2**63), got {value!r}")
@@ -85,6 +90,7 @@ class SinusoidalEmbedding(nn.Module):
         self.vocab_range = vocab_range
         self.position_rule = position_rule
         self.dropout = check_dropout_p(dropout)
+        self.sparse = sparse
         self.preset: Optional[str] = None  # set by from_preset, for the repr
         check_backend_name(backend)  # availability depends on where the tensors are: checked per call
         self.num_embeddings = num_embeddings
@@ -100,6 +106,7 @@ class SinusoidalEmbedding(nn.Module):
     # The prepared launch of the last eager inference call (posenc_fast._prepared); a class default
     # so that modules unpickled from older versions have it too.
     _prepared: Optional[PreparedForward] = None
+    sparse: bool = False  # (the same for modules pickled before the option existed)
 
     def _prepare_turns(self) -> None:
         """Copy the frequencies to the weight's device now rather than in the first forward (which may
@@ -174,7 +181,7 @@ class SinusoidalEmbedding(nn.Module):
         spec = self.spec
         out = apply_spec(ids, weight, spec, spec.turns_tensor(weight.device), positions, offset, self.backend,
                          cu_seqlens=cu_seqlens, position_rule=self.position_rule, vocab_range=self.vocab_range,
-                         dropout_p=self.dropout, training=self.training)
+                         dropout_p=self.dropout, training=self.training, sparse=self.sparse)
         if simple_call and type(offset) is int and _eager_inference(ids, weight) and (
                 prepared is None or not prepared.prepared_for(self, weight)):
             self._prepared = PreparedForward.build(self, weight)
@@ -254,6 +261,8 @@ class SinusoidalEmbedding(nn.Module):
             parts.append(f"position_rule={self.position_rule!r}")
         if self.dropout:
             parts.append(f"dropout={self.dropout:g}")
+        if self.sparse:
+            parts.append("sparse=True")
         if self.backend != "auto":
             parts.append(f"backend={self.backend!r}")
         return ", ".join(parts)

@@ -210,27 +210,28 @@ class EmbeddingFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(weight, ids, turns, positions, offsets, offset, seq_len, params: KernelParams, padding_idx,
-                vocab_start, vocab_size, dropout_seed, dropout_p, backend):
+                vocab_start, vocab_size, dropout_seed, dropout_p, backend, sparse=False):
         return _layer(weight, ids, turns, positions, offsets, offset, seq_len, params, vocab_start, vocab_size,
                       dropout_seed, dropout_p, backend)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         (weight, ids, turns, positions, offsets, offset, seq_len, params, padding_idx, vocab_start, vocab_size,
-         dropout_seed, dropout_p, backend) = inputs
+         dropout_seed, dropout_p, backend, sparse) = inputs
         _save_for_weight_gradient(ctx, ids, weight, params.embed_scale, padding_idx, dropout_seed, dropout_p, backend)
         ctx.save_for_forward(ids, turns, positions, offsets, dropout_seed)
         ctx.layer = (offset, seq_len, params, padding_idx, vocab_start, vocab_size, dropout_p, backend)
+        ctx.sparse = sparse
 
     @staticmethod
     def backward(ctx, grad_out):
         grad_weight = None
         if ctx.needs_input_grad[0]:
             ids, dropout_seed = ctx.saved_tensors
-            grad_weight = WeightGradient.apply(grad_out, ids, ctx.num_embeddings, ctx.token_width, ctx.embed_scale,
-                                               ctx.padding_idx, ctx.weight_dtype, dropout_seed, ctx.dropout_p,
-                                               ctx.backend)
-        return (grad_weight,) + (None,) * 13
+            gradient = sparse_weight_gradient if ctx.sparse else WeightGradient.apply
+            grad_weight = gradient(grad_out, ids, ctx.num_embeddings, ctx.token_width, ctx.embed_scale,
+                                   ctx.padding_idx, ctx.weight_dtype, dropout_seed, ctx.dropout_p, ctx.backend)
+        return (grad_weight,) + (None,) * 14
 
     @staticmethod
     def jvp(ctx, weight_tangent, *_input_tangents):
@@ -241,7 +242,7 @@ class EmbeddingFunction(torch.autograd.Function):
         token_params = params._replace(pe_scale=0.0, pe_zero_id=-1)
         tangent = EmbeddingFunction.apply(weight_tangent, ids, turns, positions, offsets, offset, seq_len,
                                           token_params, padding_idx, vocab_start, vocab_size, dropout_seed, dropout_p,
-                                          backend)
+                                          backend, False)
         if padding_idx >= 0:
             tangent = torch.where((ids == padding_idx).unsqueeze(-1), 0.0, tangent)
         return tangent
@@ -293,6 +294,29 @@ def _backward_backward(ctx, grad_grad_weight):
 
 
 sinusoidal_embedding_backward_op.register_autograd(_backward_backward, setup_context=_backward_setup_context)
+
+
+def sparse_weight_gradient(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype,
+                           dropout_seed, dropout_p, backend) -> Tensor:
+    """The weight gradient as a sparse COO tensor of the rows the ids touch (``sparse=True``, as
+    ``nn.Embedding`` has it; coalesced here: one row per distinct id, in id order).
+
+    The same deterministic weight-gradient op, on the ids renumbered 0..U-1 in id order (a sorted
+    ``unique``): the dense ``[U, token_width]`` it returns is the gradient's values, so the cost tracks
+    the tokens, never the vocabulary.  The padding row and out-of-range ids (id check off) are left out.
+    The dropout mask is a function of the token's place, not its id: the renumbering keeps it."""
+    ids64 = ids.to(torch.int64)
+    counted = (ids64 >= 0) & (ids64 < num_embeddings)
+    if padding_idx >= 0:
+        counted &= ids64 != padding_idx
+    # Left-out tokens take the sentinel id num_embeddings, which sorts last: its row is dropped below.
+    rows, renumbered = torch.unique(torch.where(counted, ids64, num_embeddings), sorted=True, return_inverse=True)
+    values = sinusoidal_embedding_backward_op(grad_out, renumbered, rows.shape[0], token_width, embed_scale, -1,
+                                              weight_dtype, dropout_seed, dropout_p, backend)
+    kept = rows.shape[0] - int(bool(rows.numel()) and bool(rows[-1] == num_embeddings))
+    # Sorted, distinct, in-range rows by construction: coalesced, and nothing for an invariant check to find.
+    return torch.sparse_coo_tensor(rows[:kept].unsqueeze(0), values[:kept], (num_embeddings, token_width),
+                                   is_coalesced=True, check_invariants=False)
 
 
 class WeightGradient(torch.autograd.Function):

@@ -1,0 +1,119 @@
+"""``sparse=True``: the weight's gradient as a sparse tensor of the touched rows, on every backend target,
+against ``nn.Embedding(sparse=True)`` and the float64 reference; deterministic; with SparseAdam and SGD."""
+
+import pytest
+import torch
+
+import posenc_fast as pf
+from posenc_fast import reference
+
+from cases import backend_targets
+
+TARGETS = backend_targets()
+VOCAB, WIDTH = 60, 12
+
+
+def _inputs(seed, device):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (3, 9), generator=g)
+    ids[0, :4] = 5  # a run of one id, and the padding row below
+    ids[1, 2] = 7
+    weight = torch.randn(VOCAB, WIDTH, generator=g)
+    grad_out = torch.randn(3, 9, WIDTH, generator=g)
+    return ids.to(device), weight.to(device), grad_out.to(device)
+
+
+@pytest.mark.parametrize("backend,device", TARGETS)
+@pytest.mark.parametrize("padding_idx", [None, 7])
+@pytest.mark.parametrize("entry", ["module", "functional"])
+def test_sparse_gradient_matches_nn_embedding_and_float64(entry, padding_idx, backend, device, seed):
+    ids, weight, grad_out = _inputs(seed, device)
+    kwargs = dict(embed_scale=1.5, padding_idx=padding_idx, offset=3)
+    if entry == "module":
+        layer = pf.SinusoidalEmbedding.from_pretrained(weight.clone(), embed_scale=1.5, padding_idx=padding_idx,
+                                                       sparse=True, backend=backend)
+        leaf, out = layer.weight, layer(ids, offset=3)
+    else:
+        leaf = weight.clone().requires_grad_(True)
+        out = pf.sinusoidal_embedding(ids, leaf, sparse=True, backend=backend, **kwargs)
+    out.backward(grad_out)
+    grad = leaf.grad
+    assert grad.is_sparse and grad.shape == weight.shape and grad.dtype == weight.dtype
+    # Exactly the rows the ids touch, the padding row left out.
+    touched = sorted(set(ids.flatten().tolist()) - {padding_idx})
+    assert sorted(grad.coalesce().indices()[0].tolist()) == touched
+    # nn.Embedding(sparse=True) on the same table (the scale applied to its output).
+    embedding = torch.nn.Embedding.from_pretrained(weight.clone(), freeze=False, padding_idx=padding_idx, sparse=True)
+    (embedding(ids) * 1.5).backward(grad_out)
+    torch.testing.assert_close(grad.to_dense(), embedding.weight.grad.to_dense(), atol=1e-5, rtol=1e-5)
+    # The float64 reference's dense gradient, padding row zeroed as nn.Embedding does.
+    exact_leaf = weight.double().cpu().requires_grad_(True)
+    reference.sinusoidal_embedding(ids.cpu(), exact_leaf, **kwargs).backward(grad_out.double().cpu())
+    exact = exact_leaf.grad
+    if padding_idx is not None:
+        exact[padding_idx] = 0
+    err = (grad.to_dense().double().cpu() - exact).abs()
+    assert bool((err <= 1e-5 * (1 + exact.abs())).all()), err.max()
+
+
+@pytest.mark.parametrize("backend,device", TARGETS)
+def test_sparse_gradient_is_deterministic_and_equals_the_dense_one(backend, device, seed):
+    ids, weight, grad_out = _inputs(seed, device)
+
+    def gradient(sparse):
+        leaf = weight.clone().requires_grad_(True)
+        pf.sinusoidal_embedding(ids, leaf, sparse=sparse, dropout_p=0.3, backend=backend).backward(grad_out)
+        return leaf.grad
+
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(seed)  # the dropout seed
+        runs.append(gradient(True).coalesce())
+    assert torch.equal(runs[0].indices(), runs[1].indices()) and torch.equal(runs[0].values(), runs[1].values())
+    torch.manual_seed(seed)
+    assert torch.equal(runs[0].to_dense(), gradient(False))  # the same kernels on renumbered ids
+
+
+@pytest.mark.parametrize("backend,device", TARGETS)
+def test_out_of_range_ids_with_the_check_off_get_nothing(backend, device):
+    ids, weight, grad_out = _inputs(0, device)
+    ids[2, 0], ids[2, 1] = VOCAB + 3, -1
+    leaf = weight.clone().requires_grad_(True)
+    with pf.id_check(False):
+        pf.sinusoidal_embedding(ids, leaf, sparse=True, backend=backend).backward(grad_out)
+    rows = leaf.grad.coalesce().indices()[0]
+    assert bool(((rows >= 0) & (rows < VOCAB)).all())
+
+
+@pytest.mark.parametrize("optimizer", ["SparseAdam", "SGD"])
+def test_optimizer_steps_like_nn_embedding(optimizer, seed):
+    """A few training steps with sparse gradients move the table exactly as nn.Embedding(sparse=True)
+    does with the same optimizer (the PE adds a constant: the same gradients)."""
+    ids, weight, _ = _inputs(seed, "cpu")
+    layer = pf.SinusoidalEmbedding.from_pretrained(weight.clone(), sparse=True)
+    embedding = torch.nn.Embedding.from_pretrained(weight.clone(), freeze=False, sparse=True)
+    make = {"SparseAdam": lambda p: torch.optim.SparseAdam(p, lr=0.01), "SGD": lambda p: torch.optim.SGD(p, lr=0.1)}
+    ours, theirs = make[optimizer]([layer.weight]), make[optimizer](list(embedding.parameters()))
+    target = torch.randn(3, 9, WIDTH, generator=torch.Generator().manual_seed(seed))
+    pe = pf.sinusoidal_embedding(ids, torch.zeros(VOCAB, WIDTH))  # what the fused layer adds
+    for _ in range(3):
+        for opt, out in ((ours, lambda: layer(ids)), (theirs, lambda: embedding(ids) + pe)):
+            opt.zero_grad()
+            ((out() - target) ** 2).sum().backward()
+            opt.step()
+    torch.testing.assert_close(layer.weight.detach(), embedding.weight.detach(), atol=1e-5, rtol=1e-5)
+
+
+def test_sparse_is_refused_where_it_cannot_be_computed():
+    weight = torch.randn(VOCAB, WIDTH, requires_grad=True)
+    with pytest.raises(TypeError, match="sparse must be a bool"):
+        pf.sinusoidal_embedding(torch.zeros(2, 3, dtype=torch.int64), weight, sparse=1)
+    with pytest.raises(TypeError, match="sparse must be a bool"):
+        pf.SinusoidalEmbedding(VOCAB, WIDTH, sparse="yes")
+    compiled = torch.compile(lambda i, w: pf.sinusoidal_embedding(i, w, sparse=True), backend="eager", fullgraph=True)
+    with pytest.raises(Exception, match="sparse=True gradients are computed in eager mode only"):
+        compiled(torch.zeros(2, 3, dtype=torch.int64), weight)
+
+
+def test_repr_shows_sparse():
+    assert "sparse=True" in repr(pf.SinusoidalEmbedding(VOCAB, WIDTH, sparse=True))
