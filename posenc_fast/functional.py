@@ -142,8 +142,8 @@ def _in_onnx_export() -> bool:
 
 
 def _route(ids, weight) -> str:
-    """How a call with these tensors runs now (``_RUN``, ``_FUNCTION`` or ``_OP``), or a clear error
-    for a transform that cannot be right."""
+    """How a call with these tensors runs now (``_RUN``, ``_FUNCTION``, ``_OP`` or ``_STANDARD_OPS``), or
+    a clear error for a transform that cannot be right."""
     if _eager_call(ids, weight):
         return _FUNCTION if torch.is_grad_enabled() and weight.requires_grad else _RUN
     if _in_onnx_export():  # ONNX has no fused op: the exporter gets the math in standard ops

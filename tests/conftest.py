@@ -33,6 +33,12 @@ SLOW_CASES = [
     (("test_keep_rate_and_scale", "triton-interpreter"), "a large dropout sample through the interpreter: ~25 s"),
     (("test_train_tiny_lm_runs", "-triton]"), "a training run through the interpreter: ~20 s"),
     (("test_properties.py", "triton-interpreter"), "hypothesis examples through the interpreter: ~10 s"),
+    (("test_weight_gradient_with_dropout", "triton-interpreter"), "dropout gradients through the interpreter: 1.5 to 9 s "
+     "each, ~60 s in all"),
+    (("test_per_sample_gradients_with_vmap", "triton-interpreter"), "vmap runs the interpreter once per sample: ~4 s "
+     "each"),
+    (("test_threads_share_one_module", "triton-interpreter"), "eight threads through the interpreter, whose launches "
+     "are serialised: ~7 s"),
     (("test_jacfwd_equals_jacrev_and_hessian", "triton-interpreter"), "a full Jacobian and Hessian through the "
      "interpreter: 40 to 75 s"),
     (("test_sass_report.py",), "compiles every kernel variant to SASS: ~55 s"),

@@ -1,0 +1,80 @@
+"""What ``sparse=True`` saves where the vocabulary is wide: the weight gradient of one training step,
+dense against sparse, fused against ``nn.Embedding``, on the wide case of issue 26 (V 262144, d 4096).
+
+    python bench/sparse_gradient_cost.py [--out DIR] [--device cpu|cuda] [--tokens 4096]
+    python bench/sparse_gradient_cost.py --smoke       # a tiny run of the script (not a timing)
+
+Bytes first: a dense fp32 gradient is V * d * 4 = 4 GiB to allocate and zero (page faults on CPU)
+whatever the batch; a sparse one is U * d * 4 for the U distinct ids among the tokens.  Timed: the
+backward alone (a fresh ``.grad`` each time, as after ``zero_grad(set_to_none=True)``), median of
+``--reps`` after a warmup, random ids and tables (never zeros).  Prints a table and writes
+sparse_gradient_cost.json (device, versions, date) under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+from datetime import date
+
+import torch
+
+import posenc_fast as pf
+from posenc_fast._timing import median_ms
+
+WIDE = dict(vocab=262144, d_model=4096)
+SMOKE = dict(vocab=1000, d_model=64)
+
+
+def _timed_backward(make_output, leaf, grad_out, device, reps):
+    def step():
+        leaf.grad = None
+        make_output().backward(grad_out)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return median_ms(step, device, warmup=1, reps=reps)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="posenc_fast-bench-results")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--tokens", type=int, default=4096, help="batch 8 x tokens/8")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--smoke", action="store_true")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    shape = SMOKE if args.smoke else WIDE
+    vocab, width = shape["vocab"], shape["d_model"]
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (8, max(args.tokens // 8, 1)), generator=g).to(device)
+    table = torch.randn(vocab, width, generator=g).to(device)
+    grad_out = torch.randn(*ids.shape, width, generator=g).to(device)
+    distinct = int(torch.unique(ids).numel())
+    rows = []
+    for sparse in (False, True):
+        fused = pf.SinusoidalEmbedding.from_pretrained(table, sparse=sparse, embed_scale=width ** 0.5)
+        eager = torch.nn.Embedding.from_pretrained(table, freeze=False, sparse=sparse)
+        for impl, leaf, make in (("fused", fused.weight, lambda: fused(ids)),
+                                 ("nn.Embedding", eager.weight, lambda: eager(ids) * width ** 0.5)):
+            ms = _timed_backward(make, leaf, grad_out, device, 1 if args.smoke else args.reps)
+            rows.append(dict(impl=impl, sparse=sparse, backward_ms=round(ms, 3)))
+            print(f"{impl:13s} sparse={sparse!s:5s}  backward {ms:9.2f} ms", flush=True)
+    report = dict(
+        what="weight-gradient backward, dense vs sparse (bench/sparse_gradient_cost.py)",
+        device=torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.processor() or 'cpu'} "
+        f"({torch.get_num_threads()} threads)",
+        torch=torch.__version__, date=date.today().isoformat(), vocab=vocab, d_model=width,
+        tokens=ids.numel(), distinct_ids=distinct,
+        dense_gradient_bytes=vocab * width * 4, sparse_values_bytes=distinct * width * 4, rows=rows)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "sparse_gradient_cost.json")
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
