@@ -16,13 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 from datetime import date
 
 import torch
 
 import posenc_fast as pf
 from posenc_fast._timing import median_ms
+from posenc_fast.benchmark.results import device_name
 
 WIDE = dict(vocab=262144, d_model=4096)
 SMOKE = dict(vocab=1000, d_model=64)
@@ -64,8 +64,7 @@ def main(argv=None):
             print(f"{impl:13s} sparse={sparse!s:5s}  backward {ms:9.2f} ms", flush=True)
     report = dict(
         what="weight-gradient backward, dense vs sparse (bench/sparse_gradient_cost.py)",
-        device=torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.processor() or 'cpu'} "
-        f"({torch.get_num_threads()} threads)",
+        device=device_name(device),
         torch=torch.__version__, date=date.today().isoformat(), vocab=vocab, d_model=width,
         tokens=ids.numel(), distinct_ids=distinct,
         dense_gradient_bytes=vocab * width * 4, sparse_values_bytes=distinct * width * 4, rows=rows)

@@ -351,3 +351,20 @@ def test_dropout_cost_script_smoke(tmp_path):
     impls = {row["impl"] for row in doc["rows"]}
     assert impls == {"torch p=0", "torch p=0.1", "eager p=0.1"}
     assert all(row["median_ms"] > 0 and row["bytes"] > 0 for row in doc["rows"])
+
+
+def test_sparse_gradient_cost_script_smoke(tmp_path):
+    """bench/sparse_gradient_cost.py runs end to end on a tiny table (a run of the script, not a timing)."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    result = subprocess.run([sys.executable, os.path.join(root, "bench", "sparse_gradient_cost.py"), "--smoke",
+                             "--device", "cpu", "--tokens", "64", "--out", str(tmp_path)],
+                            capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    doc = json.loads((tmp_path / "sparse_gradient_cost.json").read_text())
+    assert {(row["impl"], row["sparse"]) for row in doc["rows"]} == {
+        (impl, sparse) for impl in ("fused", "nn.Embedding") for sparse in (False, True)}
+    assert all(row["backward_ms"] > 0 for row in doc["rows"]) and doc["device"].startswith("CPU")
