@@ -183,12 +183,27 @@ def _by_slices(function, info, in_dims, *args):
     return torch.stack(calls), 0
 
 
+class _DirectApply:
+    """``apply`` without torch's per-call argument binding where nothing needs it.  For a Function with a
+    separate ``setup_context`` (what torch.func requires), ``torch.autograd.Function.apply`` binds the
+    arguments to ``forward``'s signature on every call (``inspect.signature(...).bind``), only to fill in
+    defaults: about 50 us for these Functions' arguments, more than the rest of a training call.  Every
+    call here passes every argument, so outside torch.func the binding is skipped and the C++ apply (which
+    runs ``forward`` then ``setup_context``) is called directly; under torch.func, torch's own apply."""
+
+    @classmethod
+    def apply(cls, *args):
+        if torch._C._are_functorch_transforms_active():
+            return super().apply(*args)
+        return super(torch.autograd.Function, cls).apply(*args)
+
+
 def _plain(t) -> bool:
     """A tensor whose memory a kernel can read: not a functorch wrapper (``grad``'s or ``vmap``'s)."""
     return t is None or not torch._C._functorch.is_functorch_wrapped_tensor(t)
 
 
-class EmbeddingFunction(torch.autograd.Function):
+class EmbeddingFunction(_DirectApply, torch.autograd.Function):
     """The op's forward and autograd formula without torch.library's custom-op wrapper, for eager
     training, forward-mode AD and torch.func (``functional._route`` picks it).
 
@@ -319,7 +334,7 @@ def sparse_weight_gradient(grad_out, ids, num_embeddings, token_width, embed_sca
                                    is_coalesced=True, check_invariants=False)
 
 
-class WeightGradient(torch.autograd.Function):
+class WeightGradient(_DirectApply, torch.autograd.Function):
     """The weight-gradient op as an autograd.Function, for ``EmbeddingFunction.backward``: the same op and
     double-backward formula, plus what torch.func needs to differentiate a gradient (``hessian``,
     ``jacfwd(jacrev(...))``): a separate ``setup_context``, a vmap rule, and a ``jvp`` (the gradient is
@@ -403,7 +418,7 @@ def _add_backward(ctx, grad_out):
 add_sinusoidal_op.register_autograd(_add_backward, setup_context=_add_setup_context)
 
 
-class AddSinusoidalFunction(torch.autograd.Function):
+class AddSinusoidalFunction(_DirectApply, torch.autograd.Function):
     """``add_sinusoidal``'s op without the custom-op wrapper, for eager training, forward-mode AD and
     torch.func (as ``EmbeddingFunction``): linear in ``x``, so the tangent and the gradient are both
     ``x_scale`` times the incoming one."""
