@@ -249,8 +249,10 @@ def apply_spec(ids, weight, spec: PESpec, turns: torch.Tensor, positions, offset
                 return out.resize_(batch.out_shape)
     else:
         if sparse and torch.is_grad_enabled() and weight.requires_grad:
-            raise NotImplementedError("sparse=True gradients are computed in eager mode only; under torch.compile or "
-                                      "torch.export use sparse=False (a dense, equally deterministic gradient)")
+            raise NotImplementedError("sparse=True gradients are computed on plain eager calls only, not under "
+                                      "torch.compile, torch.export, a TorchDispatchMode (e.g. FlopCounterMode, "
+                                      "selective activation checkpointing) or with tensor subclasses; there use "
+                                      "sparse=False (a dense, equally deterministic gradient)")
         out = sinusoidal_embedding_op(
             batch.ids, weight, turns, batch.positions, batch.offsets, batch.offset, batch.seq_len,
             spec.mode == "concat", spec.pe_width, spec.columns.as_list(), spec.embed_scale, spec.pe_scale,

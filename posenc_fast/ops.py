@@ -90,7 +90,7 @@ def run_forward(ids, weight, turns, positions, offsets, offset, seq_len, params:
 
 # Registered under its own name; ``run_forward`` stays callable directly (see
 # ``functional._eager_call``: eager calls skip the dispatcher, ~20 us of Python per call, and in
-# training its custom-op autograd wrapper, ~150 us: ``EagerEmbedding``).
+# training its custom-op autograd wrapper, ~150 us: ``EmbeddingFunction``).
 sinusoidal_embedding_op = torch.library.custom_op("posenc_fast::sinusoidal_embedding", mutates_args=())(
     sinusoidal_embedding_forward)
 
@@ -138,7 +138,7 @@ def _(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weig
 
 
 def _save_for_weight_gradient(ctx, ids, weight, embed_scale, padding_idx, dropout_seed, dropout_p, backend):
-    """What the weight gradient needs, kept by the op's autograd and by EagerEmbedding alike: the ids
+    """What the weight gradient needs, kept by the op's autograd and by EmbeddingFunction alike: the ids
     and the seed (nothing of size tokens x width) and the numbers."""
     ctx.save_for_backward(ids, dropout_seed)
     ctx.num_embeddings, ctx.token_width = weight.shape
@@ -189,7 +189,9 @@ class _DirectApply:
     arguments to ``forward``'s signature on every call (``inspect.signature(...).bind``), only to fill in
     defaults: about 50 us for these Functions' arguments, more than the rest of a training call.  Every
     call here passes every argument, so outside torch.func the binding is skipped and the C++ apply (which
-    runs ``forward`` then ``setup_context``) is called directly; under torch.func, torch's own apply."""
+    runs ``forward`` then ``setup_context``) is called directly; under torch.func, torch's own apply.
+    (That also skips torch's unwrapping of "dead" functorch wrappers, tensors kept from a finished
+    transform, 2 us a call: such a tensor is not ``_plain`` and takes the op, whose dispatcher unwraps it.)"""
 
     @classmethod
     def apply(cls, *args):

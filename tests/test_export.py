@@ -241,3 +241,37 @@ def test_export_fsmt_rule_symbolic_past_is_refused():
         model(*example)
         with pytest.raises(ValueError, match="fsmt.*symbolic past length"):
             export(model, example, dynamic_shapes=_dynamic_shapes(), strict=False)
+
+
+def test_patched_marian_exports_with_transformers_static_cache_modules():
+    """transformers' own export path for seq2seq models (integrations.executorch: an encoder exported
+    with a dynamic length, a decoder step with a static cache and a cache_position input, strict
+    export): a patched Marian's exported decoder gives the unpatched one's logits at every cached step,
+    and both match the eager model run on the whole prefix."""
+    transformers = pytest.importorskip("transformers", reason="the Hugging Face test needs transformers")
+    executorch = pytest.importorskip("transformers.integrations.executorch",
+                                     reason="this transformers has no export integration")
+    import copy
+
+    config = transformers.MarianConfig(
+        vocab_size=60, max_position_embeddings=64, scale_embedding=True, d_model=16, encoder_layers=1,
+        decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
+        decoder_ffn_dim=32, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, pad_token_id=1,
+        bos_token_id=0, eos_token_id=2, decoder_start_token_id=2, init_std=0.5)
+    torch.manual_seed(0)
+    unpatched = transformers.MarianMTModel(config).eval()
+    patched = posenc_fast.patch_model(copy.deepcopy(unpatched))
+    prompt = torch.randint(3, 60, (1, 9))
+    tokens = torch.randint(3, 60, (8,))
+    steps = {}
+    for name, model in (("unpatched", unpatched), ("patched", patched)):
+        exported = executorch.Seq2SeqLMExportableModule(model, max_hidden_seq_length=64, max_cache_length=32).export()
+        with torch.no_grad():
+            encoded = exported.exported_encoder.module()(prompt)
+            decoder = exported.exported_decoder.module()
+            steps[name] = torch.stack([decoder(tokens[i].view(1, 1), encoded, torch.tensor([i]))[0, -1]
+                                       for i in range(len(tokens))])
+    torch.testing.assert_close(steps["patched"], steps["unpatched"], atol=2e-5, rtol=0)
+    with torch.no_grad():
+        eager = unpatched(input_ids=prompt, decoder_input_ids=tokens.view(1, -1)).logits[0]
+    torch.testing.assert_close(steps["patched"], eager, atol=2e-5, rtol=0)

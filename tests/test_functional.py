@@ -241,7 +241,7 @@ def test_eager_inference_skips_the_dispatcher_with_the_same_result(backend, devi
 @pytest.mark.parametrize("backend,device", TARGETS)
 @pytest.mark.parametrize("dropout_p", [0.0, 0.2])
 def test_eager_training_skips_the_dispatcher_with_the_same_gradients(backend, device, dropout_p, monkeypatch):
-    """With autograd, eager calls run ops.EagerEmbedding instead of the op's custom-op wrapper: the same
+    """With autograd, eager calls run ops.EmbeddingFunction instead of the op's custom-op wrapper: the same
     output, weight gradient and double backward (gradient of a gradient penalty) bit for bit."""
     g = torch.Generator().manual_seed(11)
     weight = torch.randn(40, 12, generator=g).to(device).requires_grad_()

@@ -111,9 +111,49 @@ def test_sparse_is_refused_where_it_cannot_be_computed():
     with pytest.raises(TypeError, match="sparse must be a bool"):
         pf.SinusoidalEmbedding(VOCAB, WIDTH, sparse="yes")
     compiled = torch.compile(lambda i, w: pf.sinusoidal_embedding(i, w, sparse=True), backend="eager", fullgraph=True)
-    with pytest.raises(Exception, match="sparse=True gradients are computed in eager mode only"):
+    with pytest.raises(Exception, match="sparse=True gradients are computed on plain eager calls only"):
         compiled(torch.zeros(2, 3, dtype=torch.int64), weight)
 
 
 def test_repr_shows_sparse():
     assert "sparse=True" in repr(pf.SinusoidalEmbedding(VOCAB, WIDTH, sparse=True))
+
+
+def _edge_case(name, device, backend, sparse):
+    """(ids, layer) of each edge case; the layer's table is the same random one whatever ``sparse``."""
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(VOCAB, WIDTH, generator=g).to(device)
+    ids = torch.randint(0, VOCAB, (2, 5), generator=g).to(device)
+    common = dict(sparse=sparse, backend=backend, embed_scale=2.0)
+    if name == "vocab_shard":  # rows 20..59 of the vocabulary on this shard: ids stay global
+        layer = pf.SinusoidalEmbedding(VOCAB, WIDTH, vocab_range=(20, VOCAB), padding_idx=25, **common).to(device)
+        with torch.no_grad():
+            layer.weight.copy_(weight[20:])
+        return ids, layer
+    ids = {"empty": ids[:, :0], "all_padding": torch.full((2, 5), 4, device=device),
+           "int32": ids.to(torch.int32), "zero_dim": ids[0, 0]}[name]
+    padding_idx = 4 if name == "all_padding" else None
+    return ids, pf.SinusoidalEmbedding.from_pretrained(weight, padding_idx=padding_idx, **common)
+
+
+@pytest.mark.parametrize("backend,device", TARGETS)
+@pytest.mark.parametrize("name", ["empty", "all_padding", "int32", "zero_dim", "vocab_shard"])
+def test_sparse_gradient_edge_cases_equal_the_dense_one(name, backend, device):
+    """Empty and 0-d ids, every token padding, int32 ids and a vocabulary shard (other shards' ids and the
+    padding row get nothing): the sparse gradient equals the dense one, holds no row outside the table,
+    and a double backward through it equals the dense one's."""
+
+    def gradients(sparse):
+        ids, layer = _edge_case(name, device, backend, sparse)
+        out = layer(ids)
+        (grad,) = torch.autograd.grad((out * out).sum(), layer.weight, create_graph=True)
+        (second,) = torch.autograd.grad((grad.to_dense() if sparse else grad).pow(2).sum(), layer.weight)
+        return grad, second
+
+    sparse_grad, sparse_second = gradients(True)
+    dense_grad, dense_second = gradients(False)
+    assert sparse_grad.is_sparse
+    assert torch.equal(sparse_grad.to_dense().detach(), dense_grad.detach())
+    torch.testing.assert_close(sparse_second.to_dense(), dense_second.to_dense(), atol=1e-5, rtol=1e-5)
+    rows = sparse_grad.coalesce().indices()[0].tolist()
+    assert rows == sorted(set(rows)) and all(0 <= r < dense_grad.shape[0] for r in rows)
