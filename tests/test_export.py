@@ -16,6 +16,7 @@ import posenc_fast
 from posenc_fast import SinusoidalEmbedding, SinusoidalPositionalEncoding, reference
 
 from cases import cpu_extension_problem
+from tiny_models import tiny_marian_config
 
 export_module = pytest.importorskip("torch.export", reason="torch.export is not available in this PyTorch")
 if not hasattr(export_module, "Dim") or not hasattr(export_module, "export"):
@@ -253,11 +254,7 @@ def test_patched_marian_exports_with_transformers_static_cache_modules():
                                      reason="this transformers has no export integration")
     import copy
 
-    config = transformers.MarianConfig(
-        vocab_size=60, max_position_embeddings=64, scale_embedding=True, d_model=16, encoder_layers=1,
-        decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
-        decoder_ffn_dim=32, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, pad_token_id=1,
-        bos_token_id=0, eos_token_id=2, decoder_start_token_id=2, init_std=0.5)
+    config = tiny_marian_config(transformers)
     torch.manual_seed(0)
     unpatched = transformers.MarianMTModel(config).eval()
     patched = posenc_fast.patch_model(copy.deepcopy(unpatched))

@@ -15,6 +15,7 @@ import posenc_fast as pf
 from posenc_fast import reference
 
 from cases import assert_within, output_bound
+from tiny_models import tiny_marian_config
 
 onnx = pytest.importorskip("onnx", reason="ONNX export tests need onnx (the [test] extra installs it)")
 pytest.importorskip("onnxscript", reason="torch.onnx.export(dynamo=True) needs onnxscript (the [test] extra)")
@@ -122,11 +123,7 @@ def test_patched_marian_exports_and_matches_the_unpatched_model():
     transformers = pytest.importorskip("transformers", reason="the Hugging Face test needs transformers")
     import copy
 
-    config = transformers.MarianConfig(
-        vocab_size=60, max_position_embeddings=64, scale_embedding=True, d_model=16, encoder_layers=1,
-        decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
-        decoder_ffn_dim=32, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, pad_token_id=1,
-        bos_token_id=0, eos_token_id=2, decoder_start_token_id=2, init_std=0.5)
+    config = tiny_marian_config(transformers)
     torch.manual_seed(0)
     unpatched = transformers.MarianMTModel(config).eval()
     model = pf.patch_model(copy.deepcopy(unpatched))
