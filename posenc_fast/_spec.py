@@ -194,7 +194,7 @@ class PESpec:
             cached = self._turns_by_device.get(device)
         if torch.compiler.is_compiling():
             return cached if cached is not None else self._new_turns(device)
-        if _dispatch_mode_depth():
+        if dispatch_mode_depth():
             return self._new_turns(device)
         if cached is None:
             with torch._C._DisableFuncTorch(), torch.inference_mode(False):
@@ -205,7 +205,8 @@ class PESpec:
         return torch.tensor(self.turns_fixed_point, dtype=torch.int64, device=device).reshape(-1)
 
 
-_dispatch_mode_depth = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 0)
+# How many TorchDispatchModes are active (a FakeTensorMode, make_fx's proxy mode, FlopCounterMode...).
+dispatch_mode_depth = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 0)
 
 
 _FLOAT64_MAX = 1.7976931348623157e308

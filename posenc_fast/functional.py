@@ -10,7 +10,7 @@ import torch.autograd.forward_ad as _forward_ad
 
 from ._dispatch import resolve_backend
 from ._dropout import check_dropout_p, draw_seed
-from ._spec import PESpec
+from ._spec import PESpec, dispatch_mode_depth
 from ._validate import check_offset, check_weight, check_weight_for_spec, make_batch, make_spec
 from .backends import KernelParams
 from .ops import (AddSinusoidalFunction, EmbeddingFunction, add_sinusoidal_forward, add_sinusoidal_op,
@@ -96,10 +96,6 @@ def _positions_by_rule(ids, spec: PESpec, positions, offset, cu_seqlens, positio
     return positions, offset
 
 
-# Dispatch modes (a TorchDispatchMode such as FlopCounterMode, or a user's op logger) see only what
-# goes through the dispatcher: calls under one take the torch.library op.
-_dispatch_mode_depth = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 0)
-
 # How a call runs (``_route``):
 _RUN = "run"            # eager, nothing to differentiate: the op's implementation, directly
 _FUNCTION = "function"  # eager with autograd, forward-mode AD or torch.func: ops.EmbeddingFunction
@@ -124,7 +120,7 @@ def _eager_call(ids, weight) -> bool:
     return (not torch.compiler.is_compiling()
             and type(ids) is torch.Tensor and type(weight) in (torch.Tensor, torch.nn.Parameter)
             and not torch._C._is_tracing() and not torch._C._are_functorch_transforms_active()
-            and not _dispatch_mode_depth() and _forward_ad._current_level < 0)
+            and not dispatch_mode_depth() and _forward_ad._current_level < 0)
 
 
 def _eager_inference(ids, weight) -> bool:
@@ -148,7 +144,7 @@ def _route(ids, weight) -> str:
         return _FUNCTION if torch.is_grad_enabled() and weight.requires_grad else _RUN
     if _in_onnx_export():  # ONNX has no fused op: the exporter gets the math in standard ops
         return _STANDARD_OPS
-    if torch.compiler.is_compiling() or _dispatch_mode_depth():
+    if torch.compiler.is_compiling() or dispatch_mode_depth():  # a dispatch mode sees only the dispatcher's ops
         return _OP
     if torch._C._are_functorch_transforms_active():
         _check_function_transforms()
