@@ -103,11 +103,6 @@ _OP = "op"              # traced (torch.compile, torch.export) or intercepted (a
 _STANDARD_OPS = "standard"  # torch.onnx.export: the definition in standard torch ops (ops.standard_ops_forward)
 
 
-def _forward_ad_active() -> bool:
-    """Inside ``torch.autograd.forward_ad.dual_level()``: an input may carry a tangent."""
-    return _forward_ad._current_level >= 0
-
-
 def _eager_call(ids, weight) -> bool:
     """Whether the call may run the op's implementation without torch.library: eager, on plain
     tensors, with nothing tracing (torch.compile, torch.export, jit.trace), transforming (torch.func,
@@ -149,7 +144,7 @@ def _route(ids, weight) -> str:
     if torch._C._are_functorch_transforms_active():
         _check_function_transforms()
         return _FUNCTION
-    if _forward_ad_active():
+    if _forward_ad._current_level >= 0:  # inside forward_ad.dual_level(): an input may carry a tangent
         return _FUNCTION
     return _OP  # tensor subclasses (a FakeTensor outside its mode, DTensor...): through the dispatcher
 

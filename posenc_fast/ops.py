@@ -149,11 +149,13 @@ def _save_for_weight_gradient(ctx, ids, weight, embed_scale, padding_idx, dropou
     ctx.backend = backend
 
 
-def _weight_gradient(ctx, grad_out):
+def _weight_gradient(ctx, grad_out, gradient=None):
+    """The weight gradient from what ``_save_for_weight_gradient`` kept; ``gradient`` computes it (default:
+    the backward op; ``EmbeddingFunction`` passes ``WeightGradient.apply`` or ``sparse_weight_gradient``)."""
     ids, dropout_seed = ctx.saved_tensors
-    return sinusoidal_embedding_backward_op(grad_out, ids, ctx.num_embeddings, ctx.token_width, ctx.embed_scale,
-                                            ctx.padding_idx, ctx.weight_dtype, dropout_seed, ctx.dropout_p,
-                                            ctx.backend)
+    return (gradient or sinusoidal_embedding_backward_op)(
+        grad_out, ids, ctx.num_embeddings, ctx.token_width, ctx.embed_scale, ctx.padding_idx, ctx.weight_dtype,
+        dropout_seed, ctx.dropout_p, ctx.backend)
 
 
 def _setup_context(ctx, inputs, output):
@@ -244,10 +246,7 @@ class EmbeddingFunction(_DirectApply, torch.autograd.Function):
     def backward(ctx, grad_out):
         grad_weight = None
         if ctx.needs_input_grad[0]:
-            ids, dropout_seed = ctx.saved_tensors
-            gradient = sparse_weight_gradient if ctx.sparse else WeightGradient.apply
-            grad_weight = gradient(grad_out, ids, ctx.num_embeddings, ctx.token_width, ctx.embed_scale,
-                                   ctx.padding_idx, ctx.weight_dtype, dropout_seed, ctx.dropout_p, ctx.backend)
+            grad_weight = _weight_gradient(ctx, grad_out, sparse_weight_gradient if ctx.sparse else WeightGradient.apply)
         return (grad_weight,) + (None,) * 14
 
     @staticmethod
@@ -374,6 +373,12 @@ class WeightGradient(_DirectApply, torch.autograd.Function):
 # ``y = x_scale * x + pe_scale * PE(position)``.  It is the embedding op with ``weight = x`` viewed as
 # [N, D] and ids 0..N-1, so every backend's forward kernel serves it unchanged; its gradient to x is
 # ``x_scale * grad_y`` row for row (no sort, no scatter).
+def _add_params(x, pe_columns, x_scale, pe_scale, float64_math) -> KernelParams:
+    """``add_sinusoidal``'s kernel parameters: the embedding op's, with ``x`` [N, D] as the table."""
+    return KernelParams(False, x.shape[1], x.shape[1], PEColumns.from_list(pe_columns), x_scale, pe_scale, -1,
+                        float64_math)
+
+
 def add_sinusoidal_forward(
     x: Tensor,
     turns: Tensor,
@@ -392,8 +397,7 @@ def add_sinusoidal_forward(
         raise ValueError(f"x must be a contiguous 2-D tensor [N, D], got shape {list(x.shape)}, strides {list(x.stride())}")
     rows = torch.arange(x.shape[0], device=x.device, dtype=torch.int64)
     check_op_inputs(rows, x, turns, positions, offsets, seq_len, False, x.shape[1], pe_columns, None)
-    params = KernelParams(False, x.shape[1], x.shape[1], PEColumns.from_list(pe_columns), x_scale, pe_scale, -1,
-                          float64_math)
+    params = _add_params(x, pe_columns, x_scale, pe_scale, float64_math)
     return get_backend(backend).forward(rows, x, turns, positions, offsets, offset, seq_len, params, None)
 
 
@@ -468,6 +472,5 @@ def standard_ops_forward(ids, weight, turns, positions, offsets, offset, seq_len
 def add_sinusoidal_standard_ops(x, turns, positions, offsets, offset, seq_len, pe_columns, x_scale, pe_scale,
                                 float64_math, backend) -> Tensor:
     rows = torch.arange(x.shape[0], device=x.device, dtype=torch.int64)
-    params = KernelParams(False, x.shape[1], x.shape[1], PEColumns.from_list(pe_columns), x_scale, pe_scale, -1,
-                          float64_math)
+    params = _add_params(x, pe_columns, x_scale, pe_scale, float64_math)
     return standard_ops_forward(rows, x, turns, positions, offsets, offset, seq_len, params, None)
