@@ -66,38 +66,39 @@ def _wrap_fsdp2(model):
     return model
 
 
-def _teardown():
-    # Both ranks finish every collective before either tears gloo down: without the barrier a
-    # rank that exits first aborts the other's gloo threads ("terminate called without an
-    # active exception", seen in about 1 run in 3).
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def _worker(rank, world, port, wrap, initial, result_path):
-    """One rank: its share of each batch, through the wrapper; rank 0 saves the full final weights."""
+def run_gloo_rank(rank, world, port, work, *args):
+    """mp.spawn's target: join a gloo group, run ``work(rank, world, *args)``, tear down, leave."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        model = TinyModel()
-        model.load_state_dict(initial)
-        wrapped = wrap(model)
-        ids, targets = _data()
-        per_rank = BATCH // world
-        _train(wrapped, ids, targets, slice(rank * per_rank, (rank + 1) * per_rank))
-        full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
-        if rank == 0:
-            torch.save(full, result_path)
+        work(rank, world, *args)
     finally:
-        _teardown()
+        # Both ranks finish every collective before either tears gloo down: without the barrier
+        # a rank that exits first aborts the other's gloo threads ("terminate called without an
+        # active exception", seen in about 1 run in 3).
+        dist.barrier()
+        dist.destroy_process_group()
     # Even after the barrier and destroy, gloo's worker threads can still be joinable when the
     # interpreter finalises, and std::thread's destructor then aborts the process (CI saw it once
     # in a loaded full run: rank 1 SIGABRT after its work was done).  That is torch's teardown, not
     # this layer; the work and the teardown succeeded, so leave without finalising.  An exception
-    # above still propagates to mp.spawn as usual.
+    # above still reaches mp.spawn as usual.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _train_rank(rank, world, wrap, initial, result_path):
+    """One rank: its share of each batch, through the wrapper; rank 0 saves the full final weights."""
+    model = TinyModel()
+    model.load_state_dict(initial)
+    wrapped = wrap(model)
+    ids, targets = _data()
+    per_rank = BATCH // world
+    _train(wrapped, ids, targets, slice(rank * per_rank, (rank + 1) * per_rank))
+    full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+    if rank == 0:
+        torch.save(full, result_path)
 
 
 def _assert_two_ranks_match_one_process(wrap, tmp_path):
@@ -107,7 +108,7 @@ def _assert_two_ranks_match_one_process(wrap, tmp_path):
     ids, targets = _data()
     expected = _train(reference_model, ids, targets)
     result_path = str(tmp_path / "final.pt")
-    mp.spawn(_worker, args=(2, _free_port(), wrap, initial, result_path), nprocs=2, join=True)
+    mp.spawn(run_gloo_rank, args=(2, _free_port(), _train_rank, wrap, initial, result_path), nprocs=2, join=True)
     got = torch.load(result_path)
     assert set(got) == set(expected)
     for name in expected:

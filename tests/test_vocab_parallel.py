@@ -5,7 +5,6 @@ gradient is its rows of the unsharded gradient, and ids are range-checked global
 every backend, and once as two real gloo ranks.
 """
 
-import os
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ import torch.multiprocessing as mp
 import posenc_fast as pf
 
 from cases import backend_targets
-from test_distributed import _free_port, _teardown
+from test_distributed import _free_port, run_gloo_rank
 
 TARGETS = backend_targets()
 VOCAB, D = 50, 12
@@ -77,33 +76,28 @@ def test_shard_checks_global_ids_and_arguments():
     assert "vocab_range=(20, 37)" in repr(shards[1])
 
 
-def _rank(rank, world, port, result_path):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        torch.manual_seed(0)
-        full = pf.SinusoidalEmbedding(VOCAB, D, embed_scale=3.0)
-        start, end = (0, 30) if rank == 0 else (30, VOCAB)
-        shard = pf.SinusoidalEmbedding(VOCAB, D, embed_scale=3.0, vocab_range=(start, end))
-        with torch.no_grad():
-            shard.weight.copy_(full.weight[start:end])
-        ids = torch.randint(0, VOCAB, (4, 9), generator=torch.Generator().manual_seed(1))
-        out = shard(ids)
-        summed = out.detach().clone()
-        dist.all_reduce(summed)
-        grad_out = torch.randn(4, 9, D, generator=torch.Generator().manual_seed(2))
-        (grad,) = torch.autograd.grad(out, shard.weight, grad_out)
-        (full_grad,) = torch.autograd.grad(full(ids), full.weight, grad_out)
-        result = {"sum_error": (summed - full(ids)).abs().max().item(),
-                  "grad_error": (grad - full_grad[start:end]).abs().max().item()}
-        torch.save(result, f"{result_path}.{rank}")
-    finally:
-        _teardown()
+def _shard_rank(rank, world, result_path):
+    torch.manual_seed(0)
+    full = pf.SinusoidalEmbedding(VOCAB, D, embed_scale=3.0)
+    start, end = (0, 30) if rank == 0 else (30, VOCAB)
+    shard = pf.SinusoidalEmbedding(VOCAB, D, embed_scale=3.0, vocab_range=(start, end))
+    with torch.no_grad():
+        shard.weight.copy_(full.weight[start:end])
+    ids = torch.randint(0, VOCAB, (4, 9), generator=torch.Generator().manual_seed(1))
+    out = shard(ids)
+    summed = out.detach().clone()
+    dist.all_reduce(summed)
+    grad_out = torch.randn(4, 9, D, generator=torch.Generator().manual_seed(2))
+    (grad,) = torch.autograd.grad(out, shard.weight, grad_out)
+    (full_grad,) = torch.autograd.grad(full(ids), full.weight, grad_out)
+    result = {"sum_error": (summed - full(ids)).abs().max().item(),
+              "grad_error": (grad - full_grad[start:end]).abs().max().item()}
+    torch.save(result, f"{result_path}.{rank}")
 
 
 def test_two_gloo_ranks_all_reduce_to_the_unsharded_layer(tmp_path):
     path = str(tmp_path / "vocab_parallel")
-    mp.spawn(_rank, args=(2, _free_port(), path), nprocs=2, join=True)
+    mp.spawn(run_gloo_rank, args=(2, _free_port(), _shard_rank, path), nprocs=2, join=True)
     for rank in range(2):
         result = torch.load(f"{path}.{rank}")
         assert result["sum_error"] <= 1e-5 and result["grad_error"] <= 1e-6, result
