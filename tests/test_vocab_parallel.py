@@ -5,7 +5,6 @@ gradient is its rows of the unsharded gradient, and ids are range-checked global
 every backend, and once as two real gloo ranks.
 """
 
-
 import pytest
 import torch
 import torch.distributed as dist
