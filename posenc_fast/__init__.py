@@ -13,15 +13,15 @@ from .positions import make_positions, packed_positions
 
 
 
-def patch_model(model):
-    """Make a Hugging Face transformers model use the fused layers, in place; returns ``model``.
+def patch_model(model, *, ignore_table_values: bool = False):
+    """Make a Hugging Face transformers model compute its sinusoidal PE with posenc_fast, in place; returns ``model``.
 
     See :func:`posenc_fast.integrations.transformers.patch_model` (imported on first use, so
     posenc_fast does not import transformers).
     """
     from .integrations.transformers import patch_model as _patch_model
 
-    return _patch_model(model)
+    return _patch_model(model, ignore_table_values=ignore_table_values)
 
 
 __version__ = "0.1.0"
