@@ -164,6 +164,31 @@ def kosmos2():
     return transformers.Kosmos2ForConditionalGeneration(config)
 
 
+def xglm():
+    config = transformers.XGLMConfig(vocab_size=VOCAB, d_model=D, num_layers=1, attention_heads=2, ffn_dim=32,
+                                     dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+                                     max_position_embeddings=64, pad_token_id=PAD, bos_token_id=0, eos_token_id=EOS,
+                                     scale_embedding=True, init_std=0.5)
+    return transformers.XGLMForCausalLM(config)
+
+
+def _seamless(config_class, model_class):
+    config = config_class(vocab_size=VOCAB, t2u_vocab_size=VOCAB, hidden_size=D, encoder_layers=1, decoder_layers=1,
+                          encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32,
+                          dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, max_position_embeddings=64,
+                          pad_token_id=PAD, bos_token_id=0, eos_token_id=EOS, decoder_start_token_id=EOS,
+                          scale_embedding=True, initializer_range=0.5)
+    return model_class(config)
+
+
+def seamless_m4t():
+    return _seamless(transformers.SeamlessM4TConfig, transformers.SeamlessM4TForTextToText)
+
+
+def seamless_m4t_v2():
+    return _seamless(transformers.SeamlessM4Tv2Config, transformers.SeamlessM4Tv2ForTextToText)
+
+
 @dataclasses.dataclass(frozen=True)
 class Family:
     name: str
@@ -192,6 +217,9 @@ FAMILIES = [
     Family("musicgen_text_to_audio", musicgen_text_to_audio, "musicgen_text", tokens=False),
     Family("kosmos2_text", kosmos2_text, "causal"),
     Family("kosmos2_image_rows", kosmos2, "kosmos2"),
+    Family("xglm", xglm, "causal"),
+    Family("seamless_m4t", seamless_m4t, "seq2seq"),
+    Family("seamless_m4t_v2", seamless_m4t_v2, "seq2seq"),
 ]
 
 
@@ -632,6 +660,71 @@ def test_peft_recipe_frozen_embeddings_input_grads_and_reentrant_checkpointing(f
     _assert_same(lambda: step(model), lambda: step(original), same)
 
 
+def _neftune_hook():
+    try:  # transformers 5.x
+        from transformers.integrations.neftune import neftune_post_forward_hook
+    except ImportError:  # 4.x
+        from transformers.trainer_utils import neftune_post_forward_hook
+    return neftune_post_forward_hook
+
+
+@pytest.mark.parametrize("family", TOKEN_FAMILIES, ids=lambda f: f.name)
+def test_neftune_noise_reaches_the_model(family, seed):
+    """transformers' own NEFTune hook (what Trainer(neftune_noise_alpha=...) attaches), the same draws."""
+    model, original = _pair(family)
+    pf.patch_model(model)
+    inputs = make_inputs(family, model, torch.Generator().manual_seed(seed))
+    for m in (model, original):
+        embeddings = m.get_input_embeddings()
+        embeddings.neftune_noise_alpha = 5.0
+        embeddings.register_forward_hook(_neftune_hook())
+        m.train()  # the noise applies in training only (the tiny configs have no dropout)
+
+    def noisy_logits(m):
+        torch.manual_seed(seed)
+        return m(**inputs).logits.detach()
+
+    _assert_same(lambda: noisy_logits(model), lambda: noisy_logits(original), _close)
+
+
+LORA_FAMILIES = [f for f in TOKEN_FAMILIES if f.kind in ("seq2seq", "causal", "mlm")]
+
+
+@pytest.mark.parametrize("family", LORA_FAMILIES, ids=lambda f: f.name)
+def test_lora_on_the_token_embeddings(family, seed):
+    """PEFT LoRA adapters on the token embedding modules: same logits and adapter gradients."""
+    peft = pytest.importorskip("peft")
+    model, original = _pair(family)
+    if type(model.get_input_embeddings()) is not torch.nn.Embedding:
+        # Scaled-embedding subclasses (M2M100, SeamlessM4T, XGLM): two *unpatched* copies adapted by PEFT
+        # 0.21 in one process already differ (the encoder's adapter gets other or no gradients in all but
+        # the first model it adapts), so there is nothing to compare against.
+        pytest.skip(f"PEFT adapts two copies of {type(model.get_input_embeddings()).__name__} differently")
+    pf.patch_model(model)
+    inputs = make_inputs(family, model, torch.Generator().manual_seed(seed))
+    table = model.get_input_embeddings().weight
+    # The modules that look the table up: not the seq2seq models' ``shared`` where it only holds the tied
+    # table (5.x), but ``shared`` where it is the encoder's and decoder's module too (4.x).
+    holders = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Embedding) and m.weight is table]
+    targets = [name for name in holders if not name.endswith("shared")] or holders
+    adapted = []
+    for m in (model, original):
+        torch.manual_seed(seed)  # init_lora_weights=False draws both factors: the same draw for both
+        adapted.append(peft.get_peft_model(m, peft.LoraConfig(r=2, target_modules=targets, init_lora_weights=False)))
+
+    def step(m):
+        m.train()
+        _loss(m, inputs).backward()
+        return {name: p.grad for name, p in m.named_parameters() if "lora_" in name}
+
+    def same(got, expected):
+        assert got.keys() == expected.keys() and got
+        _assert_same_gradients(adapted[0], adapted[1])
+
+    _assert_same(lambda: _logits(adapted[0], inputs), lambda: _logits(adapted[1], inputs), _close)
+    _assert_same(lambda: step(adapted[0]), lambda: step(adapted[1]), same)
+
+
 def _token_side(model):
     embedding = model.get_input_embeddings()
     for module in model.modules():
@@ -675,7 +768,8 @@ def _sinusoid_table_names(model):
 
 
 def _pair_patch_targets(model):
-    return [integration._family_of(m)(m).module for m in model.modules() if integration._family_of(m) is not None]
+    patches = [integration._family_of(m)(m) for m in model.modules() if integration._family_of(m) is not None]
+    return [patch.module for patch in patches if patch is not None]
 
 
 @pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)

@@ -76,7 +76,7 @@ _KIND_ROLES = {
     "fairseq": {"ids", "embeds", "past", "positions"},
     "fsmt": {"ids", "past", "ignored"},
     "offset": {"ids", "shape", "past", "positions"},
-    "positions": {"positions"},
+    "positions": {"positions", "past"},  # a past length, where taken, only sizes the model's table
 }
 
 
@@ -128,6 +128,7 @@ class _State:
     spec: PESpec  # a two-row zero table (row 1: the padding row, no PE): the kernel's output is the PE alone
     zero_position: Optional[int]  # the position whose row the model's table holds as zeros (padding_idx)
     arguments: Tuple[_Argument, ...]
+    shift: int = 0  # "positions" kind: the module reads its table at the given positions + shift (XGLM: 2)
 
 
 def _argument(state: _State, role: str, args, kwargs):
@@ -160,7 +161,7 @@ def _positions(state: _State, module: nn.Module, args, kwargs) -> torch.Tensor:
     if past is None:
         past = 0
     if state.kind == "positions":
-        return given
+        return given + state.shift if state.shift else given
     if state.kind in ("fairseq", "fsmt"):
         if given is not None:
             return given
@@ -206,6 +207,7 @@ class _PositionPatch:
     preset: str
     kind: str
     zero_position: Optional[int] = None
+    shift: int = 0
 
 
 class _Unverified(Exception):
@@ -300,8 +302,10 @@ def _verify(patch: _PositionPatch, state: _State) -> None:
     probe._posenc_fast = state
     for args, kwargs in _probe_calls(patch, state.arguments, width):
         try:
+            # On copies of the arguments: some releases' forwards shift their position_ids in place (XGLM 4.57)
+            own_args, own_kwargs = copy.deepcopy((args, kwargs))
             with torch.no_grad():
-                expected = type(patch.module).forward(probe, *args, **kwargs)
+                expected = type(patch.module).forward(probe, *own_args, **own_kwargs)
         except Exception as error:  # the installed forward takes these arguments differently
             raise _Unverified(f"its own forward rejected a probe call ({type(error).__name__}: {error})") from None
         got = _position_forward(probe, *args, **kwargs)
@@ -341,7 +345,7 @@ def _check_table(patch: _PositionPatch, ignore_table_values: bool) -> None:
 def _prepare(patch: _PositionPatch) -> _State:
     arguments = _arguments(patch)
     state = _State(patch.family, patch.kind, _spec(patch, _table_of(patch.module).shape[-1]), patch.zero_position,
-                   arguments)
+                   arguments, patch.shift)
     _verify(patch, state)
     return state
 
@@ -366,6 +370,19 @@ def _fairseq_side(side, family, kind="fairseq") -> _PositionPatch:
 
 def _m2m100(side) -> _PositionPatch:
     return _fairseq_side(side, "m2m_100")
+
+
+def _seamless_m4t(side) -> Optional[_PositionPatch]:
+    """SeamlessM4T (v1, v2) text encoder and decoder; the text-to-unit encoder adds no PE of its own."""
+    if getattr(side, "embed_positions", None) is None:
+        return None
+    return _fairseq_side(side, "seamless_m4t")
+
+
+def _xglm(side) -> _PositionPatch:
+    """XGLM: position_ids (past included) + 2 index a fairseq table whose padding row is zero."""
+    module = side.embed_positions
+    return _PositionPatch(side, module, "xglm", "fairseq", "positions", module.padding_idx, shift=module.offset)
 
 
 def _kosmos2(side) -> _PositionPatch:
@@ -406,7 +423,7 @@ def _distilbert(model) -> _PositionPatch:
 
 # Side class -> family function, matched by name and module ("transformers.models.<family>."), so
 # transformers is never imported here and every head (base, LM head, generation) is covered by its sides.
-_FAMILIES: Dict[Tuple[str, str], Callable[[nn.Module], _PositionPatch]] = {
+_FAMILIES: Dict[Tuple[str, str], Callable[[nn.Module], Optional[_PositionPatch]]] = {
     ("m2m_100", "M2M100Encoder"): _m2m100,
     ("m2m_100", "M2M100Decoder"): _m2m100,
     ("nllb_moe", "NllbMoeEncoder"): _m2m100,
@@ -423,6 +440,11 @@ _FAMILIES: Dict[Tuple[str, str], Callable[[nn.Module], _PositionPatch]] = {
     ("distilbert", "DistilBertModel"): _distilbert,
     ("kosmos2", "Kosmos2TextTransformer"): _kosmos2,
     ("musicgen", "MusicgenDecoder"): _musicgen,
+    ("xglm", "XGLMModel"): _xglm,
+    ("seamless_m4t", "SeamlessM4TEncoder"): _seamless_m4t,
+    ("seamless_m4t", "SeamlessM4TDecoder"): _seamless_m4t,
+    ("seamless_m4t_v2", "SeamlessM4Tv2Encoder"): _seamless_m4t,
+    ("seamless_m4t_v2", "SeamlessM4Tv2Decoder"): _seamless_m4t,
     ("whisper", "WhisperEncoder"): _whisper_encoder,
 }
 
@@ -443,8 +465,8 @@ def patch_model(model: nn.Module, *, ignore_table_values: bool = False) -> nn.Mo
     """Make a transformers model compute its sinusoidal PE with posenc_fast, in place; returns ``model``.
 
     Covers M2M100/NLLB, NLLB-MoE, Marian, Pegasus, FSMT, Speech2Text, XLM and DistilBERT (sinusoidal
-    position embeddings), Kosmos-2, MusicGen and Whisper (encoder; its decoder's PE is learned), with
-    every head.  Each position module's ``forward`` computes the exact PE rows instead of reading its
+    position embeddings), Kosmos-2, MusicGen, XGLM, SeamlessM4T and v2 (text encoder and decoder), and
+    Whisper (encoder; its decoder's PE is learned), with every head.  Each position module's ``forward`` computes the exact PE rows instead of reading its
     table (module docstring).  Every module is checked first: a model with none raises ``TypeError``
     naming its class; a trainable table that is not the sinusoid raises ``ValueError`` (it may have been
     fine-tuned; ``ignore_table_values=True`` patches anyway, for tables a load broke); a module whose
@@ -465,7 +487,7 @@ def patch_model(model: nn.Module, *, ignore_table_values: bool = False) -> nn.Mo
             continue
         found = True
         patch = family(module)
-        if getattr(patch.module, "_posenc_fast", None) is None:  # patching twice changes nothing
+        if patch is not None and getattr(patch.module, "_posenc_fast", None) is None:  # twice changes nothing
             patches.append(patch)
     if not found:
         raise TypeError(f"posenc_fast.patch_model does not support {type(model).__name__}: it contains none of "
