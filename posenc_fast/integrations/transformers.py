@@ -22,6 +22,9 @@ and its *kind*, how its arguments say which positions:
   stay at ``padding_idx`` and get a zero row (M2M100/NLLB, NLLB-MoE, Speech2Text, Kosmos-2);
 - ``"fsmt"``: the same with FSMT's rule (the past length moves padding too);
 - ``"offset"``: a shape (or ids) and a past length, positions ``past + t`` (Marian, Pegasus, MusicGen);
+- ``"offset_batched"``: the same from ``inputs_embeds``, rows repeated over the batch, in the embeddings'
+  dtype, with no table at all (PegasusX, which computes its sinusoid in that dtype: in bf16 its angles are
+  off by whole radians at a few thousand positions; the patched rows are exact);
 - ``"positions"``: a plain ``nn.Embedding`` called with the positions themselves (XLM, DistilBERT, the
   Whisper encoder).
 
@@ -66,7 +69,7 @@ SUPPORTED_TRANSFORMERS = ((4, 57), (5, 25))
 # length in 5.24 (``past_key_values_length`` -> ``cache_length``); a name not listed here means the
 # installed code is not the one the patch knows, and the module is left unpatched.
 _ROLES = {
-    "input_ids": "ids", "input": "ids", "inputs_embeds": "embeds", "input_ids_shape": "shape",
+    "input_ids": "ids", "input": "ids", "inputs_embeds": "embeds", "input_embeds": "embeds", "input_ids_shape": "shape",
     "past_key_values_length": "past", "cache_length": "past", "position_ids": "positions",
     # FSMT before 5.x's cache rewrite: fairseq's incremental-decoding arguments, which its forward ignores
     "incremental_state": "ignored", "timestep": "ignored",
@@ -76,6 +79,7 @@ _KIND_ROLES = {
     "fairseq": {"ids", "embeds", "past", "positions"},
     "fsmt": {"ids", "past", "ignored"},
     "offset": {"ids", "shape", "past", "positions"},
+    "offset_batched": {"embeds", "past", "positions"},
     "positions": {"positions", "past"},  # a past length, where taken, only sizes the model's table
 }
 
@@ -126,6 +130,7 @@ class _State:
     family: str
     kind: str
     spec: PESpec  # a two-row zero table (row 1: the padding row, no PE): the kernel's output is the PE alone
+    width: int
     zero_position: Optional[int]  # the position whose row the model's table holds as zeros (padding_idx)
     arguments: Tuple[_Argument, ...]
     shift: int = 0  # "positions" kind: the module reads its table at the given positions + shift (XGLM: 2)
@@ -140,9 +145,13 @@ def _argument(state: _State, role: str, args, kwargs):
     return None
 
 
-def _table_of(module: nn.Module) -> torch.Tensor:
-    table = getattr(module, "weights", None)
-    return table if isinstance(table, torch.Tensor) else module.weight
+def _table_of(module: nn.Module) -> Optional[torch.Tensor]:
+    """The module's PE table (None for PegasusX, which has none)."""
+    for name in ("weights", "weight"):
+        table = getattr(module, name, None)
+        if isinstance(table, torch.Tensor):
+            return table
+    return None
 
 
 def _fairseq_positions(source: torch.Tensor, padding_idx: int, past, shift_padding: bool) -> torch.Tensor:
@@ -171,6 +180,11 @@ def _positions(state: _State, module: nn.Module, args, kwargs) -> torch.Tensor:
         start = state.zero_position + 1
         steps = torch.arange(start, start + embeds.shape[1], dtype=torch.int64, device=embeds.device)
         return steps.unsqueeze(0).expand(embeds.shape[:2]) + past
+    if state.kind == "offset_batched":  # positions of shape (length, 1) where given, as PegasusX's decoder passes
+        if given is not None:
+            return given.squeeze(-1)
+        embeds = _argument(state, "embeds", args, kwargs)
+        return torch.arange(embeds.shape[1], dtype=torch.int64, device=embeds.device) + past
     # "offset": past + t, t along the sequence (the last axis of ids; axis 1 of a (batch, length) shape)
     if given is not None:
         return given
@@ -186,15 +200,18 @@ def _position_forward(self, *args, **kwargs) -> torch.Tensor:
     state: _State = self._posenc_fast
     positions = _positions(state, self, args, kwargs)
     table = _table_of(self)
+    dtype = table.dtype if table is not None else _argument(state, "embeds", args, kwargs).dtype
     # Row 0 of a zero table for every token, row 1 (the padding row: no PE) where the model's table has
     # its zero row; the kernel then writes the PE alone, in the table's dtype, on the positions' device.
-    zero_table = torch.zeros((2, table.shape[-1]), dtype=table.dtype, device=positions.device)
+    zero_table = torch.zeros((2, state.width), dtype=dtype, device=positions.device)
     if state.zero_position is None:
         rows = torch.zeros(positions.shape, dtype=torch.int64, device=positions.device)
     else:
         rows = positions.eq(state.zero_position).to(torch.int64)
-    return apply_spec(rows, zero_table, state.spec, state.spec.turns_tensor(positions.device), positions, 0,
-                      "auto")
+    pe = apply_spec(rows, zero_table, state.spec, state.spec.turns_tensor(positions.device), positions, 0, "auto")
+    if state.kind == "offset_batched":
+        pe = pe.unsqueeze(0).expand(_argument(state, "embeds", args, kwargs).shape[0], -1, -1)
+    return pe
 
 
 # --------------------------------------------------------------------------------------- patch time
@@ -259,10 +276,13 @@ def _probe_calls(patch: _PositionPatch, arguments: Tuple[_Argument, ...], width:
         if patch.kind == "fsmt":
             forms.append({"ids": ids.to(torch.float32)})  # its inputs_embeds path passes floats
     if "embeds" in roles:
-        forms.append({"ids": None, "embeds": torch.randn(2, 5, width)})
+        forms.append({"ids": None, "embeds": torch.randn(2, 5, width)} if "ids" in roles else
+                     {"embeds": torch.randn(2, 5, width)})
     if "shape" in roles:
         forms.append({"shape": torch.Size([2, 5])})
-    if "positions" in roles:
+    if "positions" in roles and patch.kind == "offset_batched":  # (length, 1), as PegasusX's decoder passes
+        forms.append({"positions": torch.arange(5).unsqueeze(1) + 2, "embeds": torch.randn(2, 5, width)})
+    elif "positions" in roles:
         forms.append({"positions": ids + 2})
         if "shape" in roles:
             forms[-1]["shape"] = torch.Size([2, 5])
@@ -284,23 +304,23 @@ def _probe_calls(patch: _PositionPatch, arguments: Tuple[_Argument, ...], width:
 
 def _verify(patch: _PositionPatch, state: _State) -> None:
     """Run the unpatched module's own forward and the patched one on a CPU copy holding the exact table."""
-    table = _table_of(patch.module)
-    rows, width = table.shape
     probe = copy.copy(patch.module)  # shallow: the tables below are new tensors, the module is untouched
     probe.__dict__ = dict(patch.module.__dict__)
     probe._parameters, probe._buffers = dict(patch.module._parameters), dict(patch.module._buffers)
-    exact = _exact_table(patch, max(rows, 64), width, torch.float32)
-    if "weights" in probe.__dict__ or "weights" in probe._buffers:
-        if "weights" in probe._buffers:
-            probe._buffers["weights"] = exact
+    table = _table_of(patch.module)
+    if table is not None:
+        exact = _exact_table(patch, max(table.shape[0], 64), state.width, torch.float32)
+        name = "weights" if isinstance(getattr(patch.module, "weights", None), torch.Tensor) else "weight"
+        if name in probe._buffers:
+            probe._buffers[name] = exact
+        elif name in probe._parameters:
+            probe._parameters[name] = nn.Parameter(exact, requires_grad=False)
         else:
-            probe.__dict__["weights"] = exact
-    else:
-        probe._parameters["weight"] = nn.Parameter(exact, requires_grad=False)
+            probe.__dict__[name] = exact
         if hasattr(probe, "num_embeddings"):
             probe.num_embeddings = exact.shape[0]
     probe._posenc_fast = state
-    for args, kwargs in _probe_calls(patch, state.arguments, width):
+    for args, kwargs in _probe_calls(patch, state.arguments, state.width):
         try:
             # On copies of the arguments: some releases' forwards shift their position_ids in place (XGLM 4.57)
             own_args, own_kwargs = copy.deepcopy((args, kwargs))
@@ -321,7 +341,7 @@ def _check_table(patch: _PositionPatch, ignore_table_values: bool) -> None:
     """A trainable table that is not the sinusoid may have been fine-tuned: refuse (the PE would change).
     A frozen or buffer table that is not the sinusoid was broken by loading: patching makes the model right."""
     table = _table_of(patch.module)
-    if table.is_meta or ignore_table_values:
+    if table is None or table.is_meta or ignore_table_values:
         return
     rows, width = table.shape
     expected = _exact_table(patch, rows, width, torch.float64)
@@ -344,8 +364,9 @@ def _check_table(patch: _PositionPatch, ignore_table_values: bool) -> None:
 
 def _prepare(patch: _PositionPatch) -> _State:
     arguments = _arguments(patch)
-    state = _State(patch.family, patch.kind, _spec(patch, _table_of(patch.module).shape[-1]), patch.zero_position,
-                   arguments, patch.shift)
+    table = _table_of(patch.module)
+    width = table.shape[-1] if table is not None else patch.module.embed_dim
+    state = _State(patch.family, patch.kind, _spec(patch, width), width, patch.zero_position, arguments, patch.shift)
     _verify(patch, state)
     return state
 
@@ -405,6 +426,10 @@ def _musicgen(side) -> _PositionPatch:
     return _PositionPatch(side, side.embed_positions, "musicgen", "musicgen", "offset")
 
 
+def _pegasus_x(side) -> _PositionPatch:
+    return _PositionPatch(side, side.embed_positions, "pegasus_x", "whisper", "offset_batched")
+
+
 def _whisper_encoder(side) -> _PositionPatch:
     return _PositionPatch(side, side.embed_positions, "whisper", "whisper", "positions")
 
@@ -441,6 +466,8 @@ _FAMILIES: Dict[Tuple[str, str], Callable[[nn.Module], Optional[_PositionPatch]]
     ("kosmos2", "Kosmos2TextTransformer"): _kosmos2,
     ("musicgen", "MusicgenDecoder"): _musicgen,
     ("xglm", "XGLMModel"): _xglm,
+    ("pegasus_x", "PegasusXEncoder"): _pegasus_x,
+    ("pegasus_x", "PegasusXDecoder"): _pegasus_x,
     ("seamless_m4t", "SeamlessM4TEncoder"): _seamless_m4t,
     ("seamless_m4t", "SeamlessM4TDecoder"): _seamless_m4t,
     ("seamless_m4t_v2", "SeamlessM4Tv2Encoder"): _seamless_m4t,
@@ -465,7 +492,7 @@ def patch_model(model: nn.Module, *, ignore_table_values: bool = False) -> nn.Mo
     """Make a transformers model compute its sinusoidal PE with posenc_fast, in place; returns ``model``.
 
     Covers M2M100/NLLB, NLLB-MoE, Marian, Pegasus, FSMT, Speech2Text, XLM and DistilBERT (sinusoidal
-    position embeddings), Kosmos-2, MusicGen, XGLM, SeamlessM4T and v2 (text encoder and decoder), and
+    position embeddings), Kosmos-2, MusicGen, XGLM, PegasusX, SeamlessM4T and v2 (text encoder and decoder), and
     Whisper (encoder; its decoder's PE is learned), with every head.  Each position module's ``forward`` computes the exact PE rows instead of reading its
     table (module docstring).  Every module is checked first: a model with none raises ``TypeError``
     naming its class; a trainable table that is not the sinusoid raises ``ValueError`` (it may have been
