@@ -658,8 +658,7 @@ def test_hooks_on_the_input_embeddings_fire(family, seed):
     assert calls.get(id(model.get_input_embeddings()), 0) == calls.get(id(original.get_input_embeddings()), 0)
 
 
-@pytest.mark.parametrize("family", [f for f in TOKEN_FAMILIES if f.kind in ("seq2seq", "causal", "mlm")],
-                         ids=lambda f: f.name)
+@pytest.mark.parametrize("family", TOKEN_FAMILIES, ids=lambda f: f.name)
 def test_peft_recipe_frozen_embeddings_input_grads_and_reentrant_checkpointing(family, seed):
     """PEFT's recipe: frozen embeddings, enable_input_require_grads(), reentrant checkpointing: the same
     gradients reach the trainable layers patched as unpatched."""
