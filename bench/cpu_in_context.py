@@ -1,0 +1,133 @@
+"""The CPU layer timed as it runs inside a model (issue 26), not only alone.
+
+Case: V 32000, d 512, 8 x 512 tokens, fp32, embed scale sqrt(d), loss = out.sum().  Four ways to run it,
+all timed round-robin in one process (each repetition runs every implementation once, in a rotating order,
+so that a noisy second hits all of them alike):
+
+- ``back_to_back``: one implementation's forward repeated (its table rows stay in cache: the best case,
+  what a micro-benchmark of the layer alone shows);
+- ``forward``: the forward inside the round-robin, after the other implementations ran (cold caches,
+  other work's threads: what a layer inside a model meets);
+- ``forward after a GEMM``: a 512 x 512 ``torch.mm`` right before each forward, as between layers
+  (torch's intra-op threads are still busy or spinning when the layer starts); the GEMM's own time,
+  measured alone in the same run, is subtracted;
+- ``training step``: forward, ``out.sum().backward()``, gradient set to None (what
+  ``optimizer.zero_grad()`` does), so every step allocates its V x d gradient, as in training.
+
+Implementations: ``fused`` (posenc_fast, ``auto`` -> cpu), ``compile`` (torch.compile of the eager
+module), ``eager`` (posenc_fast.baselines.EagerSinusoidalEmbedding).  Floors in the same run: the plain
+gather (``index_select``) and, for the step, a fresh V x d gradient filled by ``index_add_``.
+
+    python bench/cpu_in_context.py [--repeats 30] [--json bench/results/cpu-in-context-<cpu>.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+
+import torch
+
+import posenc_fast as pf
+from posenc_fast.baselines import EagerSinusoidalEmbedding
+from posenc_fast.benchmark.results import cpu_model, device_slug
+
+V, D, BATCH, LENGTH = 32000, 512, 8, 512
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    scale = math.sqrt(D)
+    ids = torch.randint(0, V, (BATCH, LENGTH))
+    fused = pf.SinusoidalEmbedding(V, D, embed_scale=scale)
+    eager = EagerSinusoidalEmbedding(V, D, embed_scale=scale, max_len=LENGTH)
+    with torch.no_grad():
+        eager.embed.weight.copy_(fused.weight)
+    compiled = torch.compile(eager)
+    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    flat = ids.reshape(-1)
+    grad_rows = torch.randn(flat.numel(), D)
+
+    modules = {"fused": fused, "compile": compiled, "eager": eager}
+    weights = {"fused": fused.weight, "compile": eager.embed.weight, "eager": eager.embed.weight}
+
+    def forward(name):
+        with torch.no_grad():
+            return modules[name](ids)
+
+    def step(name):
+        modules[name](ids).sum().backward()
+        weights[name].grad = None
+
+    def gather():
+        return fused.weight.detach().index_select(0, flat)
+
+    def fresh_gradient_scatter():
+        return torch.zeros(V, D).index_add_(0, flat, grad_rows)
+
+    # Warm up (compile, page in the tables, start torch's thread pool) and check agreement.
+    for name in modules:
+        for _ in range(3):
+            forward(name)
+            step(name)
+    difference = float((forward("fused") - forward("eager")).abs().max())
+
+    names = list(modules)
+    samples = {f"{kind}/{name}": [] for kind in ("back_to_back", "forward", "after_gemm", "step") for name in names}
+    samples.update({"back_to_back/gather": [], "forward/gather": [], "after_gemm/gather": [], "gemm": [],
+                    "step/fresh_gradient_scatter": []})
+    for name in names + ["gather"]:
+        run = gather if name == "gather" else (lambda: forward(name))
+        samples[f"back_to_back/{name}"] = [_timed(run) for _ in range(args.repeats)]
+    for repeat in range(args.repeats):
+        order = names[repeat % len(names):] + names[:repeat % len(names)]
+        samples["gemm"].append(_timed(lambda: torch.mm(a, b)))
+        for name in order:
+            samples[f"forward/{name}"].append(_timed(lambda: forward(name)))
+            torch.mm(a, b)
+            samples[f"after_gemm/{name}"].append(_timed(lambda: forward(name)))
+            samples[f"step/{name}"].append(_timed(lambda: step(name)))
+        samples["forward/gather"].append(_timed(gather))
+        torch.mm(a, b)
+        samples["after_gemm/gather"].append(_timed(gather))
+        samples["step/fresh_gradient_scatter"].append(_timed(fresh_gradient_scatter))
+
+    median = {key: statistics.median(values) for key, values in samples.items()}
+    print(f"CPU: {cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}; "
+          f"V {V}, d {D}, {BATCH} x {LENGTH} tokens, fp32; {args.repeats} round-robin repeats; "
+          f"fused vs eager max |diff| {difference:.2e}")
+    print(f"{'ms (median)':<28}{'fused':>9}{'compile':>9}{'eager':>9}{'floor':>9}   fused vs compile / eager")
+    for kind, floor in (("back_to_back", "back_to_back/gather"), ("forward", "forward/gather"),
+                        ("after_gemm", "after_gemm/gather"),
+                        ("step", "step/fresh_gradient_scatter")):
+        row = [median[f"{kind}/{name}"] for name in names]
+        print(f"{kind:<28}" + "".join(f"{value:9.3f}" for value in row) + f"{median[floor]:9.3f}"
+              f"   {row[1] / row[0]:.2f}x / {row[2] / row[0]:.2f}x")
+    print(f"(the GEMM alone: {median['gemm']:.3f} ms; 'after_gemm' times the forward only)")
+    if args.json:
+        document = {"cpu": cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+                    "case": {"vocab": V, "d": D, "batch": BATCH, "length": LENGTH, "dtype": "float32"},
+                    "repeats": args.repeats, "date": time.strftime("%Y-%m-%d"),
+                    "median_ms": median, "fused_vs_eager_max_abs_diff": difference}
+        path = args.json.replace("<cpu>", device_slug(cpu_model()))
+        with open(path, "w") as handle:
+            json.dump(document, handle, indent=1)
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
