@@ -320,7 +320,9 @@ def _logits(model, inputs):
 
 
 def _skip_where_the_model_itself_fails(model, inputs):
-    ok, error = _outcome(lambda: _logits(model, inputs))
+    # On a copy: a forward can change a model's Python-side state (NLLB-MoE's later training steps differ
+    # after one eval call), and the models compared must have run the same calls.
+    ok, error = _outcome(lambda: _logits(copy.deepcopy(model), inputs))
     if not ok:
         pytest.skip(f"the unpatched {type(model).__name__} raises {error.__name__} on transformers "
                     f"{transformers.__version__}")
@@ -418,6 +420,7 @@ GENERATION_SETTINGS = {
     "greedy_cache": dict(do_sample=False, use_cache=True),
     "greedy_no_cache": dict(do_sample=False, use_cache=False),
     "beam_cache": dict(do_sample=False, num_beams=2, use_cache=True),
+    "beam_no_cache": dict(do_sample=False, num_beams=2, use_cache=False),
 }
 
 
@@ -638,50 +641,36 @@ def test_deepcopy_and_pickle_keep_a_working_patch(tmp_path):
 TOKEN_FAMILIES = [f for f in FAMILIES if f.tokens]
 
 
+def _token_lookups(model):
+    """get_input_embeddings() and every other module that looks up the same table (in transformers 5.x a
+    seq2seq model's encoder and decoder hold their own modules, tied to it: hooks on get_input_embeddings()
+    itself do not fire there, patched or not)."""
+    table = model.get_input_embeddings().weight
+    return [m for m in model.modules() if isinstance(m, torch.nn.Embedding) and m.weight is table]
+
+
 @pytest.mark.parametrize("family", TOKEN_FAMILIES, ids=lambda f: f.name)
 def test_hooks_on_the_input_embeddings_fire(family, seed):
-    """A forward hook on get_input_embeddings() (NEFTune adds noise there) fires and takes effect."""
+    """A forward hook on the input embeddings (NEFTune adds noise there) fires and takes effect."""
     model, original = _pair(family)
     pf.patch_model(model)
     inputs = make_inputs(family, model, torch.Generator().manual_seed(seed))
-    calls = {}
+    _skip_where_the_model_itself_fails(original, inputs)
+    calls = {"patched": 0, "unpatched": 0}
 
-    def noisy(module, args, output):  # deterministic "noise", so both models get the same
-        calls[id(module)] = calls.get(id(module), 0) + 1
-        return output + 0.5 * torch.sin(torch.arange(output.numel(), dtype=output.dtype)).reshape(output.shape)
+    def noisy(which):
+        def hook(module, args, output):  # deterministic "noise", so both models get the same
+            calls[which] += 1
+            return output + 0.5 * torch.sin(torch.arange(output.numel(), dtype=output.dtype)).reshape(output.shape)
+        return hook
 
-    for m in (model, original):
-        m.get_input_embeddings().register_forward_hook(noisy)
+    for m, which in ((model, "patched"), (original, "unpatched")):
+        for module in _token_lookups(m):
+            module.register_forward_hook(noisy(which))
+    unhooked = _logits(copy.deepcopy(original).apply(lambda m: m._forward_hooks.clear()), inputs)
     _assert_same(lambda: _logits(model, inputs), lambda: _logits(original, inputs), _close)
-    # (Where the model's encoder holds its own module tied to get_input_embeddings(), as M2M100 in 5.x, the
-    # hook fires there in neither: same as unpatched is what is asked.)
-    assert calls.get(id(model.get_input_embeddings()), 0) == calls.get(id(original.get_input_embeddings()), 0)
-
-
-@pytest.mark.parametrize("family", TOKEN_FAMILIES, ids=lambda f: f.name)
-def test_peft_recipe_frozen_embeddings_input_grads_and_reentrant_checkpointing(family, seed):
-    """PEFT's recipe: frozen embeddings, enable_input_require_grads(), reentrant checkpointing: the same
-    gradients reach the trainable layers patched as unpatched."""
-    model, original = _pair(family)
-    pf.patch_model(model)
-    inputs = make_inputs(family, model, torch.Generator().manual_seed(seed))
-    for m in (model, original):
-        m.get_input_embeddings().weight.requires_grad_(False)
-        m.enable_input_require_grads()
-        if m.supports_gradient_checkpointing:  # (FSMT and XLM have none: the input-grad hook alone)
-            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
-        m.train()
-
-    def step(m):
-        _loss(m, inputs).backward()
-        return _gradients(m)
-
-    def same(got, expected):
-        assert got.keys() == expected.keys()
-        _assert_same_gradients(model, original, skip=family.trainable_pe)
-        assert any(g is not None for name, g in got.items() if "layers" in name or "layer." in name)
-
-    _assert_same(lambda: step(model), lambda: step(original), same)
+    assert calls["patched"] == calls["unpatched"] > 0
+    assert not torch.allclose(_logits(original, inputs), unhooked)  # the hook changes what it is compared on
 
 
 def _neftune_hook():
@@ -698,10 +687,12 @@ def test_neftune_noise_reaches_the_model(family, seed):
     model, original = _pair(family)
     pf.patch_model(model)
     inputs = make_inputs(family, model, torch.Generator().manual_seed(seed))
+    _skip_where_the_model_itself_fails(original, inputs)
+    clean = copy.deepcopy(original).train()
     for m in (model, original):
-        embeddings = m.get_input_embeddings()
-        embeddings.neftune_noise_alpha = 5.0
-        embeddings.register_forward_hook(_neftune_hook())
+        for embeddings in _token_lookups(m):
+            embeddings.neftune_noise_alpha = 5.0
+            embeddings.register_forward_hook(_neftune_hook())
         m.train()  # the noise applies in training only (the tiny configs have no dropout)
 
     def noisy_logits(m):
@@ -709,6 +700,7 @@ def test_neftune_noise_reaches_the_model(family, seed):
         return m(**inputs).logits.detach()
 
     _assert_same(lambda: noisy_logits(model), lambda: noisy_logits(original), _close)
+    assert not torch.allclose(noisy_logits(original), noisy_logits(clean))  # the noise was there
 
 
 LORA_FAMILIES = [f for f in TOKEN_FAMILIES if f.kind in ("seq2seq", "causal", "mlm")]
@@ -848,6 +840,21 @@ def test_device_map_load_with_broken_position_tables(family, seed, tmp_path):
     _close(_logits(model, inputs), _logits(model_ref, inputs))
 
 
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f.name in ("marian", "m2m100", "xlm")], ids=lambda f: f.name)
+def test_accelerate_offload_hooks_are_kept(family, seed):
+    """accelerate's hooks (device_map, offloading) wrap each module's forward: the patch replaces what
+    they wrap, so the weights still reach the execution device first and the hook stays."""
+    accelerate = pytest.importorskip("accelerate")
+    model, original = _pair(family)
+    inputs = make_inputs(family, model, torch.Generator().manual_seed(seed))
+    _skip_where_the_model_itself_fails(original, inputs)
+    accelerate.cpu_offload(model, execution_device=torch.device("cpu"))
+    pf.patch_model(model)
+    patched = _patched_modules(model)
+    assert patched and all(getattr(m, "_hf_hook", None) is not None for m in patched)
+    _close(_logits(model, inputs), _logits(original, inputs))
+
+
 DDP_FAMILIES = [f for f in FAMILIES if f.trainable_pe]
 
 
@@ -914,8 +921,21 @@ def test_compiled_static_cache_generation_gives_the_same_tokens(family, seed):
     pf.patch_model(model)
     inputs = make_inputs(family, model, torch.Generator().manual_seed(seed))
     inputs.pop("decoder_input_ids")
-    settings = dict(max_new_tokens=4, do_sample=False, cache_implementation="static",
-                    compile_config=compile_config(fullgraph=True, backend="aot_eager"))
-    torch._dynamo.reset()
-    _assert_same(lambda: model.generate(**inputs, **settings), lambda: original.generate(**inputs, **settings),
-                 lambda got, want: torch.testing.assert_close(got, want, atol=0, rtol=0))
+    config = compile_config(fullgraph=True, backend="aot_eager")
+    config._compile_all_devices = True  # transformers compiles on accelerators only unless told (CI is a CPU)
+    settings = dict(max_new_tokens=4, do_sample=False, cache_implementation="static", compile_config=config)
+    # Against the unpatched model's eager generation: on 4.57 the unpatched M2M100 does not compile
+    # fullgraph here at all (its table-growth check branches on the cache length), the patched one does.
+    expected = original.generate(**inputs, **dict(settings, compile_config=None))
+
+    def compiled(m):
+        torch._dynamo.reset()
+        return m.generate(**inputs, **settings)
+
+    ok, got = _outcome(lambda: compiled(model))
+    if not ok:  # allowed only where the model's own code does not compile either (5.0's M2M100 logs in it)
+        unpatched_ok, unpatched = _outcome(lambda: compiled(original))
+        assert not unpatched_ok and unpatched is got, (got, unpatched)
+        pytest.skip(f"{type(model).__name__} does not compile fullgraph on transformers {transformers.__version__}, "
+                    f"patched or not ({got.__name__})")
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)

@@ -46,6 +46,8 @@ import copy
 import dataclasses
 import functools
 import inspect
+import os
+import sys
 import warnings
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -98,6 +100,16 @@ def _installed_transformers_version() -> Optional[str]:
     except ImportError:
         return None
     return str(getattr(transformers, "__version__", "0"))
+
+
+def _callers_stacklevel() -> int:
+    """``stacklevel`` for a warning raised in this package that names the first caller outside it (through
+    ``posenc_fast.patch_model`` or ``posenc_fast.integrations.transformers.patch_model`` alike)."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _unsupported_transformers() -> Optional[str]:
@@ -359,7 +371,7 @@ def _check_table(patch: _PositionPatch, ignore_table_values: bool) -> None:
             "computes the exact sinusoid and never reads it.")
     warnings.warn(f"{where} held values that are not the {patch.preset!r} sinusoid (max difference "
                   f"{difference:.3g}; a meta or device_map load leaves it so): the patched model computes the exact "
-                  "sinusoid and never reads that table.", RuntimeWarning, stacklevel=4)
+                  "sinusoid and never reads that table.", RuntimeWarning, stacklevel=_callers_stacklevel())
 
 
 def _prepare(patch: _PositionPatch) -> _State:
@@ -376,7 +388,13 @@ def _apply(patch: _PositionPatch, state: _State) -> None:
     module._posenc_fast = state
     # A partial of a module-level function and the instance: deepcopy binds it to the copy, pickle
     # (torch.save of the whole model) stores the function by name.
-    module.forward = functools.partial(_position_forward, module)
+    forward = functools.partial(_position_forward, module)
+    if getattr(module, "_hf_hook", None) is not None and hasattr(module, "_old_forward"):
+        # accelerate's hook (device_map, offloading) wraps the forward and calls ``_old_forward`` after
+        # moving the weights to the execution device: replace what it wraps, keep the hook.
+        module._old_forward = forward
+    else:
+        module.forward = forward
     table = _table_of(module)
     if isinstance(table, nn.Parameter) and table.requires_grad:
         table.requires_grad_(False)
@@ -505,7 +523,7 @@ def patch_model(model: nn.Module, *, ignore_table_values: bool = False) -> nn.Mo
         raise TypeError(f"patch_model takes a transformers model (an nn.Module), got {type(model).__name__}")
     unsupported = _unsupported_transformers()
     if unsupported is not None:
-        warnings.warn(unsupported, RuntimeWarning, stacklevel=3)  # the caller of posenc_fast.patch_model
+        warnings.warn(unsupported, RuntimeWarning, stacklevel=_callers_stacklevel())
         return model
     patches, found = [], False
     for module in model.modules():
@@ -528,7 +546,7 @@ def patch_model(model: nn.Module, *, ignore_table_values: bool = False) -> nn.Mo
         except _Unverified as why:
             warnings.warn(f"posenc_fast.patch_model left {type(patch.side).__name__}.{type(patch.module).__name__} "
                           f"unpatched: {why}. The model keeps its own PE there (same outputs).", RuntimeWarning,
-                          stacklevel=3)
+                          stacklevel=_callers_stacklevel())
     for patch, state in prepared:
         _apply(patch, state)
     return model
