@@ -286,6 +286,13 @@ def _pair(family: Family):
     return model, copy.deepcopy(model)
 
 
+def _patched_pair(family: Family, seed: int):
+    """A patched model, its unpatched twin, and fresh inputs for both."""
+    model, original = _pair(family)
+    pf.patch_model(model)
+    return model, original, make_inputs(family, model, torch.Generator().manual_seed(seed))
+
+
 def _outcome(call):
     """(True, result) or (False, the exception's type): a transformers release whose own code raises on a
     path must raise the same there patched."""
@@ -594,9 +601,7 @@ def test_speech_encoder_outputs_hidden_states_and_attentions(family, seed):
                          ids=lambda f: f.name)
 def test_patched_model_compiles_fullgraph(family, seed):
     """The patched position modules trace without graph breaks (no argument binding at call time)."""
-    model, original = _pair(family)
-    pf.patch_model(model)
-    inputs = make_inputs(family, model, torch.Generator().manual_seed(seed))
+    model, original, inputs = _patched_pair(family, seed)
 
     def compiled(m):  # against the compiled unpatched model: some releases do not compile fullgraph at all
         torch._dynamo.reset()
@@ -652,9 +657,7 @@ def _token_lookups(model):
 @pytest.mark.parametrize("family", TOKEN_FAMILIES, ids=lambda f: f.name)
 def test_hooks_on_the_input_embeddings_fire(family, seed):
     """A forward hook on the input embeddings (NEFTune adds noise there) fires and takes effect."""
-    model, original = _pair(family)
-    pf.patch_model(model)
-    inputs = make_inputs(family, model, torch.Generator().manual_seed(seed))
+    model, original, inputs = _patched_pair(family, seed)
     _skip_where_the_model_itself_fails(original, inputs)
     calls = {"patched": 0, "unpatched": 0}
 
@@ -684,9 +687,7 @@ def _neftune_hook():
 @pytest.mark.parametrize("family", TOKEN_FAMILIES, ids=lambda f: f.name)
 def test_neftune_noise_reaches_the_model(family, seed):
     """transformers' own NEFTune hook (what Trainer(neftune_noise_alpha=...) attaches), the same draws."""
-    model, original = _pair(family)
-    pf.patch_model(model)
-    inputs = make_inputs(family, model, torch.Generator().manual_seed(seed))
+    model, original, inputs = _patched_pair(family, seed)
     _skip_where_the_model_itself_fails(original, inputs)
     clean = copy.deepcopy(original).train()
     for m in (model, original):
@@ -710,9 +711,7 @@ LORA_FAMILIES = [f for f in TOKEN_FAMILIES if f.kind in ("seq2seq", "causal", "m
 def test_lora_on_the_token_embeddings(family, seed):
     """PEFT LoRA adapters on the token embedding modules: same logits and adapter gradients."""
     peft = pytest.importorskip("peft")
-    model, original = _pair(family)
-    pf.patch_model(model)
-    inputs = make_inputs(family, model, torch.Generator().manual_seed(seed))
+    model, original, inputs = _patched_pair(family, seed)
     table = model.get_input_embeddings().weight
     # The modules that look the table up: not the seq2seq models' ``shared`` where it only holds the tied
     # table (5.x), but ``shared`` where it is the encoder's and decoder's module too (4.x).
@@ -748,9 +747,7 @@ def _token_side(model):
 def test_replaced_rescaled_and_resized_embeddings_are_used(family, seed):
     """set_input_embeddings, an edited embed_scale and resize_token_embeddings (bigger, and below the
     padding id) after patching: read at call time, as unpatched."""
-    model, original = _pair(family)
-    pf.patch_model(model)
-    inputs = make_inputs(family, model, torch.Generator().manual_seed(seed))
+    model, original, inputs = _patched_pair(family, seed)
     torch.manual_seed(seed)
     replacement = torch.nn.Embedding(VOCAB, D, padding_idx=PAD)
     for m in (model, original):
@@ -917,9 +914,7 @@ def test_compiled_static_cache_generation_gives_the_same_tokens(family, seed):
     compile_config = getattr(transformers, "CompileConfig", None)
     if compile_config is None:
         pytest.skip("this transformers has no CompileConfig")
-    model, original = _pair(family)
-    pf.patch_model(model)
-    inputs = make_inputs(family, model, torch.Generator().manual_seed(seed))
+    model, original, inputs = _patched_pair(family, seed)
     inputs.pop("decoder_input_ids")
     config = compile_config(fullgraph=True, backend="aot_eager")
     config._compile_all_devices = True  # transformers compiles on accelerators only unless told (CI is a CPU)
