@@ -15,6 +15,7 @@ fractional turn, exact to 2**-64 per unit of position, for every int64 ``p``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import List, Optional, Sequence, Tuple
@@ -186,8 +187,8 @@ class PESpec:
         The cache is process-wide (specs are shared by every layer with the same parameters), so it
         only ever holds a plain tensor.  Under a dispatch mode (torch.export's or a FakeTensorMode's
         fake tensors, make_fx's proxies, a user's mode) the tensor is made under that mode and not kept;
-        what torch.compile traces is a graph constant; one made under a torch.func transform or
-        inference mode is made outside them."""
+        what torch.compile traces is a graph constant; one made under a torch.func transform, inference
+        mode or jit.trace is made outside them (a trace then holds it as a constant)."""
         cached = self._turns_by_device.get(device)  # a torch.device already (weight.device): no conversion
         if cached is None:
             device = torch.device(device)
@@ -197,12 +198,23 @@ class PESpec:
         if dispatch_mode_depth():
             return self._new_turns(device)
         if cached is None:
-            with torch._C._DisableFuncTorch(), torch.inference_mode(False):
+            with torch._C._DisableFuncTorch(), torch.inference_mode(False), _outside_jit_trace():
                 cached = self._turns_by_device[device] = self._new_turns(device)
         return cached
 
     def _new_turns(self, device) -> torch.Tensor:
         return torch.tensor(self.turns_fixed_point, dtype=torch.int64, device=device).reshape(-1)
+
+
+@contextlib.contextmanager
+def _outside_jit_trace():
+    """Suspends a jit.trace in progress: what is made here is not recorded (a plain tensor)."""
+    state = torch._C._get_tracing_state()
+    torch._C._set_tracing_state(None)
+    try:
+        yield
+    finally:
+        torch._C._set_tracing_state(state)
 
 
 # How many TorchDispatchModes are active (a FakeTensorMode, make_fx's proxy mode, FlopCounterMode...).

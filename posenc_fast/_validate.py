@@ -103,6 +103,12 @@ def make_spec(
     Specs are cached per argument tuple, so a repeated call returns the same object
     (whose device tensors are cached in turn).
     """
+    if not torch.compiler.is_compiling() and torch._C._is_tracing():  # (Dynamo cannot trace _is_tracing)
+        # jit.trace gives sizes as traced 0-dim tensors.  The table's (or x's) shape is a constant of a
+        # traced layer: taken as ints, so the frequencies are computed in float64 as always and the
+        # spec cache never keys on a tensor.
+        num_embeddings, token_width = (int(size) if isinstance(size, torch.Tensor) else size
+                                       for size in (num_embeddings, token_width))
     for name, value in (("mode", mode), ("layout", layout)):
         if not isinstance(value, str):
             raise ValueError(f"unknown {name} {value!r}; expected one of {MODES if name == 'mode' else LAYOUTS}")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import sys
+import warnings
 from typing import Optional, Sequence, Union
 
 import torch
@@ -19,6 +21,26 @@ from .positions import make_positions, packed_positions
 from .presets import POSITION_RULES
 
 
+def _jit_tracing() -> bool:
+    return not torch.compiler.is_compiling() and torch._C._is_tracing()  # (Dynamo cannot trace _is_tracing)
+
+
+def _quiet_under_jit_trace(function):
+    """Under jit.trace every size is a traced value, so each shape check, width and table size the
+    layer reads becomes a TracerWarning.  Those are constants of a layer; what varies between calls
+    (lengths, batch, positions) reaches the output only through tensors (``_refuse_jit_trace``).  So the
+    warnings are noise to whoever traces a model around the layer, and are silenced, for this call only."""
+    @functools.wraps(function)
+    def call(*args, **kwargs):
+        if not _jit_tracing():
+            return function(*args, **kwargs)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", torch.jit.TracerWarning)
+            return function(*args, **kwargs)
+    return call
+
+
+@_quiet_under_jit_trace
 def sinusoidal_embedding(
     ids: torch.Tensor,
     weight: torch.Tensor,
@@ -137,7 +159,7 @@ def _route(ids, weight) -> str:
     a clear error for a transform that cannot be right."""
     if _eager_call(ids, weight):
         return _FUNCTION if torch.is_grad_enabled() and weight.requires_grad else _RUN
-    if _in_onnx_export():  # ONNX has no fused op: the exporter gets the math in standard ops
+    if _in_onnx_export() or _jit_tracing():  # ONNX and TorchScript have no fused op: the math in standard ops
         return _STANDARD_OPS
     if torch.compiler.is_compiling() or dispatch_mode_depth():  # a dispatch mode sees only the dispatcher's ops
         return _OP
@@ -149,15 +171,23 @@ def _route(ids, weight) -> str:
     return _OP  # tensor subclasses (a FakeTensor outside its mode, DTensor...): through the dispatcher
 
 
-def _refuse_jit_trace() -> None:
-    """jit.trace would record the op with this call's sequence length and offsets as constants: the
-    trace would be silently wrong at any other length.  Checked first, before any validation (which
-    the tracer would warn about)."""
-    if not torch.compiler.is_compiling() and torch._C._is_tracing():  # (Dynamo cannot trace _is_tracing)
-        raise RuntimeError(
-            "posenc_fast does not support torch.jit.trace (nor torch.onnx.export's TorchScript exporter, "
-            "which traces): a trace bakes in this call's sequence length. Use torch.export.export, or "
-            "torch.onnx.export(..., dynamo=True), which keep the lengths symbolic")
+def _refuse_jit_trace(positions, offset, cu_seqlens, position_rule: str = "offset") -> None:
+    """jit.trace records Python values as constants.  With explicit ``positions`` nothing is derived
+    from the call's length or offsets, and the standard-ops form (``_route``) reads only tensors and
+    their sizes, which the tracer records: that trace is right at every shape (what patch_model's
+    position modules pass, so TorchScript's ONNX exporter, and optimum's, take a patched model).
+    Positions derived from a length, an offset or ``cu_seqlens`` could be baked in: refused.  Checked
+    first, before any validation (which the tracer would warn about)."""
+    if not _jit_tracing():
+        return
+    if (isinstance(positions, torch.Tensor) and cu_seqlens is None and position_rule == "offset"
+            and isinstance(offset, int) and offset == 0):
+        return
+    raise RuntimeError(
+        "posenc_fast supports torch.jit.trace (and torch.onnx.export's TorchScript exporter, which traces) only "
+        "for calls with explicit positions: a trace would bake in this call's sequence length or offset. Pass "
+        "positions=..., or use torch.export.export, or torch.onnx.export(..., dynamo=True), which keep the "
+        "lengths symbolic")
 
 
 def _check_function_transforms() -> None:
@@ -185,6 +215,7 @@ def _check_fsmt_symbolic_past() -> None:
                          "(static), or use position_rule='fairseq'")
 
 
+@_quiet_under_jit_trace
 def apply_spec(ids, weight, spec: PESpec, turns: torch.Tensor, positions, offset, backend: str, *,
                cu_seqlens=None, position_rule: str = "offset", vocab_range=None,
                dropout_p: float = 0.0, training: bool = True, sparse: bool = False) -> torch.Tensor:
@@ -196,7 +227,7 @@ def apply_spec(ids, weight, spec: PESpec, turns: torch.Tensor, positions, offset
     later is checked too) and applies when ``training``; otherwise no seed is drawn.
     ``sparse``: the weight's gradient as a sparse tensor (``ops.sparse_weight_gradient``).
     """
-    _refuse_jit_trace()
+    _refuse_jit_trace(positions, offset, cu_seqlens, position_rule)
     if sparse is not False and sparse is not True:
         raise TypeError(f"sparse must be a bool, got {sparse!r}")
     dropout_p = check_dropout_p(dropout_p)  # checked even when not training, as F.dropout does
@@ -266,6 +297,7 @@ def _kernel_params(spec: PESpec, zero_pe_at_padding: bool) -> KernelParams:
     return params
 
 
+@_quiet_under_jit_trace
 def add_sinusoidal(
     x: torch.Tensor,
     *,
@@ -298,9 +330,10 @@ def add_sinusoidal(
     return apply_add_spec(x, spec, spec.turns_tensor(x.device), positions, offset, cu_seqlens, backend)
 
 
+@_quiet_under_jit_trace
 def apply_add_spec(x, spec: PESpec, turns: torch.Tensor, positions, offset, cu_seqlens, backend: str) -> torch.Tensor:
     """Run :func:`add_sinusoidal` as ``spec`` describes it (``spec.embed_scale`` is ``x_scale``)."""
-    _refuse_jit_trace()
+    _refuse_jit_trace(positions, offset, cu_seqlens)
     if x.shape[-1] != spec.pe_width:
         raise ValueError(f"x has width {x.shape[-1]} but the PE has width {spec.pe_width}")
     rows = x.reshape(-1, x.shape[-1]).contiguous()  # the kernels read rows of x as rows of a dense table

@@ -96,8 +96,9 @@ sinusoidal_embedding_op = torch.library.custom_op("posenc_fast::sinusoidal_embed
 
 
 @sinusoidal_embedding_op.register_fake
-def _(ids, weight, turns, positions, offsets, offset, seq_len, concat, pe_width, pe_columns, embed_scale, pe_scale,
-      padding_idx, zero_pe_at_padding, float64_math, vocab_start, vocab_size, dropout_seed, dropout_p, backend):
+def _sinusoidal_embedding_fake(ids, weight, turns, positions, offsets, offset, seq_len, concat, pe_width, pe_columns,
+                               embed_scale, pe_scale, padding_idx, zero_pe_at_padding, float64_math, vocab_start,
+                               vocab_size, dropout_seed, dropout_p, backend):
     width = weight.shape[1] + pe_width if concat else weight.shape[1]
     return weight.new_empty((ids.shape[0], width))
 
@@ -405,7 +406,8 @@ add_sinusoidal_op = torch.library.custom_op("posenc_fast::add_sinusoidal", mutat
 
 
 @add_sinusoidal_op.register_fake
-def _(x, turns, positions, offsets, offset, seq_len, pe_columns, x_scale, pe_scale, float64_math, backend):
+def _add_sinusoidal_fake(x, turns, positions, offsets, offset, seq_len, pe_columns, x_scale, pe_scale, float64_math,
+                         backend):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
@@ -474,3 +476,27 @@ def add_sinusoidal_standard_ops(x, turns, positions, offsets, offset, seq_len, p
     rows = torch.arange(x.shape[0], device=x.device, dtype=torch.int64)
     params = _add_params(x, pe_columns, x_scale, pe_scale, float64_math)
     return standard_ops_forward(rows, x, turns, positions, offsets, offset, seq_len, params, None)
+
+
+# The standard-ops form is also each fused op's decomposition (torch._decomp's table): a program that holds
+# the ops (torch.export) becomes standard ops wherever an exporter decomposes what it cannot translate.
+# torch.onnx.export of an ExportedProgram does (transformers' OnnxExporter exports that way).
+# torch.export.default_decompositions() and torch.compile's tables pick their ops by name: the ops stay
+# fused there.  FakeTensorMode would run a registered decomposition instead of the op's fake
+# implementation whenever sizes are symbolic (torch.compile(dynamic=True), export with Dims), unless the op
+# has a Python meta: listed there, the fake implementation stays first.
+def _sinusoidal_embedding_in_standard_ops(ids, weight, turns, positions, offsets, offset, seq_len, concat, pe_width,
+                                          pe_columns, embed_scale, pe_scale, padding_idx, zero_pe_at_padding,
+                                          float64_math, vocab_start, vocab_size, dropout_seed, dropout_p, backend):
+    params = KernelParams(concat, weight.shape[1], pe_width, PEColumns.from_list(pe_columns), embed_scale, pe_scale,
+                          padding_idx if zero_pe_at_padding else -1, float64_math)
+    return standard_ops_forward(ids, weight, turns, positions, offsets, offset, seq_len, params,
+                                dropout_seed if dropout_p > 0.0 else None)
+
+
+for _op, _decomposition, _fake in (
+        (torch.ops.posenc_fast.sinusoidal_embedding.default, _sinusoidal_embedding_in_standard_ops,
+         _sinusoidal_embedding_fake),
+        (torch.ops.posenc_fast.add_sinusoidal.default, add_sinusoidal_standard_ops, _add_sinusoidal_fake)):
+    torch._decomp.register_decomposition(_op)(_decomposition)
+    torch._decomp.meta_table[_op] = _fake

@@ -272,22 +272,26 @@ def test_module_repr_shows_dropout():
     assert "dropout" not in repr(pf.SinusoidalEmbedding(10, 8))
 
 
-def test_compiles_fullgraph_with_dropout():
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_compiles_fullgraph_with_dropout(dynamic):
     """The seed draw and the op trace into one graph; with the same torch seed, compiled and eager
-    draw the same seed and give the same output and gradient."""
+    draw the same seed and give the same output and gradient.  With dynamic shapes the op's fake
+    implementation still gives the output's shape, not its standard-ops decomposition (which has
+    no dropout: ops.py, ONNX)."""
     layer = pf.SinusoidalEmbedding(30, 16, mode="concat", d_pos=6, dropout=0.4)
-    ids = torch.randint(0, 30, (2, 9))
 
     def step(ids):
         out = layer(ids)
         return out, torch.autograd.grad(out.square().sum(), layer.weight)[0]
 
     torch._dynamo.reset()
-    compiled = torch.compile(lambda i: layer(i).square().sum(), fullgraph=True, backend="aot_eager")
-    torch.manual_seed(7)
-    loss = compiled(ids)
-    (grad,) = torch.autograd.grad(loss, layer.weight)
-    torch.manual_seed(7)
-    eager_out, eager_grad = step(ids)
-    torch.testing.assert_close(loss, eager_out.square().sum())
-    torch.testing.assert_close(grad, eager_grad)
+    compiled = torch.compile(lambda i: layer(i).square().sum(), fullgraph=True, backend="aot_eager", dynamic=dynamic)
+    for shape in [(2, 9), (3, 5)]:
+        ids = torch.randint(0, 30, shape)
+        torch.manual_seed(7)
+        loss = compiled(ids)
+        (grad,) = torch.autograd.grad(loss, layer.weight)
+        torch.manual_seed(7)
+        eager_out, eager_grad = step(ids)
+        torch.testing.assert_close(loss, eager_out.square().sum())
+        torch.testing.assert_close(grad, eager_grad)

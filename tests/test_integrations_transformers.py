@@ -934,3 +934,160 @@ def test_compiled_static_cache_generation_gives_the_same_tokens(family, seed):
         pytest.skip(f"{type(model).__name__} does not compile fullgraph on transformers {transformers.__version__}, "
                     f"patched or not ({got.__name__})")
     torch.testing.assert_close(got, expected, atol=0, rtol=0)
+
+
+# --- Deploy through optimum-onnx ------------------------------------------------------------------------
+# optimum-onnx 0.1.0 needs transformers < 4.58, so these tests run where .ci/run tests transformers
+# 4.57.6 (with the [test-optimum] extra); with a newer transformers they skip and say why.
+OPTIMUM_FAMILIES = [f for f in FAMILIES if f.name in ("marian", "m2m100", "pegasus")]
+
+
+def _optimum():
+    """(ORTModelForSeq2SeqLM, onnx_export_from_model), or a skip that says why there are none."""
+    if integration._release(transformers.__version__) >= (4, 58):
+        pytest.skip(f"optimum-onnx needs transformers < 4.58, this is {transformers.__version__}; .ci/run runs "
+                    "these tests on 4.57.6 with the [test-optimum] extra")
+    runtime = pytest.importorskip("optimum.onnxruntime", reason="optimum-onnx is not installed: the "
+                                  "[test-optimum] extra installs it (with a transformers < 4.58)")
+    exporters = pytest.importorskip("optimum.exporters.onnx", reason="optimum-onnx's exporter is not installed")
+    return runtime.ORTModelForSeq2SeqLM, exporters.onnx_export_from_model
+
+
+def _assert_runtime_matches(model, session_model, seed):
+    """Logits of one forward with padding, and greedy tokens decoded step by step with the cache (the
+    exported decoder with past), the ONNX Runtime model against the eager model."""
+    inputs = make_inputs(Family("", None, "seq2seq"), model, torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        expected = model(**inputs).logits
+    got = session_model(**inputs).logits
+    # (ONNX Runtime sums in other orders than torch, and the unpatched model's tables are fp32 sinusoids)
+    torch.testing.assert_close(got, expected, atol=LOGITS_ATOL, rtol=GRAD_RTOL)
+    inputs.pop("decoder_input_ids")
+    settings = dict(max_new_tokens=8, do_sample=False, num_beams=1, use_cache=True)
+    with torch.no_grad():
+        expected = model.generate(**inputs, **settings)
+    torch.testing.assert_close(session_model.generate(**inputs, **settings), expected, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("family", [f for f in OPTIMUM_FAMILIES if f.name != "pegasus"], ids=lambda f: f.name)
+def test_optimum_exports_a_fine_tuned_patched_model_from_its_directory(family, seed, tmp_path):
+    """The deploy path: train patched, save_pretrained, ORTModelForSeq2SeqLM.from_pretrained(dir,
+    export=True) (optimum loads the saved model unpatched and exports it); ONNX Runtime then decodes
+    the patched eager model's tokens."""
+    session_class, _ = _optimum()
+    model, _, inputs = _patched_pair(family, seed)
+    model.train()
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
+    for _ in range(3):
+        _loss(model, inputs).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+    model.save_pretrained(tmp_path)
+    _assert_runtime_matches(model, session_class.from_pretrained(tmp_path, export=True), seed)
+
+
+@pytest.mark.parametrize("family", OPTIMUM_FAMILIES, ids=lambda f: f.name)
+def test_optimum_exports_a_patched_model_in_process(family, seed, tmp_path):
+    """optimum's exporter on the patched model object (TorchScript-based: it traces, and a patched
+    position module passes explicit positions, so its PE is exported as standard operators); the
+    encoder, the decoder and the decoder with past run in ONNX Runtime as the eager model does."""
+    session_class, export = _optimum()
+    import onnx
+
+    model, _, _ = _patched_pair(family, seed)
+    export(model, tmp_path, task="text2text-generation-with-past")
+    encoder_ops = {node.op_type for node in onnx.load(str(tmp_path / "encoder_model.onnx")).graph.node}
+    assert {"Sin", "Cos"} <= encoder_ops, "the patched position module's PE is not in the exported encoder"
+    _assert_runtime_matches(model, session_class.from_pretrained(tmp_path), seed)
+
+
+# --- transformers' own exporters (5.x: transformers.exporters) ---------------------------------------
+EXPORTER_FAMILIES = [f for f in FAMILIES if f.name in ("m2m100", "marian", "pegasus", "fsmt", "speech_to_text",
+                                                       "whisper", "xlm", "distilbert", "xglm")]
+
+
+def _exporters(backend: str):
+    """(exporter, config with dynamic shapes) of transformers' own exporters, or a skip that says why."""
+    exporters = pytest.importorskip("transformers.exporters", reason=f"transformers {transformers.__version__} has "
+                                    "no transformers.exporters (later 5.x releases have)")
+    if backend == "onnx":
+        pytest.importorskip("onnxscript", reason="transformers' ONNX exporter needs onnxscript (the [test] extra)")
+        return exporters.OnnxExporter(), exporters.OnnxConfig(dynamic=True)
+    return exporters.DynamoExporter(), exporters.DynamoConfig(dynamic=True)
+
+
+def _other_sizes(family: Family, inputs: dict) -> dict:
+    """Inputs of another batch size, and for token models another length, than ``inputs``."""
+    other = {key: value[:2] for key, value in inputs.items()}
+    if family.kind in ("causal", "mlm", "seq2seq"):
+        other["input_ids"] = torch.cat([other["input_ids"], other["input_ids"][:, 2:6]], dim=1)
+        other["attention_mask"] = torch.cat([other["attention_mask"], torch.ones_like(other["attention_mask"][:, :4])], 1)
+    return other
+
+
+def _runner_inputs(runner, inputs: dict) -> dict:
+    """What a component was traced with, from a forward's full keyword arguments (copied: caches grow)."""
+    return {key: copy.deepcopy(value) for key, value in inputs.items() if key in runner.metadata.kwargs}
+
+
+def _next_step(inputs: dict, logits: torch.Tensor, cache) -> dict:
+    """A greedy decoding step's inputs after ``inputs``: the next token, the grown cache and mask."""
+    step = dict(inputs, past_key_values=cache)
+    token = logits[:, -1:].argmax(-1)
+    if "decoder_input_ids" in inputs:  # seq2seq: the mask is the encoder's and stays
+        step["decoder_input_ids"] = token
+    else:
+        step["input_ids"] = token
+        step["attention_mask"] = torch.cat([inputs["attention_mask"], torch.ones_like(token)], dim=1)
+    for key in ("position_ids", "cache_position"):
+        if inputs.get(key) is not None:
+            step[key] = inputs[key][..., -1:] + 1
+    return step
+
+
+def _check_exports(family: Family, model, inputs: dict, exporter, config) -> None:
+    """Exports ``model`` as transformers' own export tests do and checks each exported graph against the
+    model's eager outputs: the forward at another batch size and length; for generating models with a
+    cache, the prefill and decode components (export_for_generation), the decode driven for three
+    steps so that its cache length (a DynamicCache) varies."""
+    exported = exporter.export(model, copy.deepcopy(inputs), config)
+    other = _other_sizes(family, inputs)
+    got = exported(**_runner_inputs(exported.runners["model"], other))
+    _close(got["logits"] if isinstance(got, dict) else got.logits, _logits(model, other))
+    if not family.generates:
+        return
+    from transformers.exporters.utils import decompose_for_generation
+
+    prompt = {key: value for key, value in other.items() if key != "decoder_input_ids"}
+    stages = decompose_for_generation(model, copy.deepcopy(prompt), multi_token_decode=True)
+    components = exporter.export_for_generation(model, copy.deepcopy(prompt), config, multi_token_decode=True).runners
+    steps = [("prefill", stages["prefill"][1])]
+    step = stages["decode"][1]
+    for _ in range(3):
+        steps.append(("decode", step))
+        with torch.no_grad():
+            eager = model(**copy.deepcopy(step))
+        if getattr(eager, "past_key_values", None) is None:  # no cache (XLM): one decode graph per length
+            break
+        step = _next_step(step, eager.logits, eager.past_key_values)
+    for name, step_inputs in steps:
+        out = components[name](**_runner_inputs(components[name], step_inputs))
+        _close(out["logits"] if isinstance(out, dict) else out.logits, _logits(model, copy.deepcopy(step_inputs)))
+
+
+@pytest.mark.parametrize("backend", ["dynamo", pytest.param("onnx", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("family", EXPORTER_FAMILIES, ids=lambda f: f.name)
+def test_transformers_exporters_with_dynamic_shapes(family, backend, seed):
+    """transformers' DynamoExporter / OnnxExporter with dynamic shapes (``_check_exports``): every graph the
+    unpatched model exports right, the patched one does too; where the unpatched model fails (an export,
+    or a graph that specialised a size), the patched one fails the same way."""
+    exporter, config = _exporters(backend)
+    model, original, inputs = _patched_pair(family, seed)
+    unpatched = _outcome(lambda: _check_exports(family, original, inputs, exporter, config))
+    if unpatched[0]:
+        _check_exports(family, model, inputs, exporter, config)
+        return
+    patched = _outcome(lambda: _check_exports(family, model, inputs, exporter, config))
+    assert patched == unpatched, (patched, unpatched)
+    pytest.skip(f"{type(model).__name__} fails transformers' {backend} export checks patched or not ({unpatched[1]})")

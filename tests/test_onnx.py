@@ -4,8 +4,11 @@ ONNX has no fused op: while the exporter traces, the public functions emit the l
 standard ops (``ops.standard_ops_forward``: a gather, the exact fixed-point phase as a wrapping int64
 multiply, float64 sin/cos, one rounding).  Batch, length and past length stay dynamic, so every check
 runs the exported model at other sizes and offsets than the example's.  The TorchScript-based
-exporter traces, and is refused with a message that points to ``dynamo=True``.
+exporter traces: it takes calls with explicit positions (nothing is derived from the length) and
+refuses the others with a message that points to ``dynamo=True``.
 """
+
+import functools
 
 import pytest
 import torch
@@ -70,17 +73,27 @@ def _layers():
 LAYERS = _layers()
 
 
-def _export(call, example, past):
+def _export(call, example, past, through_torch_export=False):
+    """The layer as ONNX Runtime runs it: torch.onnx.export(dynamo=True) of the module, or of the program
+    torch.export made of it (which holds the fused op: the exporter decomposes it, as transformers'
+    OnnxExporter has it)."""
     batch, length = Dim("batch", max=64), Dim("length", max=1 << 16)
-    program = torch.onnx.export(WithPast(call), (example, past), dynamo=True, verbose=False,
-                                dynamic_shapes=({0: batch, 1: length}, {1: Dim("past", max=1 << 24)}))
+    dynamic_shapes = ({0: batch, 1: length}, {1: Dim("past", max=1 << 24)})
+    model = WithPast(call)
+    if through_torch_export:
+        model = torch.export.export(model, (example, past), dynamic_shapes=dynamic_shapes)
+        assert any("posenc_fast" in str(node.target) for node in model.graph.nodes), "no fused op in the program"
+        program = torch.onnx.export(model, (example, past), verbose=False)
+    else:
+        program = torch.onnx.export(model, (example, past), dynamo=True, verbose=False, dynamic_shapes=dynamic_shapes)
     return ort.InferenceSession(program.model_proto.SerializeToString(), providers=["CPUExecutionProvider"])
 
 
+@pytest.mark.parametrize("through_torch_export", [False, True], ids=["module", "exported_program"])
 @pytest.mark.parametrize("name", list(LAYERS))
-def test_onnx_export_runs_in_onnxruntime_at_other_sizes(name):
+def test_onnx_export_runs_in_onnxruntime_at_other_sizes(name, through_torch_export):
     call, exact, make = LAYERS[name]
-    session = _export(call, make(2, 7), torch.zeros(1, 3))
+    session = _export(call, make(2, 7), torch.zeros(1, 3), through_torch_export)
     names = [i.name for i in session.get_inputs()]
     # Other batch sizes, lengths (a decoding step among them) and past lengths than the example's,
     # far positions included: the phase is exact in int64, so the angles stay right there too.
@@ -106,9 +119,47 @@ def test_onnx_graph_has_no_custom_op():
 
 
 def test_torchscript_exporter_points_to_dynamo(tmp_path):
+    """Positions from the length: a trace would bake the length in, so the exporter is refused."""
     layer = pf.SinusoidalEmbedding(VOCAB, WIDTH).eval()
-    with pytest.raises(Exception, match="dynamo=True"):
+    with pytest.raises(Exception, match="explicit positions.*dynamo=True"):
         torch.onnx.export(layer, (torch.randint(0, VOCAB, (2, 5)),), str(tmp_path / "m.onnx"), dynamo=False)
+
+
+class WithPositions(torch.nn.Module):
+    def __init__(self, call):
+        super().__init__()
+        self.call = call
+
+    def forward(self, first, positions):
+        return self.call(first, positions=positions)
+
+
+@pytest.mark.parametrize("name", ["module", "add_sinusoidal"])
+def test_torchscript_exporter_with_explicit_positions(name, tmp_path):
+    """Explicit positions (what a patched Hugging Face position module passes, so optimum's exporter
+    works): the TorchScript exporter's model runs in ONNX Runtime at other sizes and positions."""
+    g = torch.Generator().manual_seed(9)
+    if name == "module":
+        layer = pf.SinusoidalEmbedding(VOCAB, WIDTH, embed_scale=WIDTH ** 0.5, padding_idx=1).eval()
+        call = layer  # a submodule of the exported module: its table is the model's, not a constant
+        make = lambda shape: torch.randint(0, VOCAB, shape, generator=g)  # noqa: E731
+        exact = lambda ids, positions: reference.sinusoidal_embedding(  # noqa: E731
+            ids, layer.weight.detach().double(), positions=positions, embed_scale=WIDTH ** 0.5, padding_idx=1)
+    else:
+        call = functools.partial(pf.add_sinusoidal, x_scale=2.0)
+        make = lambda shape: torch.randn(*shape, WIDTH, generator=g)  # noqa: E731
+        exact = lambda x, positions: 2.0 * x.double() + reference.sinusoidal_table(positions, WIDTH)  # noqa: E731
+    path = str(tmp_path / "m.onnx")
+    with torch.no_grad():
+        torch.onnx.export(WithPositions(call), (make((2, 5)), torch.arange(5).expand(2, 5)), path, dynamo=False,
+                          input_names=["first", "positions"], dynamic_axes={"first": {0: "batch", 1: "length"},
+                                                                            "positions": {0: "batch", 1: "length"}})
+    session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    for shape in [(3, 11), (1, 1), (4, 300)]:
+        first, positions = make(shape), torch.randint(0, 1 << 24, shape, generator=g)
+        got = torch.from_numpy(session.run(None, {"first": first.numpy(), "positions": positions.numpy()})[0])
+        expected = exact(first, positions)
+        assert_within(got, expected, output_bound(expected, torch.float32), f"{name} at {shape}")
 
 
 def test_dropout_in_training_mode_is_refused():

@@ -208,13 +208,87 @@ def test_unsupported_functorch_transform_is_refused_clearly():
 @pytest.mark.parametrize("backend,device", TARGETS)
 @pytest.mark.parametrize("entry", ENTRIES, ids=repr)
 def test_jit_trace_is_refused(entry, backend, device):
-    """A trace would bake in the sequence length (silently wrong at any other): refused, pointing to
-    torch.export; TorchScript's ONNX exporter traces, so it is refused the same way."""
+    """Positions derived from the length and an offset: a trace would bake them in (silently wrong at any
+    other length), so it is refused, pointing to explicit positions and torch.export; TorchScript's ONNX
+    exporter traces, so it is refused the same way."""
     f = entry.make(backend, fresh_base())
     primal = _randn(1, *entry.primal_shape)
     ids = _ids(2)
-    with pytest.raises(RuntimeError, match="does not support torch.jit.trace.*torch.export"):
+    with pytest.raises(RuntimeError, match="torch.jit.trace.*only for calls with explicit positions.*torch.export"):
         _trace(f, ids, primal)
+
+
+class _WithPositions(torch.nn.Module):
+    """A traceable caller: the layer's inputs and explicit positions are the trace's inputs."""
+
+    def __init__(self, call):
+        super().__init__()
+        self.call = call
+
+    def forward(self, first, positions):
+        return self.call(first, positions)
+
+
+# name -> (make(backend, base) -> f(first input, positions), the first input at a shape, float64 definition)
+_POSITIONED = {
+    "functional": (lambda backend, base: lambda ids, positions: pf.sinusoidal_embedding(
+                       ids, _TRACE_TABLE, positions=positions, embed_scale=SCALE, padding_idx=3,
+                       zero_pe_at_padding=True, base=base, backend=backend),
+                   lambda g, shape: torch.randint(0, VOCAB, shape, generator=g),
+                   lambda ids, positions, base: reference.sinusoidal_embedding(
+                       ids, _TRACE_TABLE.double(), positions=positions, embed_scale=SCALE, padding_idx=3,
+                       zero_pe_at_padding=True, base=base)),
+    "module": (lambda backend, base: _module_with_table(_TRACE_TABLE, embed_scale=SCALE, base=base, backend=backend),
+               lambda g, shape: torch.randint(0, VOCAB, shape, generator=g),
+               lambda ids, positions, base: reference.sinusoidal_embedding(
+                   ids, _TRACE_TABLE.double(), positions=positions, embed_scale=SCALE, base=base)),
+    "add_sinusoidal": (lambda backend, base: lambda x, positions: pf.add_sinusoidal(
+                           x, positions=positions, x_scale=SCALE, base=base, backend=backend),
+                       lambda g, shape: torch.randn(*shape, WIDTH, generator=g),
+                       lambda x, positions, base: SCALE * x.double() + reference.sinusoidal_table(
+                           positions, WIDTH, base=base)),
+    "add_module": (lambda backend, base: pf.SinusoidalPositionalEncoding(WIDTH, x_scale=SCALE, base=base,
+                                                                         backend=backend),
+                   lambda g, shape: torch.randn(*shape, WIDTH, generator=g),
+                   lambda x, positions, base: SCALE * x.double() + reference.sinusoidal_table(
+                       positions, WIDTH, base=base)),
+}
+_TRACE_TABLE = _randn(5, VOCAB, WIDTH)
+
+
+def _module_with_table(table, **kwargs):
+    layer = pf.SinusoidalEmbedding(*table.shape, **kwargs)
+    with torch.no_grad():
+        layer.weight.copy_(table)
+    return layer
+
+
+@pytest.mark.parametrize("backend,device", TARGETS)
+@pytest.mark.parametrize("name", list(_POSITIONED))
+def test_jit_trace_with_explicit_positions_is_right_at_other_shapes(name, backend, device, seed):
+    """With explicit positions nothing is taken from the length: the trace (standard ops, as ONNX gets
+    them) is right at other batch sizes, lengths and positions, against float64, with no TracerWarning."""
+    import warnings
+
+    make, first_input, definition = _POSITIONED[name]
+    base = fresh_base()
+    layer = make(backend, base)
+    g = torch.Generator().manual_seed(seed)
+    example = (first_input(g, (BATCH, SEQ)), torch.randint(0, 100, (BATCH, SEQ), generator=g))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", torch.jit.TracerWarning)
+        with torch.no_grad():
+            traced = torch.jit.trace(_WithPositions(layer).eval(), example, check_trace=False)
+    for shape in [(BATCH, SEQ), (3, 11), (1, 1), (4, 2)]:
+        first, positions = first_input(g, shape), torch.randint(-2**30, 2**30, shape, generator=g)
+        exact = definition(first, positions, base)
+        with torch.no_grad():
+            got = traced(first, positions)
+        assert_within(got, exact, output_bound(exact, torch.float32), f"{name} {backend} traced at {shape}")
+        # The trace was the first call with these parameters: it left nothing behind for eager calls.
+        with torch.no_grad():
+            got = make(backend, base)(first, positions)
+        assert_within(got, exact, output_bound(exact, torch.float32), f"{name} {backend} eager after the trace")
 
 
 def _trace(f, ids, primal):
@@ -293,7 +367,7 @@ def test_no_state_left_behind(entry, mode, backend, device, seed):
     try:
         MODES[mode](lambda: entry.make(backend, base), ids, primal)
     except RuntimeError as error:  # posenc_fast's own refusal (jit.trace) is fine; nothing else is
-        assert "posenc_fast does not support" in str(error), error
+        assert str(error).startswith("posenc_fast "), error
     for f in (entry.make(backend, base), entry.make(backend, base)):
         for grad_mode in (False, True):
             with torch.set_grad_enabled(grad_mode):
