@@ -122,7 +122,8 @@ def _positions_by_rule(ids, spec: PESpec, positions, offset, cu_seqlens, positio
 _RUN = "run"            # eager, nothing to differentiate: the op's implementation, directly
 _FUNCTION = "function"  # eager with autograd, forward-mode AD or torch.func: ops.EmbeddingFunction
 _OP = "op"              # traced (torch.compile, torch.export) or intercepted (a dispatch mode): the op
-_STANDARD_OPS = "standard"  # torch.onnx.export: the definition in standard torch ops (ops.standard_ops_forward)
+_STANDARD_OPS = "standard"  # captured for another runtime (torch.onnx.export, jit.trace): the definition in
+                            # standard torch ops (ops.standard_ops_forward)
 
 
 def _eager_call(ids, weight) -> bool:
@@ -154,12 +155,15 @@ def _in_onnx_export() -> bool:
     return torch.onnx.is_in_onnx_export()
 
 
-def _route(ids, weight) -> str:
+def _route(ids, weight, standard_ops_under_export: bool = False) -> str:
     """How a call with these tensors runs now (``_RUN``, ``_FUNCTION``, ``_OP`` or ``_STANDARD_OPS``), or
-    a clear error for a transform that cannot be right."""
+    a clear error for a transform that cannot be right.  ``standard_ops_under_export``: torch.export gets
+    the standard-ops form too (a program that runs without posenc_fast)."""
     if _eager_call(ids, weight):
         return _FUNCTION if torch.is_grad_enabled() and weight.requires_grad else _RUN
     if _in_onnx_export() or _jit_tracing():  # ONNX and TorchScript have no fused op: the math in standard ops
+        return _STANDARD_OPS
+    if standard_ops_under_export and torch.compiler.is_exporting():
         return _STANDARD_OPS
     if torch.compiler.is_compiling() or dispatch_mode_depth():  # a dispatch mode sees only the dispatcher's ops
         return _OP
@@ -176,8 +180,8 @@ def _refuse_jit_trace(positions, offset, cu_seqlens, position_rule: str = "offse
     from the call's length or offsets, and the standard-ops form (``_route``) reads only tensors and
     their sizes, which the tracer records: that trace is right at every shape (what patch_model's
     position modules pass, so TorchScript's ONNX exporter, and optimum's, take a patched model).
-    Positions derived from a length, an offset or ``cu_seqlens`` could be baked in: refused.  Checked
-    first, before any validation (which the tracer would warn about)."""
+    Positions derived from a length, an offset or ``cu_seqlens`` could be baked in: refused, before the
+    call's own validation."""
     if not _jit_tracing():
         return
     if (isinstance(positions, torch.Tensor) and cu_seqlens is None and position_rule == "offset"
@@ -185,9 +189,9 @@ def _refuse_jit_trace(positions, offset, cu_seqlens, position_rule: str = "offse
         return
     raise RuntimeError(
         "posenc_fast supports torch.jit.trace (and torch.onnx.export's TorchScript exporter, which traces) only "
-        "for calls with explicit positions: a trace would bake in this call's sequence length or offset. Pass "
-        "positions=..., or use torch.export.export, or torch.onnx.export(..., dynamo=True), which keep the "
-        "lengths symbolic")
+        "for calls with explicit positions (and no offset, cu_seqlens or position_rule): a trace would bake in "
+        "this call's sequence length or offset. Pass positions=..., or use torch.export.export, or "
+        "torch.onnx.export(..., dynamo=True), which keep the lengths symbolic")
 
 
 def _check_function_transforms() -> None:
@@ -218,7 +222,8 @@ def _check_fsmt_symbolic_past() -> None:
 @_quiet_under_jit_trace
 def apply_spec(ids, weight, spec: PESpec, turns: torch.Tensor, positions, offset, backend: str, *,
                cu_seqlens=None, position_rule: str = "offset", vocab_range=None,
-               dropout_p: float = 0.0, training: bool = True, sparse: bool = False) -> torch.Tensor:
+               dropout_p: float = 0.0, training: bool = True, sparse: bool = False,
+               standard_ops_under_export: bool = False) -> torch.Tensor:
     """Run the layer described by ``spec`` (``turns``: its fixed-point frequencies on weight's device).
 
     ``vocab_range=(start, end)``: ``weight`` holds rows start..end-1 of a larger vocabulary of
@@ -226,6 +231,8 @@ def apply_spec(ids, weight, spec: PESpec, turns: torch.Tensor, positions, offset
     ``dropout_p`` is checked on every call (as ``F.dropout`` does, so a module attribute set
     later is checked too) and applies when ``training``; otherwise no seed is drawn.
     ``sparse``: the weight's gradient as a sparse tensor (``ops.sparse_weight_gradient``).
+    ``standard_ops_under_export``: under torch.export, the definition in standard ops instead of the fused
+    op (patch_model's position modules: an exported model then runs without posenc_fast).
     """
     _refuse_jit_trace(positions, offset, cu_seqlens, position_rule)
     if sparse is not False and sparse is not True:
@@ -251,10 +258,16 @@ def apply_spec(ids, weight, spec: PESpec, turns: torch.Tensor, positions, offset
     batch = make_batch(ids, weight, spec, positions, offset)
     name = resolve_backend(backend, weight.device, weight.dtype, float64_math=spec.precision == "float64")
     dropout_seed = draw_seed(weight.device) if dropout_p > 0.0 else None
-    route = _route(batch.ids, weight)
+    route = _route(batch.ids, weight, standard_ops_under_export)
+    if sparse and route in (_OP, _STANDARD_OPS) and torch.is_grad_enabled() and weight.requires_grad:
+        raise NotImplementedError("sparse=True gradients are computed on plain eager calls only, not under "
+                                  "torch.compile, torch.export, jit.trace, a TorchDispatchMode (e.g. FlopCounterMode, "
+                                  "selective activation checkpointing) or with tensor subclasses; there use "
+                                  "sparse=False (a dense, equally deterministic gradient)")
     if route is _STANDARD_OPS:
         out = standard_ops_forward(batch.ids, weight, turns, batch.positions, batch.offsets, batch.offset,
-                                   batch.seq_len, _kernel_params(spec, zero_pe_at_padding), dropout_seed)
+                                   batch.seq_len, _kernel_params(spec, zero_pe_at_padding), dropout_seed,
+                                   -1 if spec.padding_idx is None else spec.padding_idx)
     elif route is not _OP:
         params = _kernel_params(spec, zero_pe_at_padding)
         if route is _FUNCTION:
@@ -270,11 +283,6 @@ def apply_spec(ids, weight, spec: PESpec, turns: torch.Tensor, positions, offset
                 # view, which under no_grad could not later be modified in place with grad mode on.
                 return out.resize_(batch.out_shape)
     else:
-        if sparse and torch.is_grad_enabled() and weight.requires_grad:
-            raise NotImplementedError("sparse=True gradients are computed on plain eager calls only, not under "
-                                      "torch.compile, torch.export, a TorchDispatchMode (e.g. FlopCounterMode, "
-                                      "selective activation checkpointing) or with tensor subclasses; there use "
-                                      "sparse=False (a dense, equally deterministic gradient)")
         out = sinusoidal_embedding_op(
             batch.ids, weight, turns, batch.positions, batch.offsets, batch.offset, batch.seq_len,
             spec.mode == "concat", spec.pe_width, spec.columns.as_list(), spec.embed_scale, spec.pe_scale,

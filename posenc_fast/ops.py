@@ -23,6 +23,7 @@ from ._dispatch import get_backend
 from ._dropout import dropout_for
 from ._spec import PEColumns
 from ._validate import check_id_range, check_op_inputs
+from . import reference
 from .reference import dropout_keep
 from .backends import KernelParams
 
@@ -96,9 +97,8 @@ sinusoidal_embedding_op = torch.library.custom_op("posenc_fast::sinusoidal_embed
 
 
 @sinusoidal_embedding_op.register_fake
-def _sinusoidal_embedding_fake(ids, weight, turns, positions, offsets, offset, seq_len, concat, pe_width, pe_columns,
-                               embed_scale, pe_scale, padding_idx, zero_pe_at_padding, float64_math, vocab_start,
-                               vocab_size, dropout_seed, dropout_p, backend):
+def _(ids, weight, turns, positions, offsets, offset, seq_len, concat, pe_width, pe_columns, embed_scale, pe_scale,
+      padding_idx, zero_pe_at_padding, float64_math, vocab_start, vocab_size, dropout_seed, dropout_p, backend):
     width = weight.shape[1] + pe_width if concat else weight.shape[1]
     return weight.new_empty((ids.shape[0], width))
 
@@ -406,8 +406,7 @@ add_sinusoidal_op = torch.library.custom_op("posenc_fast::add_sinusoidal", mutat
 
 
 @add_sinusoidal_op.register_fake
-def _add_sinusoidal_fake(x, turns, positions, offsets, offset, seq_len, pe_columns, x_scale, pe_scale, float64_math,
-                         backend):
+def _(x, turns, positions, offsets, offset, seq_len, pe_columns, x_scale, pe_scale, float64_math, backend):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
@@ -449,16 +448,19 @@ class AddSinusoidalFunction(_DirectApply, torch.autograd.Function):
         return None if x_tangent is None else x_tangent * ctx.x_scale
 
 
-# --- ONNX: the layer in standard torch ops --------------------------------------------------------------
-# torch.onnx.export(dynamo=True) translates standard ops only; while it traces (torch.onnx.is_in_onnx_export),
-# the public functions emit the definition itself: the torch backend's float64 math on flat inputs (a gather,
-# the exact fixed-point phase as a wrapping int64 multiply, float64 sin/cos, one rounding).  Lengths and
-# offsets stay symbolic; the id range check is a host-side check and is not exported.
+# --- The layer in standard torch ops -------------------------------------------------------------------
+# Where a graph is captured for another runtime, the public functions emit the definition itself instead of
+# the fused op (functional._route): torch.onnx.export(dynamo=True), which translates standard ops only,
+# jit.trace (TorchScript, and its ONNX exporter), and torch.export of a patched Hugging Face model (a program
+# that runs without posenc_fast).  It is the torch backend's float64 math on flat inputs: a gather, the exact
+# fixed-point phase as a wrapping int64 multiply, float64 sin/cos, one rounding.  Lengths and offsets stay
+# symbolic; the id range check is a host-side check and is not captured.  ``padding_idx`` (-1: none) gets no
+# gradient, as in the ops' backward.
 def standard_ops_forward(ids, weight, turns, positions, offsets, offset, seq_len, params: KernelParams,
-                         dropout_seed) -> Tensor:
+                         dropout_seed, padding_idx: int = -1) -> Tensor:
     if dropout_seed is not None:
-        raise ValueError("posenc_fast's fused dropout has no ONNX form: export the model in eval mode "
-                         "(model.eval(), or training=False)")
+        raise ValueError("posenc_fast's fused dropout has no standard-ops form (ONNX, jit.trace, a patched model "
+                         "under torch.export): capture the model in eval mode (model.eval(), or training=False)")
     if positions is None and ids.shape[0]:
         # Positions as ranges, not ``n % seq_len + offset``: the exporter's translation of a remainder or a
         # sum with a symbolic scalar fails, and a range with symbolic ends is ONNX's Range.
@@ -468,7 +470,12 @@ def standard_ops_forward(ids, weight, turns, positions, offsets, offset, seq_len
         else:
             positions = torch.arange(offset, offset + seq_len, device=ids.device, dtype=torch.int64).repeat(
                 ids.shape[0] // seq_len)
-    return get_backend("torch").forward(ids, weight, turns, positions, None, 0, seq_len, params, None)
+    # One padding id: the layer's, whose row gets no gradient and, where pe_zero_id names it, no PE.
+    padding = padding_idx if padding_idx >= 0 else params.pe_zero_id
+    return reference.embed_flat(
+        ids, weight, positions, turns, concat=params.concat, pe_width=params.pe_width, columns=params.columns,
+        embed_scale=params.embed_scale, pe_scale=params.pe_scale, padding_idx=padding if padding >= 0 else None,
+        zero_pe_at_padding=params.pe_zero_id >= 0)
 
 
 def add_sinusoidal_standard_ops(x, turns, positions, offsets, offset, seq_len, pe_columns, x_scale, pe_scale,
@@ -476,27 +483,3 @@ def add_sinusoidal_standard_ops(x, turns, positions, offsets, offset, seq_len, p
     rows = torch.arange(x.shape[0], device=x.device, dtype=torch.int64)
     params = _add_params(x, pe_columns, x_scale, pe_scale, float64_math)
     return standard_ops_forward(rows, x, turns, positions, offsets, offset, seq_len, params, None)
-
-
-# The standard-ops form is also each fused op's decomposition (torch._decomp's table): a program that holds
-# the ops (torch.export) becomes standard ops wherever an exporter decomposes what it cannot translate.
-# torch.onnx.export of an ExportedProgram does (transformers' OnnxExporter exports that way).
-# torch.export.default_decompositions() and torch.compile's tables pick their ops by name: the ops stay
-# fused there.  FakeTensorMode would run a registered decomposition instead of the op's fake
-# implementation whenever sizes are symbolic (torch.compile(dynamic=True), export with Dims), unless the op
-# has a Python meta: listed there, the fake implementation stays first.
-def _sinusoidal_embedding_in_standard_ops(ids, weight, turns, positions, offsets, offset, seq_len, concat, pe_width,
-                                          pe_columns, embed_scale, pe_scale, padding_idx, zero_pe_at_padding,
-                                          float64_math, vocab_start, vocab_size, dropout_seed, dropout_p, backend):
-    params = KernelParams(concat, weight.shape[1], pe_width, PEColumns.from_list(pe_columns), embed_scale, pe_scale,
-                          padding_idx if zero_pe_at_padding else -1, float64_math)
-    return standard_ops_forward(ids, weight, turns, positions, offsets, offset, seq_len, params,
-                                dropout_seed if dropout_p > 0.0 else None)
-
-
-for _op, _decomposition, _fake in (
-        (torch.ops.posenc_fast.sinusoidal_embedding.default, _sinusoidal_embedding_in_standard_ops,
-         _sinusoidal_embedding_fake),
-        (torch.ops.posenc_fast.add_sinusoidal.default, add_sinusoidal_standard_ops, _add_sinusoidal_fake)):
-    torch._decomp.register_decomposition(_op)(_decomposition)
-    torch._decomp.meta_table[_op] = _fake

@@ -40,35 +40,26 @@ from . import config
 _RADIANS_PER_UNIT = 2.0 * math.pi / 2.0**64
 
 
+def _assign(table: torch.Tensor, columns: range, values: torch.Tensor) -> None:
+    if len(columns):
+        table[..., columns.start : columns.stop : columns.step] = values[..., : len(columns)]
+
+
 def exact_sinusoid(positions: torch.Tensor, turns: torch.Tensor, pe_width: int, columns: PEColumns) -> torch.Tensor:
     """float64 PE of width ``pe_width`` for int64 ``positions`` (any shape), fixed-point turns ``R``
-    (h or h + 1 of them) and column layout ``columns``.
-
-    Functional, with no in-place writes: it is also the ops' decomposition (``ops.standard_ops_forward``),
-    which exporters retrace and which must not mutate."""
+    (h or h + 1 of them) and column layout ``columns``."""
     positions = positions.to(torch.int64)
     sin_columns, cos_columns = columns.sin_columns(pe_width), columns.cos_columns(pe_width)
     # Pair slots beyond the given frequencies (an odd D's zero tail) have R = 0: sin 0 = 0.
     slots = max(len(sin_columns), len(cos_columns), turns.numel())
-    padded = F.pad(turns.to(positions.device), (0, slots - turns.numel()))
+    padded = torch.zeros(slots, dtype=torch.int64, device=positions.device)
+    padded[: turns.numel()] = turns.to(positions.device)
     frac = positions.unsqueeze(-1) * padded  # wraps mod 2**64: the exact fractional turn
     angle = frac.to(torch.float64) * _RADIANS_PER_UNIT  # in [-pi, pi)
-    sin, cos = torch.sin(angle), torch.cos(angle)
-    if columns.interleaved:  # sin, cos, sin, cos, ... (an odd D ends with the sin of its tail slot)
-        half = pe_width // 2
-        pairs = torch.stack([sin[..., :half], cos[..., :half]], dim=-1).flatten(-2)
-        return torch.cat([pairs, sin[..., half:half + pe_width % 2]], dim=-1)
-    # Blocks: [sin ...] and [cos ...] where the layout puts them, zero columns in any gap (a cos-block tail).
-    pieces, column = [], 0
-    for start, block in sorted([(sin_columns.start, sin[..., :len(sin_columns)]),
-                                (cos_columns.start, cos[..., :len(cos_columns)])], key=lambda item: item[0]):
-        if start > column:
-            pieces.append(angle.new_zeros(angle.shape[:-1] + (start - column,)))
-        pieces.append(block)
-        column = max(column, start + block.shape[-1])
-    if column < pe_width:
-        pieces.append(angle.new_zeros(angle.shape[:-1] + (pe_width - column,)))
-    return torch.cat(pieces, dim=-1)
+    table = torch.zeros(positions.shape + (pe_width,), dtype=torch.float64, device=positions.device)
+    _assign(table, sin_columns, torch.sin(angle))
+    _assign(table, cos_columns, torch.cos(angle))
+    return table
 
 
 def sinusoidal_table(

@@ -272,3 +272,32 @@ def test_patched_marian_exports_with_transformers_static_cache_modules():
     with torch.no_grad():
         eager = unpatched(input_ids=prompt, decoder_input_ids=tokens.view(1, -1)).logits[0]
     torch.testing.assert_close(steps["patched"], eager, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["non_strict", "strict"])
+def test_patched_model_exports_without_posenc_fast_ops(strict):
+    """A patched model's position modules emit the float64 definition in standard ops under (non-strict)
+    torch.export: the program holds no posenc_fast op (it runs wherever the exported model is taken:
+    ExecuTorch, ONNX, another process without posenc_fast).  Strict export (Dynamo, which does not
+    report it as an export) keeps the fused op.  Both match the eager patched model at other sizes."""
+    transformers = pytest.importorskip("transformers", reason="the Hugging Face test needs transformers")
+
+    class Logits(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids, decoder_input_ids):
+            return self.inner(input_ids=input_ids, decoder_input_ids=decoder_input_ids, use_cache=False).logits
+
+    torch.manual_seed(0)
+    model = Logits(posenc_fast.patch_model(transformers.MarianMTModel(tiny_marian_config(transformers)).eval()))
+    batch, source, target = Dim("batch", max=16), Dim("source", max=60), Dim("target", max=60)
+    program = export(model, (torch.randint(3, 60, (2, 7)), torch.randint(3, 60, (2, 5))), strict=strict,
+                     dynamic_shapes=({0: batch, 1: source}, {0: batch, 1: target}))
+    targets = {str(node.target) for node in program.graph.nodes}
+    assert any("posenc_fast" in name for name in targets) == strict, sorted(targets)
+    for shape in [(3, 11, 4), (1, 20, 9)]:
+        ids, decoder_ids = torch.randint(3, 60, shape[:2]), torch.randint(3, 60, (shape[0], shape[2]))
+        with torch.no_grad():
+            torch.testing.assert_close(program.module()(ids, decoder_ids), model(ids, decoder_ids), atol=2e-5, rtol=0)

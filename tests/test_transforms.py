@@ -298,6 +298,27 @@ def _trace(f, ids, primal):
     return torch.jit.trace(lambda p: f(ids, p), (primal,), check_trace=False)
 
 
+@pytest.mark.parametrize("backend,device", TARGETS)
+def test_jit_trace_for_training_keeps_the_padding_row_out_of_the_gradient(backend, device, seed):
+    """A traced training step: the gradient is nn.Embedding's with padding_idx (the padding row gets
+    none), as eager; sparse=True, which the trace cannot keep, is refused."""
+    layer = _module_with_table(_TRACE_TABLE, embed_scale=SCALE, padding_idx=3, backend=backend)
+    g = torch.Generator().manual_seed(seed)
+    ids, positions = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g), torch.randint(0, 100, (BATCH, SEQ), generator=g)
+    ids[0, :2] = 3
+    traced = torch.jit.trace(_WithPositions(layer), (ids, positions), check_trace=False)
+    ids, positions = torch.randint(0, VOCAB, (3, 7), generator=g), torch.randint(0, 100, (3, 7), generator=g)
+    ids[1, 1:4] = 3
+    target = torch.randn(3, 7, WIDTH, generator=g)
+    (traced_grad,) = torch.autograd.grad((traced(ids, positions) * target).sum(), layer.weight)
+    (eager_grad,) = torch.autograd.grad((layer(ids, positions=positions) * target).sum(), layer.weight)
+    assert not traced_grad[3].any()
+    torch.testing.assert_close(traced_grad, eager_grad, atol=1e-5, rtol=1e-5)
+    sparse = _module_with_table(_TRACE_TABLE, sparse=True, backend=backend)
+    with pytest.raises(NotImplementedError, match="sparse=True.*jit.trace"):
+        torch.jit.trace(_WithPositions(sparse), (ids, positions), check_trace=False)
+
+
 # --- No state left behind -------------------------------------------------------------------------
 class _PassThrough(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -367,7 +388,7 @@ def test_no_state_left_behind(entry, mode, backend, device, seed):
     try:
         MODES[mode](lambda: entry.make(backend, base), ids, primal)
     except RuntimeError as error:  # posenc_fast's own refusal (jit.trace) is fine; nothing else is
-        assert str(error).startswith("posenc_fast "), error
+        assert str(error).startswith("posenc_fast supports torch.jit.trace"), error
     for f in (entry.make(backend, base), entry.make(backend, base)):
         for grad_mode in (False, True):
             with torch.set_grad_enabled(grad_mode):

@@ -220,7 +220,10 @@ def _position_forward(self, *args, **kwargs) -> torch.Tensor:
         rows = torch.zeros(positions.shape, dtype=torch.int64, device=positions.device)
     else:
         rows = positions.eq(state.zero_position).to(torch.int64)
-    pe = apply_spec(rows, zero_table, state.spec, state.spec.turns_tensor(positions.device), positions, 0, "auto")
+    # Under torch.export the rows are the float64 definition in standard ops: an exported patched model (what
+    # transformers' exporters, ExecuTorch and ONNX take) runs without posenc_fast.
+    pe = apply_spec(rows, zero_table, state.spec, state.spec.turns_tensor(positions.device), positions, 0, "auto",
+                    standard_ops_under_export=True)
     if state.kind == "offset_batched":
         pe = pe.unsqueeze(0).expand(_argument(state, "embeds", args, kwargs).shape[0], -1, -1)
     return pe
