@@ -1,6 +1,6 @@
 """Host time per call of the layer with the kernel launch stubbed out, on any machine (issue 15 item 4).
 
-    python bench/host_overhead.py [--calls N] [--json PATH]
+    python bench/host_overhead.py [--calls N] [--json PATH] [--entry-points]
 
 A decoding step calls the layer with a handful of tokens (the benchmark's decode case: 64 sequences
 of one token, d_model 4096, vocabulary 262144), so the host path, not the GPU, sets its speed, and
@@ -18,6 +18,10 @@ Time is the calling thread's CPU time (``time.thread_time``), best of several re
 processes on a shared machine inflate it less than wall time.  For scale, the eager module
 (nn.Embedding + scale + PE table add) is timed on CPU tensors of width 8: its aten ops' host work
 plus a negligible computation, about what eager spends on the host before its kernels launch.
+
+``--entry-points`` adds issue 26's table: every entry point (module, functional, ``add_sinusoidal`` and
+its module), in inference and in training, on ``cuda`` (zero-token launches, as above) and on ``cpu``
+and ``torch`` (their kernels run for real on a tiny case, so a few us of compute are included).
 """
 
 from __future__ import annotations
@@ -64,6 +68,18 @@ class _ZeroTokenLaunches:
         return zero_tokens
 
 
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+    return platform.processor() or platform.machine()
+
+
 def per_call_us(fn, calls: int, repeats: int = 7, warmup: int = 200) -> float:
     best = float("inf")
     for _ in range(repeats):
@@ -76,11 +92,68 @@ def per_call_us(fn, calls: int, repeats: int = 7, warmup: int = 200) -> float:
     return best
 
 
+# Issue 26's table: every entry point, inference (no autograd) and training (autograd node), per backend.
+# ``cuda``: the host-emulation build with zero-token launches, as above (host work only).  ``cpu`` and
+# ``torch`` run their kernels for real on a tiny case (TABLE_* below: a few us of compute included).
+TABLE_TOKENS, TABLE_WIDTH, TABLE_VOCAB = 64, 8, 1000
+
+
+def _entry_points(backend: str, width: int, vocab: int):
+    """name -> (make() -> (call(), trainable tensor)) for each entry point."""
+    def module():
+        layer = pf.SinusoidalEmbedding(vocab, width, embed_scale=width ** 0.5, backend=backend)
+        ids = torch.randint(0, vocab, (TABLE_TOKENS, 1))
+        return (lambda: layer(ids, offset=17)), layer.weight
+
+    def functional():
+        weight = torch.randn(vocab, width, requires_grad=True)
+        ids = torch.randint(0, vocab, (TABLE_TOKENS, 1))
+        return (lambda: pf.sinusoidal_embedding(ids, weight, offset=17, embed_scale=width ** 0.5,
+                                                backend=backend)), weight
+
+    def add_function():
+        x = torch.randn(TABLE_TOKENS, 1, width, requires_grad=True)
+        return (lambda: pf.add_sinusoidal(x, offset=17, backend=backend)), x
+
+    def add_module():
+        layer = pf.SinusoidalPositionalEncoding(width, backend=backend)
+        x = torch.randn(TABLE_TOKENS, 1, width, requires_grad=True)
+        return (lambda: layer(x, offset=17)), x
+
+    return {"SinusoidalEmbedding": module, "sinusoidal_embedding": functional, "add_sinusoidal": add_function,
+            "SinusoidalPositionalEncoding": add_module}
+
+
+def entry_point_table(calls: int) -> dict:
+    """{backend: {entry point: {"inference": us, "training": us}}} and eager's own, id check off."""
+    table = {}
+    for backend in ("cuda", "cpu", "torch"):
+        width, vocab = (4096, 262144) if backend == "cuda" else (TABLE_WIDTH, TABLE_VOCAB)
+        rows = table[f"{backend} (d {width})"] = {}
+        for name, make in _entry_points(backend, width, vocab).items():
+            call, trainable = make()
+            with pf.id_check(False):
+                with torch.no_grad():
+                    inference = per_call_us(call, calls)
+                training = per_call_us(call, calls)  # grad enabled, a trainable input: an autograd node per call
+            rows[name] = {"inference": inference, "training": training}
+            del trainable
+    eager = baselines.EagerSinusoidalEmbedding(TABLE_VOCAB, TABLE_WIDTH, max_len=32, embed_scale=TABLE_WIDTH ** 0.5)
+    ids = torch.randint(0, TABLE_VOCAB, (TABLE_TOKENS, 1))
+    with torch.no_grad():
+        inference = per_call_us(lambda: eager(ids), calls)
+    table[f"eager (nn.Embedding + scale + add, d {TABLE_WIDTH})"] = {
+        "nn.Module": {"inference": inference, "training": per_call_us(lambda: eager(ids), calls)}}
+    return table
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--calls", type=int, default=3000, help="calls per repeat")
     parser.add_argument("--json", help="also write the numbers to this file")
+    parser.add_argument("--entry-points", action="store_true",
+                        help="also time every backend and entry point, inference and training (issue 26)")
     args = parser.parse_args(argv)
 
     num_sequences, d_model, vocab = 64, 4096, 262144
@@ -111,19 +184,28 @@ def main(argv=None) -> int:
     eager = baselines.EagerSinusoidalEmbedding(vocab, 8, max_len=8)
     with torch.no_grad():
         rows["eager module, CPU, width 8 (host work + tiny compute)"] = per_call_us(lambda: eager(ids), args.calls)
+    table = entry_point_table(args.calls) if args.entry_points else None
     cuda_backend.use_host_emulation(None)
 
     print(f"host time per call, decode case ({num_sequences} tokens, d_model {d_model}, vocab {vocab}), "
           f"kernel launch stubbed; torch {torch.__version__}")
     for label, us in rows.items():
         print(f"  {label:56s} {us:6.1f} us")
+    if table is not None:
+        print(f"every entry point, {TABLE_TOKENS} tokens, id check off (cuda: host work only; cpu, torch: "
+              f"vocab {TABLE_VOCAB}, tiny compute included): inference / training us per call")
+        for backend, entries in table.items():
+            for name, us in entries.items():
+                print(f"  {backend:42s} {name:30s} {us['inference']:6.1f} / {us['training']:6.1f}")
     off = rows["layer, id check off"]
     print(f"target < {TARGET_US:g} us with the id check off: {'met' if off < TARGET_US else 'MISSED'} ({off:.1f} us)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"case": {"tokens": num_sequences, "d_model": d_model, "vocab": vocab},
+                       "device": _cpu_name(), "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d"),
                        "torch": torch.__version__, "clock": "time.thread_time, best of 7",
-                       "us_per_call": rows, "target_us": TARGET_US}, f, indent=2)
+                       "us_per_call": rows, "target_us": TARGET_US,
+                       "entry_points_us_per_call": table}, f, indent=2)
     return 0
 
 

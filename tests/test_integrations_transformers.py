@@ -5,8 +5,9 @@ the kind of inputs it takes.  The patched model is compared with an unpatched de
 reach it: logits with left and right padding, greedy and beam ``generate()`` with and without the KV
 cache, Parameters, tying and gradients, ``state_dict`` / ``save_pretrained``, hooks on the input
 embeddings (NEFTune, PEFT's input-grad hook), gradient checkpointing, replaced, rescaled and resized
-embeddings, ``inputs_embeds``, ``torch.compile(fullgraph=True)``, DDP, and loads that leave the position
-tables wrong (meta, ``device_map``).  Where the unpatched model itself raises (a transformers release's
+embeddings, ``inputs_embeds``, ``torch.compile(fullgraph=True)``, DDP, loads that leave the position
+tables wrong (meta, ``device_map``), and deployment: transformers' own exporters (torch.export, ONNX) and
+optimum-onnx.  Where the unpatched model itself raises (a transformers release's
 own bug), the patched one must raise the same.  .ci/run runs this file on the oldest supported
 transformers and on the newest.
 """
