@@ -961,8 +961,8 @@ def _assert_runtime_matches(model, session_model, seed):
     with torch.no_grad():
         expected = model(**inputs).logits
     got = session_model(**inputs).logits
-    # (ONNX Runtime sums in other orders than torch, and the unpatched model's tables are fp32 sinusoids)
-    torch.testing.assert_close(got, expected, atol=LOGITS_ATOL, rtol=GRAD_RTOL)
+    # (ONNX Runtime sums in other orders than torch, and a model loaded unpatched reads its fp32 tables)
+    _close(got, expected)
     inputs.pop("decoder_input_ids")
     settings = dict(max_new_tokens=8, do_sample=False, num_beams=1, use_cache=True)
     with torch.no_grad():
@@ -978,7 +978,7 @@ def test_optimum_exports_a_fine_tuned_patched_model_from_its_directory(family, s
     session_class, _ = _optimum()
     model, _, inputs = _patched_pair(family, seed)
     model.train()
-    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     for _ in range(3):
         _loss(model, inputs).backward()
         optimizer.step()
