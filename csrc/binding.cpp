@@ -14,6 +14,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include "launch_arguments.h"
 #include "posenc.h"
 
 namespace py = pybind11;
@@ -269,29 +270,17 @@ PYBIND11_MODULE(_C, m) {
   m.attr("HOST_EMULATION") = false;
 #endif
 
-  m.def("forward", &forward,
-        "Launch the forward kernel: out[N, width] = embed_scale * W[ids] (+) pe_scale * PE(pos), in fp32 "
-        "arithmetic (or float64 with float64_math), rounded once; with a dropout_seed pointer (0: none), "
-        "elements whose Philox word is below dropout_threshold are 0 and the others scaled by dropout_scale.",
-        py::arg("ids"), py::arg("ids_dtype"), py::arg("weight"), py::arg("weight_row_stride"), py::arg("dtype"),
-        py::arg("out"), py::arg("turns"), py::arg("num_turns"), py::arg("positions"), py::arg("offsets"),
-        py::arg("offset"), py::arg("seq_len"), py::arg("num_tokens"), py::arg("num_embeddings"),
-        py::arg("token_width"), py::arg("pe_width"), py::arg("concat"), py::arg("interleaved"),
-        py::arg("sin_base"), py::arg("num_sin"), py::arg("cos_base"), py::arg("num_cos"), py::arg("pe_zero_id"),
-        py::arg("embed_scale"), py::arg("pe_scale"), py::arg("float64_math"), py::arg("dropout_seed"),
-        py::arg("dropout_threshold"), py::arg("dropout_scale"), py::arg("stream"), py::arg("device"));
-  py::class_<ForwardLaunch>(m, "ForwardLaunch",
-                            "`forward` with the arguments that stay fixed between a module's calls bound once; "
-                            "called with the nine that change (positions offset + t % seq_len, no dropout).")
-      .def(py::init<int, uintptr_t, int64_t, int64_t, int64_t, int64_t, bool, bool, int64_t, int64_t, int64_t,
-                    int64_t, int64_t, double, double, bool, int>(),
-           py::arg("dtype"), py::arg("turns"), py::arg("num_turns"), py::arg("num_embeddings"),
-           py::arg("token_width"), py::arg("pe_width"), py::arg("concat"), py::arg("interleaved"),
-           py::arg("sin_base"), py::arg("num_sin"), py::arg("cos_base"), py::arg("num_cos"), py::arg("pe_zero_id"),
-           py::arg("embed_scale"), py::arg("pe_scale"), py::arg("float64_math"), py::arg("device"))
-      .def("__call__", &ForwardLaunch::operator(), py::arg("ids"), py::arg("ids_dtype"), py::arg("weight"),
-           py::arg("weight_row_stride"), py::arg("out"), py::arg("offset"), py::arg("seq_len"),
-           py::arg("num_tokens"), py::arg("stream"));
+  posenc::binding::def_forward(
+      m, &forward,
+      "Launch the forward kernel: out[N, width] = embed_scale * W[ids] (+) pe_scale * PE(pos), in fp32 "
+      "arithmetic (or float64 with float64_math), rounded once; with a dropout_seed pointer (0: none), "
+      "elements whose Philox word is below dropout_threshold are 0 and the others scaled by dropout_scale.",
+      "stream", "device");
+  posenc::binding::def_forward_launch<ForwardLaunch, int>(
+      m,
+      "`forward` with the arguments that stay fixed between a module's calls bound once; called with the nine "
+      "that change (positions offset + t % seq_len, no dropout).",
+      "stream", "device");
   m.def("weight_grad", &weight_grad,
         "Launch both stages of the deterministic weight gradient (ids sorted by the caller); with a "
         "dropout_seed pointer (0: none), of the gradient through the forward's dropout mask.",

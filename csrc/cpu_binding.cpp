@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "cpu_kernels.h"
+#include "launch_arguments.h"
 
 namespace py = pybind11;
 
@@ -521,30 +522,17 @@ PYBIND11_MODULE(_cpu, m) {
   const char* requested = std::getenv("POSENC_FAST_CPU_ISA");
   cpu::select_variant(requested != nullptr ? requested : "");
 
-  m.def("forward", &cpu::forward,
-        "Run the forward: out[N, width] = embed_scale * W[ids] (+) pe_scale * PE(pos), in fp32 arithmetic (or "
-        "float64 with float64_math), rounded once; with a dropout_seed pointer (0: none), elements whose Philox "
-        "word is below dropout_threshold are 0 and the others scaled by dropout_scale.",
-        py::arg("ids"), py::arg("ids_dtype"), py::arg("weight"), py::arg("weight_row_stride"), py::arg("dtype"),
-        py::arg("out"), py::arg("turns"), py::arg("num_turns"), py::arg("positions"), py::arg("offsets"),
-        py::arg("offset"), py::arg("seq_len"), py::arg("num_tokens"), py::arg("num_embeddings"),
-        py::arg("token_width"), py::arg("pe_width"), py::arg("concat"), py::arg("interleaved"),
-        py::arg("sin_base"), py::arg("num_sin"), py::arg("cos_base"), py::arg("num_cos"), py::arg("pe_zero_id"),
-        py::arg("embed_scale"), py::arg("pe_scale"), py::arg("float64_math"), py::arg("dropout_seed"),
-        py::arg("dropout_threshold"), py::arg("dropout_scale"), py::arg("num_threads"));
-  py::class_<cpu::ForwardLaunch>(m, "ForwardLaunch",
-                                 "`forward` with the arguments that stay fixed between a module's calls bound "
-                                 "once; called with the nine that change (positions offset + t % seq_len, no "
-                                 "dropout).")
-      .def(py::init<int, uintptr_t, int64_t, int64_t, int64_t, int64_t, bool, bool, int64_t, int64_t, int64_t,
-                    int64_t, int64_t, double, double, bool>(),
-           py::arg("dtype"), py::arg("turns"), py::arg("num_turns"), py::arg("num_embeddings"),
-           py::arg("token_width"), py::arg("pe_width"), py::arg("concat"), py::arg("interleaved"),
-           py::arg("sin_base"), py::arg("num_sin"), py::arg("cos_base"), py::arg("num_cos"), py::arg("pe_zero_id"),
-           py::arg("embed_scale"), py::arg("pe_scale"), py::arg("float64_math"))
-      .def("__call__", &cpu::ForwardLaunch::operator(), py::arg("ids"), py::arg("ids_dtype"), py::arg("weight"),
-           py::arg("weight_row_stride"), py::arg("out"), py::arg("offset"), py::arg("seq_len"),
-           py::arg("num_tokens"), py::arg("num_threads"));
+  posenc::binding::def_forward(
+      m, &cpu::forward,
+      "Run the forward: out[N, width] = embed_scale * W[ids] (+) pe_scale * PE(pos), in fp32 arithmetic (or "
+      "float64 with float64_math), rounded once; with a dropout_seed pointer (0: none), elements whose Philox "
+      "word is below dropout_threshold are 0 and the others scaled by dropout_scale.",
+      "num_threads");
+  posenc::binding::def_forward_launch<cpu::ForwardLaunch>(
+      m,
+      "`forward` with the arguments that stay fixed between a module's calls bound once; called with the nine "
+      "that change (positions offset + t % seq_len, no dropout).",
+      "num_threads");
   m.def("weight_grad", &cpu::weight_grad,
         "The deterministic weight gradient (ids sorted by the caller; every element of grad_weight is written); with a "
         "dropout_seed pointer (0: none), through the forward's dropout mask.",

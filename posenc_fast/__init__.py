@@ -3,6 +3,19 @@
     from posenc_fast import sinusoidal_embedding, SinusoidalEmbedding
 
 ``posenc_fast.reference`` is the pure-PyTorch definition every backend is tested against.
+
+Layers, lowest first; a module imports only from its own layer or lower ones (tests/test_layering.py):
+
+1. host-side data and settings: ``config``, ``presets``, ``_spec`` (the PE's parameters), ``_dropout``,
+   ``_timing``, ``_build`` (compiling the extensions), ``baselines``, the extensions ``_cpu`` and ``_C``;
+2. checks: ``_validate`` (arguments), ``_routing`` (eager, traced or transformed call);
+3. the definition: ``reference``, ``positions``;
+4. ``backends``: one module per backend, the same entry points (``backends/__init__``);
+5. ``_dispatch``: the one place that maps ``backend=`` and a device to a backend;
+6. ``ops``: the torch.library ops and autograd Functions;
+7. ``_prepared``: prepared launches, the repeated eager call of every entry point;
+8. ``functional``; 9. ``module``;
+10. integrations and tools: ``integrations``, ``check``, ``cli``, ``benchmark``, ``explore``, this file.
 """
 
 from . import presets, reference

@@ -160,11 +160,17 @@ class PESpec:
     zero_pe_at_padding: bool = False  # tokens equal to padding_idx get no PE (fairseq)
     precision: str = "float32"  # "float64": correctly rounded fp32 outputs (slower on consumer GPUs)
     # Derived, not compared: R_i for each frequency, the column layout, device copies of R, and the
-    # backends' KernelParams (functional._kernel_params).
+    # backends' KernelParams (backends.kernel_params).
     turns_fixed_point: Tuple[int, ...] = dataclasses.field(init=False, compare=False, repr=False)
     columns: PEColumns = dataclasses.field(init=False, compare=False, repr=False)
     _turns_by_device: dict = dataclasses.field(init=False, compare=False, repr=False, default_factory=dict)
-    _kernel_params: dict = dataclasses.field(init=False, compare=False, repr=False, default_factory=dict)
+    kernel_params_cache: dict = dataclasses.field(init=False, compare=False, repr=False, default_factory=dict)
+    # The functional entry points' prepared launches (posenc_fast._prepared): plain data, made in eager mode.
+    prepared_launches: dict = dataclasses.field(init=False, compare=False, repr=False, default_factory=dict)
+
+    def __getstate__(self):
+        # Copies and pickles leave the prepared launches behind (binding objects): prepared again on use.
+        return {**self.__dict__, "prepared_launches": {}}
 
     def __post_init__(self):
         # Plain attributes rather than functools.cached_property, whose lock torch.compile cannot trace.

@@ -103,12 +103,28 @@ def make_spec(
     Specs are cached per argument tuple, so a repeated call returns the same object
     (whose device tensors are cached in turn).
     """
-    if not torch.compiler.is_compiling() and torch._C._is_tracing():  # (Dynamo cannot trace _is_tracing)
+    validated_key = None
+    if torch.compiler.is_compiling():
+        pass
+    elif torch._C._is_tracing():  # (Dynamo cannot trace _is_tracing: asked only outside it)
         # jit.trace gives sizes as traced 0-dim tensors.  The table's (or x's) shape is a constant of a
         # traced layer: taken as ints, so the frequencies are computed in float64 as always and the
         # spec cache never keys on a tensor.
         num_embeddings, token_width = (int(size) if isinstance(size, torch.Tensor) else size
                                        for size in (num_embeddings, token_width))
+    elif frequencies is None:
+        # A repeated call (the functional entry points build their spec on every call) skips the checks
+        # below: the arguments, and the types of those where True, 1 and 1.0 are equal keys but not
+        # equally valid, name a spec already built from them.
+        validated_key = (num_embeddings, token_width, mode, d_pos, base, layout, embed_scale, pe_scale, padding_idx,
+                         zero_pe_at_padding, precision, type(num_embeddings), type(token_width), type(d_pos),
+                         type(base), type(embed_scale), type(pe_scale), type(padding_idx), type(zero_pe_at_padding))
+        try:
+            spec = _VALIDATED_SPECS.get(validated_key)
+        except TypeError:  # an unhashable argument: the checks below name it
+            validated_key = spec = None
+        if spec is not None:
+            return spec
     for name, value in (("mode", mode), ("layout", layout)):
         if not isinstance(value, str):
             raise ValueError(f"unknown {name} {value!r}; expected one of {MODES if name == 'mode' else LAYOUTS}")
@@ -126,10 +142,19 @@ def make_spec(
         raise TypeError(f"zero_pe_at_padding must be a bool, got {zero_pe_at_padding!r}")
     if not isinstance(precision, str) or precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; expected one of {PRECISIONS}")
-    return _make_spec_cached(
+    spec = _make_spec_cached(
         num_embeddings, token_width, mode, d_pos, float(base), layout, float(embed_scale), float(pe_scale),
         padding_idx, frequencies, zero_pe_at_padding, precision,
     )
+    if validated_key is not None:
+        if len(_VALIDATED_SPECS) >= _VALIDATED_SPECS_KEPT:
+            _VALIDATED_SPECS.clear()
+        _VALIDATED_SPECS[validated_key] = spec
+    return spec
+
+
+_VALIDATED_SPECS: dict = {}  # make_spec's arguments (with types) -> the spec they gave
+_VALIDATED_SPECS_KEPT = 512
 
 
 @host_cache

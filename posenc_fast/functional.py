@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import sys
 import warnings
 from typing import Optional, Sequence, Union
 
@@ -12,17 +11,15 @@ import torch.autograd.forward_ad as _forward_ad
 
 from ._dispatch import resolve_backend
 from ._dropout import check_dropout_p, draw_seed
+from ._prepared import functional_addition, functional_embedding, remember_addition, remember_embedding
+from ._routing import eager_call as _eager_call, in_onnx_export as _in_onnx_export, jit_tracing as _jit_tracing
 from ._spec import PESpec, dispatch_mode_depth
 from ._validate import check_offset, check_weight, check_weight_for_spec, make_batch, make_spec
-from .backends import KernelParams
+from .backends import kernel_params as _kernel_params
 from .ops import (AddSinusoidalFunction, EmbeddingFunction, add_sinusoidal_forward, add_sinusoidal_op,
                   add_sinusoidal_standard_ops, run_forward, sinusoidal_embedding_op, standard_ops_forward)
 from .positions import make_positions, packed_positions
 from .presets import POSITION_RULES
-
-
-def _jit_tracing() -> bool:
-    return not torch.compiler.is_compiling() and torch._C._is_tracing()  # (Dynamo cannot trace _is_tracing)
 
 
 def _quiet_under_jit_trace(function):
@@ -89,8 +86,17 @@ def sinusoidal_embedding(
     check_weight(weight)
     spec = make_spec(weight.shape[0], weight.shape[1], mode, d_pos, base, layout, embed_scale, pe_scale, padding_idx,
                      frequencies, zero_pe_at_padding, precision)
-    return apply_spec(ids, weight, spec, spec.turns_tensor(weight.device), positions, offset, backend,
-                      cu_seqlens=cu_seqlens, dropout_p=dropout_p, training=training, sparse=sparse)
+    # A repeated call (a decoding step): see posenc_fast._prepared (never under torch.compile, which traces the op).
+    simple_call = positions is None and cu_seqlens is None and not torch.compiler.is_compiling()
+    if simple_call:
+        out = functional_embedding(spec, backend, dropout_p, training, sparse, weight, ids, offset)
+        if out is not None:
+            return out
+    out = apply_spec(ids, weight, spec, spec.turns_tensor(weight.device), positions, offset, backend,
+                     cu_seqlens=cu_seqlens, dropout_p=dropout_p, training=training, sparse=sparse)
+    if simple_call:
+        remember_embedding(spec, backend, dropout_p, weight, ids, offset)
+    return out
 
 
 def _positions_by_rule(ids, spec: PESpec, positions, offset, cu_seqlens, position_rule: str):
@@ -124,35 +130,6 @@ _FUNCTION = "function"  # eager with autograd, forward-mode AD or torch.func: op
 _OP = "op"              # traced (torch.compile, torch.export) or intercepted (a dispatch mode): the op
 _STANDARD_OPS = "standard"  # captured for another runtime (torch.onnx.export, jit.trace): the definition in
                             # standard torch ops (ops.standard_ops_forward)
-
-
-def _eager_call(ids, weight) -> bool:
-    """Whether the call may run the op's implementation without torch.library: eager, on plain
-    tensors, with nothing tracing (torch.compile, torch.export, jit.trace), transforming (torch.func,
-    vmap, forward-mode AD) or intercepting (a dispatch mode) it.
-
-    The dispatcher (autograd wrapper, redispatch, alias checks) costs about 20 us of Python per
-    call, most of the host time of a decoding step, and its custom-op autograd wrapper about 150
-    us more in training (``ops.EmbeddingFunction``).  Same implementation, same checks.
-    """
-    return (not torch.compiler.is_compiling()
-            and type(ids) is torch.Tensor and type(weight) in (torch.Tensor, torch.nn.Parameter)
-            and not torch._C._is_tracing() and not torch._C._are_functorch_transforms_active()
-            and not dispatch_mode_depth() and _forward_ad._current_level < 0)
-
-
-def _eager_inference(ids, weight) -> bool:
-    """An eager call (``_eager_call``) with nothing to differentiate: no autograd node at all."""
-    return not (torch.is_grad_enabled() and weight.requires_grad) and _eager_call(ids, weight)
-
-
-def _in_onnx_export() -> bool:
-    """``torch.onnx.is_in_onnx_export()``, also where torch.onnx.export captures the model with Dynamo
-    (its strict strategy), which folds that function to False: there the flag it reads is read directly."""
-    if torch.compiler.is_compiling():
-        flags = sys.modules.get("torch.onnx._internal.exporter._flags")
-        return bool(getattr(flags, "_is_onnx_exporting", False))
-    return torch.onnx.is_in_onnx_export()
 
 
 def _route(ids, weight, standard_ops_under_export: bool = False) -> str:
@@ -292,19 +269,6 @@ def apply_spec(ids, weight, spec: PESpec, turns: torch.Tensor, positions, offset
     return out.reshape(batch.out_shape)
 
 
-def _kernel_params(spec: PESpec, zero_pe_at_padding: bool) -> KernelParams:
-    """The op's KernelParams for ``spec`` (what ``sinusoidal_embedding_forward`` builds from its flat
-    arguments), made once per spec: the eager path skips the flat form."""
-    cache = spec._kernel_params
-    params = cache.get(zero_pe_at_padding)
-    if params is None:
-        pe_zero_id = spec.padding_idx if zero_pe_at_padding and spec.padding_idx is not None else -1
-        params = cache[zero_pe_at_padding] = KernelParams(
-            spec.mode == "concat", spec.token_width, spec.pe_width, spec.columns, spec.embed_scale, spec.pe_scale,
-            pe_zero_id, spec.precision == "float64")
-    return params
-
-
 @_quiet_under_jit_trace
 def add_sinusoidal(
     x: torch.Tensor,
@@ -335,7 +299,15 @@ def add_sinusoidal(
     if x.dim() < 1 or not x.is_floating_point():
         raise TypeError(f"x must be a floating-point tensor [..., D], got dtype {x.dtype} and shape {list(x.shape)}")
     spec = make_spec(1, x.shape[-1], "add", None, base, layout, x_scale, pe_scale, None, frequencies, False, precision)
-    return apply_add_spec(x, spec, spec.turns_tensor(x.device), positions, offset, cu_seqlens, backend)
+    simple_call = positions is None and cu_seqlens is None and not torch.compiler.is_compiling()
+    if simple_call:
+        out = functional_addition(spec, backend, x, offset)
+        if out is not None:
+            return out
+    out = apply_add_spec(x, spec, spec.turns_tensor(x.device), positions, offset, cu_seqlens, backend)
+    if simple_call:
+        remember_addition(spec, backend, x, offset)
+    return out
 
 
 @_quiet_under_jit_trace

@@ -12,8 +12,9 @@ from . import presets
 from ._dispatch import check_backend_name
 from ._dropout import check_dropout_p
 from ._validate import check_weight, make_spec
-from ._prepared import PreparedForward
-from .functional import _eager_inference, apply_add_spec, apply_spec
+from ._prepared import PreparedAddition, PreparedForward
+from ._routing import eager_call
+from .functional import apply_add_spec, apply_spec
 from .presets import PADDING_AWARE_RULES, POSITION_RULES
 
 
@@ -103,7 +104,7 @@ class SinusoidalEmbedding(nn.Module):
         self.reset_parameters()
         self._prepare_turns()
 
-    # The prepared launch of the last eager inference call (posenc_fast._prepared); a class default
+    # The prepared launch of the last eager call (posenc_fast._prepared); a class default
     # so that modules unpickled from older versions have it too.
     _prepared: Optional[PreparedForward] = None
     sparse: bool = False  # (the same for modules pickled before the option existed)
@@ -170,21 +171,22 @@ class SinusoidalEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor, positions: Optional[torch.Tensor] = None,
                 offset: Union[int, torch.Tensor] = 0, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
-        weight = self.weight
-        # A decoding step: see posenc_fast._prepared (never under torch.compile, which traces the op).
-        simple_call = positions is None and cu_seqlens is None and not torch.compiler.is_compiling()
+        weight, spec, backend, dropout = self.weight, self.spec, self.backend, self.dropout
+        # A repeated call (a decoding step, a training step): see posenc_fast._prepared (never under
+        # torch.compile, which traces the op).
+        simple_call = (positions is None and cu_seqlens is None and self.position_rule == "offset"
+                       and self.vocab_range is None and not torch.compiler.is_compiling())
         prepared = self._prepared  # read once: another thread may replace it
         if simple_call and prepared is not None:
-            out = prepared.run(self, weight, ids, offset)
+            out = prepared.run(spec, backend, dropout, self.training, self.sparse, weight, ids, offset)
             if out is not None:
                 return out
-        spec = self.spec
-        out = apply_spec(ids, weight, spec, spec.turns_tensor(weight.device), positions, offset, self.backend,
+        out = apply_spec(ids, weight, spec, spec.turns_tensor(weight.device), positions, offset, backend,
                          cu_seqlens=cu_seqlens, position_rule=self.position_rule, vocab_range=self.vocab_range,
-                         dropout_p=self.dropout, training=self.training, sparse=self.sparse)
-        if simple_call and type(offset) is int and _eager_inference(ids, weight) and (
-                prepared is None or not prepared.prepared_for(self, weight)):
-            self._prepared = PreparedForward.build(self, weight)
+                         dropout_p=dropout, training=self.training, sparse=self.sparse)
+        if simple_call and type(offset) is int and eager_call(ids, weight) and (
+                prepared is None or not prepared.prepared_for(spec, backend, dropout, weight)):
+            self._prepared = PreparedForward.build(spec, backend, dropout, weight)
         return out
 
     def __getstate__(self):
@@ -316,8 +318,23 @@ class SinusoidalPositionalEncoding(nn.Module):
                 offset: Union[int, torch.Tensor] = 0, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             raise TypeError(f"x must be a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}")
-        return apply_add_spec(x, self.spec, self.spec.turns_tensor(x.device), positions, offset, cu_seqlens,
-                              self.backend)
+        spec, backend = self.spec, self.backend
+        simple_call = positions is None and cu_seqlens is None and not torch.compiler.is_compiling()
+        prepared = self._prepared  # (see SinusoidalEmbedding.forward)
+        if simple_call and prepared is not None:
+            out = prepared.run(spec, backend, x, offset)
+            if out is not None:
+                return out
+        out = apply_add_spec(x, spec, spec.turns_tensor(x.device), positions, offset, cu_seqlens, backend)
+        if simple_call and type(offset) is int and type(x) is torch.Tensor and eager_call(x, x) and (
+                prepared is None or not prepared.prepared_for(spec, backend, x)):
+            self._prepared = PreparedAddition.build(spec, backend, x)
+        return out
+
+    _prepared: Optional[PreparedAddition] = None  # as SinusoidalEmbedding's
+
+    def __getstate__(self):
+        return {**super().__getstate__(), "_prepared": None}
 
     def extra_repr(self) -> str:
         s = self.spec

@@ -1,4 +1,4 @@
-"""posenc_fast._prepared: a module's repeated eager inference call through its prepared launch.
+"""posenc_fast._prepared: every entry point's repeated eager call (inference and training) through its prepared launch.
 
 The prepared launch must be invisible: every call it serves gives what the general path gives (the
 float64 reference's bars, and bit for bit the general path of the same backend), and whatever a user
@@ -7,6 +7,7 @@ grad mode, the backend's extension) either keeps it valid or sends the call back
 """
 
 import copy
+import itertools
 import pickle
 
 import pytest
@@ -29,15 +30,17 @@ OFFSET_CASES = [c for c in CASES if c.position_rule in ("zero", "int")]
 def prepared_runs(monkeypatch):
     """How many calls the prepared launch served (``PreparedForward.run`` returned an output)."""
     served = []
-    run = _prepared.PreparedForward.run
 
-    def counting_run(self, *args):
-        out = run(self, *args)
-        if out is not None:
-            served.append(out)
-        return out
+    def counting(run):
+        def counting_run(self, *args):
+            out = run(self, *args)
+            if out is not None:
+                served.append(out)
+            return out
+        return counting_run
 
-    monkeypatch.setattr(_prepared.PreparedForward, "run", counting_run)
+    for kind in (_prepared.PreparedForward, _prepared.PreparedAddition):
+        monkeypatch.setattr(kind, "run", counting(kind.run))
     return served
 
 
@@ -271,17 +274,13 @@ def test_out_of_range_ids_with_the_check_off(backend, device):
 
 
 @pytest.mark.parametrize("backend,device", TARGETS)
-def test_training_dropout_and_grad_take_the_general_path(backend, device, prepared_runs):
+def test_dropout_in_training_takes_the_general_path(backend, device, prepared_runs):
     layer = _basic_layer(backend, device)
     ids = _ids(device)
     with torch.no_grad():
         layer(ids)
         layer(ids)
     served = len(prepared_runs)
-    out = layer(ids)  # grad enabled, trainable weight: an autograd node
-    assert out.requires_grad and out.grad_fn is not None
-    out.sum().backward()
-    assert layer.weight.grad is not None
     layer.dropout = 0.5
     layer.train()
     with torch.no_grad():
@@ -296,12 +295,131 @@ def test_training_dropout_and_grad_take_the_general_path(backend, device, prepar
         torch.manual_seed(6)
         assert torch.equal(dropped, _fresh(layer)(ids))
         assert torch.count_nonzero(dropped) < dropped.numel()
+    torch.manual_seed(7)
+    out = layer(ids)  # with autograd too
+    torch.manual_seed(7)
+    assert torch.equal(out, _fresh(layer)(ids)) and out.grad_fn is not None
     # Of these calls only the eval ones run prepared (prepared again for dropout 0.5 after the first
-    # training call); the grad call needs autograd, the training calls dropout.
+    # training call); the training calls need dropout.
     assert served == (1 if backend in PREPARED_BACKENDS else 0)
     assert len(prepared_runs) == 3 * served
 
 
+# Every entry point the prepared launches serve, as make(backend, device) -> (call(input, offset=),
+# make_input(seed), trainable table or None: then the input is trainable): a new entry point is one more
+# entry.  The functional ones keep their launch on the spec, which is cached per argument tuple, so each
+# test takes a PE scale never used before: a new spec, whose first call takes the general path.
+_NEW_SCALES = itertools.count(1)
+
+
+def _new_pe_scale() -> float:
+    return 0.5 + next(_NEW_SCALES) / 1024
+
+
+def _module_entry(backend, device):
+    layer = _basic_layer(backend, device, embed_scale=2.5).train()
+    return layer, lambda seed: _ids(device, seed=seed), layer.weight
+
+
+def _functional_entry(backend, device):
+    weight = torch.randn(50, 16, generator=torch.Generator().manual_seed(4)).to(device).requires_grad_()
+
+    def call(ids, offset=0):
+        return pf.sinusoidal_embedding(ids, weight, padding_idx=1, embed_scale=2.5, pe_scale=pe_scale, layout="split",
+                                       backend=backend, offset=offset)
+    pe_scale = _new_pe_scale()
+    return call, lambda seed: _ids(device, seed=seed), weight
+
+
+def _addition_input(device, seed, shape=(3, 5, 16)):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(device)
+
+
+def _addition_module_entry(backend, device):
+    layer = pf.SinusoidalPositionalEncoding(16, x_scale=1.5, layout="split", backend=backend)
+    return layer, lambda seed: _addition_input(device, seed), None
+
+
+def _addition_functional_entry(backend, device):
+    def call(x, offset=0):
+        return pf.add_sinusoidal(x, x_scale=1.5, pe_scale=pe_scale, backend=backend, offset=offset)
+    pe_scale = _new_pe_scale()
+    return call, lambda seed: _addition_input(device, seed, (2, 3, 4, 16)), None
+
+
+ENTRY_POINTS = [_module_entry, _functional_entry, _addition_module_entry, _addition_functional_entry]
+
+
+@pytest.mark.parametrize("backend,device", TARGETS)
+@pytest.mark.parametrize("autograd", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("entry", ENTRY_POINTS, ids=lambda f: f.__name__.strip("_"))
+def test_every_entry_point_equals_the_general_path(entry, autograd, backend, device, prepared_runs, monkeypatch):
+    """Repeated calls of each entry point, inference and training: output, gradient (to the table or to x)
+    and double backward bit for bit those of the general path, and served prepared after the first."""
+    call, make_input, table = entry(backend, device)
+
+    def step(seed, offset):
+        source = make_input(seed)
+        trainable = table
+        if table is None:
+            source = trainable = source.requires_grad_(autograd)
+        with torch.set_grad_enabled(autograd):
+            out = call(source, offset=offset)
+        if not autograd:
+            assert out.grad_fn is None
+            return (out,)
+        assert out.grad_fn is not None
+        grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(device).requires_grad_()
+        (grad,) = torch.autograd.grad(out, trainable, grad_out, create_graph=True)
+        second = torch.autograd.grad((grad * grad).sum(), grad_out, allow_unused=True)[0]
+        return out.detach(), grad.detach(), second
+
+    calls = [(seed, offset) for seed, offset in ((1, 0), (2, 7), (3, 2**40 + 3), (4, -5))]
+    got = [step(*c) for c in calls]
+    served = len(prepared_runs)
+    with monkeypatch.context() as patch:
+        patch.setattr(_prepared, "eager_call", lambda *args: False)  # no prepared launch serves or is prepared
+        want = [step(*c) for c in calls]
+    assert len(prepared_runs) == served
+    for c, g, w in zip(calls, got, want):
+        for part, (a, b) in enumerate(zip(g, w)):
+            assert (a is None and b is None) or torch.equal(a, b), (c, part)
+    assert served == (len(calls) - 1 if backend in PREPARED_BACKENDS else 0), served
+
+
+@pytest.mark.parametrize("backend,device", TARGETS)
+def test_sparse_gradients_of_prepared_training_calls(backend, device, prepared_runs):
+    layer = _basic_layer(backend, device, sparse=True).train()
+    for seed in range(3):
+        ids = _ids(device, seed=seed)
+        twin = _fresh(layer)
+        layer.weight.grad = twin.weight.grad = None
+        layer(ids, offset=seed).sum().backward()
+        twin(ids, offset=seed).sum().backward()
+        assert layer.weight.grad.is_sparse and torch.equal(layer.weight.grad.to_dense(), twin.weight.grad.to_dense())
+    assert len(prepared_runs) == (2 if backend in PREPARED_BACKENDS else 0)
+
+
+@pytest.mark.parametrize("backend,device", TARGETS)
+def test_addition_calls_the_launch_does_not_serve(backend, device, prepared_runs):
+    """Inputs of add_sinusoidal's layer that its prepared launch declines (not contiguous, one row, another
+    width, dtype or device kind) give what the general path gives, and bad ones its errors."""
+    layer = pf.SinusoidalPositionalEncoding(16, backend=backend)
+    x = _addition_input(device, 1)
+    with torch.no_grad():
+        layer(x)
+        layer(x)
+        for other in (x.transpose(0, 1), x[0, 0], x.to(torch.bfloat16), x[:, :0]):
+            assert torch.equal(layer(other, offset=3), pf.SinusoidalPositionalEncoding(16, backend=backend)(other, offset=3))
+        served = len(prepared_runs)
+        for shape in ((9, 11, 16), (2, 16), (40, 3, 16)):  # more rows than numbered so far: they grow
+            other = _addition_input(device, 2, shape)
+            assert torch.equal(layer(other, offset=5), pf.SinusoidalPositionalEncoding(16, backend=backend)(other, offset=5))
+        assert len(prepared_runs) == served + (3 if backend in PREPARED_BACKENDS else 0)
+        with pytest.raises(ValueError, match="width 8"):
+            layer(x[..., :8])
+        with pytest.raises(TypeError, match="floating-point"):
+            layer(x.to(torch.int64))
 @pytest.mark.parametrize("backend,device", TARGETS)
 def test_outputs_are_not_views(backend, device):
     """As nn.Embedding's: a view made under no_grad could not later be modified in place with grad on."""

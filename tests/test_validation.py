@@ -126,3 +126,21 @@ def test_id_check_off_never_reads_outside_the_table(backend, device):
     torch.testing.assert_close(out[1, 3], pe[3], rtol=0, atol=1e-6)
     counts = torch.bincount(torch.cat([ids[0, :1], ids[0, 2:], ids[1, :3], ids[1, 4:]]).cpu(), minlength=10)
     torch.testing.assert_close(grad.cpu(), counts[:, None].float().expand(10, 8), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("argument,valid,invalid", [
+    ("embed_scale", 1, True), ("pe_scale", 0, False), ("padding_idx", 1, True), ("padding_idx", 1, 1.0),
+    ("d_pos", 4, 4.0), ("zero_pe_at_padding", False, 0), ("base", 10000, torch.tensor(10000.0)),
+])
+def test_a_repeated_call_is_checked_as_the_first(argument, valid, invalid):
+    """make_spec remembers the arguments it has checked (a functional call builds its spec on every call);
+    an argument equal to a checked one but of a type the checks refuse (True == 1, 1.0 == 1) is still refused."""
+    weight = torch.randn(10, 8)
+    ids = torch.randint(0, 10, (2, 3))
+    kwargs = {"mode": "concat"} if argument == "d_pos" else {}
+    if argument != "padding_idx":
+        kwargs["padding_idx"] = 2
+    for _ in range(2):
+        pf.sinusoidal_embedding(ids, weight, **kwargs, **{argument: valid})
+    with pytest.raises((TypeError, ValueError), match=argument):
+        pf.sinusoidal_embedding(ids, weight, **kwargs, **{argument: invalid})

@@ -8,8 +8,9 @@
     forward(ids, weight, turns, positions, offsets, offset, seq_len, params, dropout) -> Tensor[N, width]
     backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype, dropout)
         -> Tensor[V, token_width]   (padding_idx: -1 for none)
-    prepare_forward(weight, turns, params) -> Optional[PreparedLaunch]: optional; ``forward`` with the
-        arguments fixed between a module's calls bound once (``posenc_fast._prepared``)
+    prepare_forward(dtype, num_rows, device, turns, params) -> Optional[PreparedLaunch]: optional;
+        ``forward`` with the arguments fixed between calls (a table of ``num_rows`` rows of ``dtype`` on
+        ``device``) bound once (``posenc_fast._prepared``)
 
 ``params`` is a :class:`KernelParams`; ``dropout`` a :class:`Dropout` (``_dropout``) or None.  Backend choice
 lives in ``posenc_fast._dispatch``.
@@ -69,6 +70,19 @@ class KernelParams(NamedTuple):
     @property
     def num_pairs(self) -> int:
         return self.pe_width // 2
+
+
+def kernel_params(spec, zero_pe_at_padding: bool) -> KernelParams:
+    """The KernelParams of a ``PESpec`` (what the op builds from its flat arguments), made once per spec
+    and kept on it: every entry point's eager path and prepared launch takes them from here."""
+    cache = spec.kernel_params_cache
+    params = cache.get(zero_pe_at_padding)
+    if params is None:
+        pe_zero_id = spec.padding_idx if zero_pe_at_padding and spec.padding_idx is not None else -1
+        params = cache[zero_pe_at_padding] = KernelParams(
+            spec.mode == "concat", spec.token_width, spec.pe_width, spec.columns, spec.embed_scale, spec.pe_scale,
+            pe_zero_id, spec.precision == "float64")
+    return params
 
 
 class PreparedLaunch(NamedTuple):

@@ -150,8 +150,8 @@ def _dropout_arguments(dropout: Optional[Dropout]):
     return seed.data_ptr(), int(dropout.threshold), float(dropout.scale)
 
 
-def prepare_forward(weight, turns, params: KernelParams) -> Optional[PreparedLaunch]:
-    """``_cpu.ForwardLaunch`` bound to ``weight``'s dtype and size and to ``params``
+def prepare_forward(dtype, num_rows: int, device, turns, params: KernelParams) -> Optional[PreparedLaunch]:
+    """``_cpu.ForwardLaunch`` bound to a table's dtype and row count and to ``params``
     (``posenc_fast._prepared``); None when the extension is missing."""
     state = _lookup()
     module = state.module
@@ -160,7 +160,7 @@ def prepare_forward(weight, turns, params: KernelParams) -> Optional[PreparedLau
     turns = int64_vector(turns)
     columns = params.columns
     launch = module.ForwardLaunch(
-        _dtype_code(module, weight.dtype), turns.data_ptr(), turns.numel(), weight.shape[0], params.token_width,
+        _dtype_code(module, dtype), turns.data_ptr(), turns.numel(), num_rows, params.token_width,
         params.pe_width, bool(params.concat), bool(columns.interleaved), columns.sin_base, columns.num_sin,
         columns.cos_base, columns.num_cos, int(params.pe_zero_id), float(params.embed_scale),
         float(params.pe_scale), bool(params.float64_math))

@@ -246,8 +246,8 @@ def _no_stream() -> int:
     return 0  # host emulation
 
 
-def prepare_forward(weight, turns, params: KernelParams) -> Optional[PreparedLaunch]:
-    """``_C.ForwardLaunch`` bound to ``weight``'s dtype, size and device and to ``params``
+def prepare_forward(dtype, num_rows: int, device, turns, params: KernelParams) -> Optional[PreparedLaunch]:
+    """``_C.ForwardLaunch`` bound to a table's dtype, row count and device and to ``params``
     (``posenc_fast._prepared``); None when the extension is missing."""
     state = _lookup()
     module, emulating = state.module, _host_emulation
@@ -255,9 +255,8 @@ def prepare_forward(weight, turns, params: KernelParams) -> Optional[PreparedLau
         return None
     turns = int64_vector(turns)
     columns = params.columns
-    device = weight.device
     launch = module.ForwardLaunch(
-        dtype_code(module, weight.dtype, "cuda"), turns.data_ptr(), turns.shape[0], weight.shape[0],
+        dtype_code(module, dtype, "cuda"), turns.data_ptr(), turns.shape[0], num_rows,
         params.token_width, params.pe_width, params.concat, columns.interleaved, columns.sin_base, columns.num_sin,
         columns.cos_base, columns.num_cos, params.pe_zero_id, params.embed_scale, params.pe_scale,
         params.float64_math, device.index or 0)
