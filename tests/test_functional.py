@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import posenc_fast as pf
-from posenc_fast import reference
+from posenc_fast import backends, reference
 from posenc_fast.backends import triton_backend
 
 from cases import CASES, DESIGN_POSITIONS, Case, assert_within, backend_targets, make_inputs, output_bound, ulp
@@ -282,3 +282,22 @@ def test_dispatch_modes_see_the_op(monkeypatch):
     with torch.no_grad(), Log():
         pf.sinusoidal_embedding(ids, weight, backend="torch")
     assert any("posenc_fast" in name for name in seen), seen
+
+
+@pytest.mark.parametrize("backend,device", TARGETS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_broadcast_gradient_is_read_as_one_row(backend, device, dtype):
+    """``loss = out.sum()`` broadcasts one value to every element of the output's gradient: the weight
+    gradient reads it as one row (``backends.gradient_rows``: no tokens x width copy), and equals the
+    gradient of the same values given in full."""
+    weight = torch.randn(30, 12, dtype=dtype).to(device).requires_grad_()
+    ids = torch.randint(0, 30, (4, 9)).to(device)
+    kwargs = dict(offset=3, embed_scale=2.0, padding_idx=1, backend=backend)
+    for call in range(2):  # the general path, then the prepared launch where the backend has one
+        (broadcast,) = torch.autograd.grad(pf.sinusoidal_embedding(ids, weight, **kwargs).sum(), weight)
+        out = pf.sinusoidal_embedding(ids, weight, **kwargs)
+        (full,) = torch.autograd.grad(out, weight, torch.ones_like(out))
+        assert torch.equal(broadcast, full), call
+    rows = backends.gradient_rows(torch.ones((), dtype=dtype, device=device).expand(36, 12), dtype)
+    assert rows.shape == (36, 12) and rows.stride() == (0, 1)
+    assert rows.untyped_storage().nbytes() == 12 * rows.element_size()

@@ -43,6 +43,18 @@ def sort_ids_for_gradient(ids: torch.Tensor, num_embeddings: int):
     return torch.sort(keys, stable=True)
 
 
+def gradient_rows(grad_out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``grad_out`` ``[N, >= token_width]`` as the weight-gradient kernels read it: in ``dtype``, unit column
+    stride, any row stride.  A gradient that is the same row for every token (``loss = out.sum()`` gives
+    one value broadcast to every element: row stride 0) stays one row, read by every token: no N x width
+    copy.  Another layout is copied once (a transposed gradient), as the kernels need unit columns."""
+    if grad_out.shape[0] > 1 and grad_out.stride(0) == 0:
+        return grad_out[:1].to(dtype).contiguous().expand(grad_out.shape)
+    if grad_out.dtype != dtype:
+        grad_out = grad_out.to(dtype)
+    return grad_out if grad_out.stride(1) == 1 else grad_out.contiguous()
+
+
 def new_buffer(shape, dtype, device) -> torch.Tensor:
     """Uninitialised buffer for a kernel to fill (NaN-poisoned under test)."""
     out = torch.empty(shape, dtype=dtype, device=device)

@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from . import Dropout, KernelParams, PreparedLaunch, new_buffer, sort_ids_for_gradient
+from . import Dropout, KernelParams, PreparedLaunch, gradient_rows, new_buffer, sort_ids_for_gradient
 from ._extension import Extension as _Extension
 from ._extension import constant_under_compile as _constant_under_compile
 from ._extension import dtype_code, int64_vector, load_file, pointer
@@ -204,10 +204,8 @@ def backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_id
     # Not zero-filled here: the kernel writes every row (zeros in parallel, huge-page backed; see csrc/cpu_kernels.cpp).
     grad_weight = new_buffer((num_embeddings, token_width), weight_dtype, grad_out.device)
     module = _require()
-    if grad_out.dtype != weight_dtype:
-        grad_out = grad_out.float()  # the kernel takes the gradient in the weight's dtype or in fp32
-    if grad_out.stride(1) != 1:
-        grad_out = grad_out.contiguous()
+    # The kernel takes the gradient in the weight's dtype or in fp32.
+    grad_out = gradient_rows(grad_out, weight_dtype if grad_out.dtype == weight_dtype else torch.float32)
     sorted_ids, order = sort_ids_for_gradient(ids, num_embeddings)
     if dropout is not None:
         dropout = dropout._replace(seed=dropout.seed.contiguous())

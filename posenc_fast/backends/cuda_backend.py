@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from . import Dropout, KernelParams, PreparedLaunch, new_buffer, sort_ids_for_gradient
+from . import Dropout, KernelParams, PreparedLaunch, gradient_rows, new_buffer, sort_ids_for_gradient
 from ._extension import Extension as _Extension
 from ._extension import constant_under_compile as _constant_under_compile
 from ._extension import dtype_code, int64_vector, load_file, pointer
@@ -294,10 +294,8 @@ def backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_id
     if num_tokens == 0 or num_embeddings == 0 or token_width == 0:
         return grad_weight
     module = _require()
-    if grad_out.dtype != weight_dtype:
-        grad_out = grad_out.float()  # the kernels take the gradient in the weight's dtype or in fp32
-    if grad_out.stride(1) != 1:
-        grad_out = grad_out.contiguous()
+    # The kernels take the gradient in the weight's dtype or in fp32.
+    grad_out = gradient_rows(grad_out, weight_dtype if grad_out.dtype == weight_dtype else torch.float32)
     sorted_ids, order = sort_ids_for_gradient(ids, num_embeddings)
     chunk = max(int(GRAD_CHUNK), 1)
     partials = new_buffer(((num_tokens + chunk - 1) // chunk, 2, token_width), torch.float32, grad_out.device)

@@ -21,7 +21,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import KernelParams, new_buffer, sort_ids_for_gradient
+from . import KernelParams, gradient_rows, new_buffer, sort_ids_for_gradient
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FLOAT64_MATH = True
@@ -239,8 +239,7 @@ def _backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_i
     if num_tokens == 0 or num_embeddings == 0:
         return grad_weight
     kernels = _load_kernels()
-    if grad_out.stride(1) != 1:
-        grad_out = grad_out.contiguous()
+    grad_out = gradient_rows(grad_out, grad_out.dtype)
     sorted_ids, order = sort_ids_for_gradient(ids, num_embeddings)
     num_chunks = triton.cdiv(num_tokens, GRAD_CHUNK)
     partials = new_buffer((num_chunks, 2, token_width), torch.float32, grad_out.device)
