@@ -29,6 +29,7 @@ without ``prepare_forward`` (torch, triton) always take the general path.
 
 from __future__ import annotations
 
+import threading
 from typing import Optional
 
 import torch
@@ -59,8 +60,9 @@ def _bind(spec, backend: str, dtype, num_rows: int, device, zero_pe_at_padding: 
 
 
 def _dense(t: torch.Tensor) -> bool:
-    """Memory a kernel reads as rows in order: strided, contiguous, no lazy negation."""
-    return t.layout is _STRIDED and t.is_contiguous() and not t.is_neg()
+    """Memory a kernel reads as rows in order: strided, contiguous, no lazy negation, not a zero tensor
+    (which has no memory: the general path names it)."""
+    return t.layout is _STRIDED and t.is_contiguous() and not t.is_neg() and not t._is_zerotensor()
 
 
 class PreparedForward:
@@ -128,17 +130,20 @@ class PreparedForward:
 
 class PreparedAddition:
     """``add_sinusoidal``'s prepared launch for one spec, backend, dtype and device: ``x [..., S, D]``
-    (contiguous) is the table, its row n read by token n (row numbers kept on the device, grown as needed)."""
+    (contiguous) is the table, its row n read by token n, through row numbers 0..N-1 kept on the device
+    (``_row_numbers``)."""
 
     __slots__ = ("spec", "backend", "dtype", "device", "width", "x_scale", "launch", "id_code", "last_argument",
-                 "is_current", "keep_alive", "row_numbers")
+                 "is_current", "keep_alive", "on_gpu", "numbers", "growing")
 
     def __init__(self, spec, backend: str, x: torch.Tensor, launch: _backends.PreparedLaunch):
         self.spec, self.backend, self.dtype, self.device = spec, backend, x.dtype, x.device
         self.width, self.x_scale = spec.pe_width, spec.embed_scale
         self.launch, self.id_code = launch.launch, launch.id_codes[torch.int64]
         self.last_argument, self.is_current, self.keep_alive = launch.last_argument, launch.is_current, launch.turns
-        self.row_numbers = torch.arange(0, dtype=torch.int64, device=x.device)
+        self.on_gpu = x.device.type == "cuda"
+        self.numbers = None  # (row numbers, the stream handle they were made on: on a GPU, the only one using them)
+        self.growing = threading.Lock()
 
     @staticmethod
     def build(spec, backend: str, x: torch.Tensor) -> Optional["PreparedAddition"]:
@@ -157,34 +162,46 @@ class PreparedAddition:
                 or not eager_call(x, x) or not self.is_current()):
             return None
         num_rows = x.numel() // self.width
-        if not 0 < num_rows <= _ADDITION_ROW_BOUND or (num_rows > self.row_numbers.shape[0]
-                                                      and not self._grow_row_numbers(num_rows)):
+        if not 0 < num_rows <= _ADDITION_ROW_BOUND:
+            return None
+        last_argument = self.last_argument()  # the stream handle on a GPU, the thread count on the CPU
+        rows = self._row_numbers(num_rows, last_argument)
+        if rows is None:
             return None
         if x.requires_grad and torch.is_grad_enabled():
-            return LaunchedAdditionFunction.apply(x, self._output, offset, self.x_scale)
-        return self._output(x, offset)
+            return LaunchedAdditionFunction.apply(x, self.x_scale, self._output, offset, rows, last_argument)
+        return self._output(x, offset, rows, last_argument)
 
-    def _grow_row_numbers(self, num_rows: int) -> bool:
-        """Row numbers 0..num_rows-1 or more, on the device; False where they cannot be made now (during a
-        CUDA graph capture: the general path makes its own there)."""
-        on_gpu = self.device.type == "cuda"
-        if on_gpu:
-            if torch.cuda.is_current_stream_capturing():
-                return False
-            torch.cuda.synchronize(self.device)  # no launch on any stream still reads the numbers replaced here
-        rows = torch.arange(max(num_rows, 2 * self.row_numbers.shape[0]), dtype=torch.int64, device=self.device)
-        if on_gpu:
-            torch.cuda.synchronize(self.device)  # written before a launch on another stream reads them
-        self.row_numbers = rows
-        return True
+    def _row_numbers(self, num_rows: int, stream) -> Optional[torch.Tensor]:
+        """At least ``num_rows`` row numbers 0, 1, ... for a launch on ``stream`` (on a GPU), or None where they
+        cannot be used: there the general path makes its own, as every call did before.
 
-    def _output(self, x, offset) -> torch.Tensor:
-        rows = self.row_numbers  # (they only grow: at least the rows run() checked, whatever another thread did)
+        They only ever grow, under a lock, and a launch uses the tensor it was given here, so no thread
+        reads numbers shorter than its rows.  On a GPU they serve one stream, the one they were made on:
+        a launch on another stream could read them before they are written, and a tensor is freed into
+        its own stream's pool, so only that stream's launches are ordered before its reuse.  They are
+        never used while a CUDA graph is captured: the graph would keep their address after they grow."""
+        numbers = self.numbers  # read once: another thread may replace it
+        if self.on_gpu and (torch.cuda.is_current_stream_capturing()
+                            or (numbers is not None and numbers[1] != stream)):
+            return None
+        if numbers is not None and numbers[0].shape[0] >= num_rows:
+            return numbers[0]
+        with self.growing:
+            numbers = self.numbers
+            if numbers is None or numbers[0].shape[0] < num_rows:
+                count = max(num_rows, 2 * (0 if numbers is None else numbers[0].shape[0]))
+                with torch.inference_mode(False):  # plain data, whatever mode the call that grows them is in
+                    rows = torch.arange(count, dtype=torch.int64, device=self.device)
+                numbers = self.numbers = (rows, stream)
+        return numbers[0] if not self.on_gpu or numbers[1] == stream else None
+
+    def _output(self, x, offset, rows, last_argument) -> torch.Tensor:
         out = x.new_empty(x.shape)
         if _backends.POISON_OUTPUTS:
             out.fill_(float("nan"))
         self.launch(rows.data_ptr(), self.id_code, x.data_ptr(), self.width, out.data_ptr(), offset, x.shape[-2],
-                    x.numel() // self.width, self.last_argument())
+                    x.numel() // self.width, last_argument)
         return out
 
 
@@ -214,26 +231,32 @@ def _keep(spec, key, build) -> None:
         kept[key] = build() or _UNPREPARED
 
 
+# The functional entry points key their launches by backend name (checked to be a str first: anything else
+# takes the general path, which names it), the table's kind and, for the embedding, the dropout probability.
 def functional_embedding(spec, backend: str, dropout, training: bool, sparse, weight, ids, offset):
     """``sinusoidal_embedding``'s call through the prepared launch kept on its spec, or None (general path).
     ``spec`` and ``weight`` are already checked; after a general-path call, ``remember_embedding``."""
-    prepared = spec.prepared_launches.get((backend, weight.dtype, weight.shape, weight.device))
+    if type(backend) is not str or type(dropout) is not float:
+        return None
+    prepared = spec.prepared_launches.get((backend, weight.dtype, weight.shape, weight.device, dropout))
     return None if prepared is None else prepared.run(spec, backend, dropout, training, sparse, weight, ids, offset)
 
 
 def remember_embedding(spec, backend: str, dropout, weight, ids, offset) -> None:
     """After a general-path ``sinusoidal_embedding`` call that succeeded: prepare the next ones like it."""
-    if type(offset) is int and eager_call(ids, weight):
-        _keep(spec, (backend, weight.dtype, weight.shape, weight.device),
+    if type(backend) is str and type(dropout) is float and type(offset) is int and eager_call(ids, weight):
+        _keep(spec, (backend, weight.dtype, weight.shape, weight.device, dropout),
               lambda: PreparedForward.build(spec, backend, dropout, weight))
 
 
 def functional_addition(spec, backend: str, x, offset):
     """``add_sinusoidal``'s call through the prepared launch kept on its spec, or None (general path)."""
+    if type(backend) is not str:
+        return None
     prepared = spec.prepared_launches.get(("add", backend, x.dtype, x.device))
     return None if prepared is None else prepared.run(spec, backend, x, offset)
 
 
 def remember_addition(spec, backend: str, x, offset) -> None:
-    if type(offset) is int and type(x) is torch.Tensor and eager_call(x, x):
+    if type(backend) is str and type(offset) is int and type(x) is torch.Tensor and eager_call(x, x):
         _keep(spec, ("add", backend, x.dtype, x.device), lambda: PreparedAddition.build(spec, backend, x))

@@ -26,12 +26,24 @@ def eager_call(ids, weight) -> bool:
 
     The dispatcher (autograd wrapper, redispatch, alias checks) costs about 20 us of Python per
     call, most of the host time of a decoding step, and its custom-op autograd wrapper about 150
-    us more in training (``ops.EmbeddingFunction``).  Same implementation, same checks.
+    us more in training (``ops.EmbeddingFunction``).  Same implementation, same checks.  A tensor kept
+    from a finished torch.func transform is a functorch wrapper of type ``torch.Tensor`` (``plain``):
+    such a call takes the op, whose dispatcher unwraps it.
     """
     return (not torch.compiler.is_compiling()
             and type(ids) is torch.Tensor and type(weight) in (torch.Tensor, torch.nn.Parameter)
             and not torch._C._is_tracing() and not torch._C._are_functorch_transforms_active()
-            and not dispatch_mode_depth() and _forward_ad._current_level < 0)
+            and not dispatch_mode_depth() and _forward_ad._current_level < 0
+            and not _functorch_wrapped(ids) and not _functorch_wrapped(weight))
+
+
+_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+
+
+def plain(t) -> bool:
+    """A tensor whose memory a kernel can read (or None): not a functorch wrapper (``grad``'s or ``vmap``'s,
+    also one kept from a finished transform, whose type is plain ``torch.Tensor``)."""
+    return t is None or not _functorch_wrapped(t)
 
 
 def eager_inference(ids, weight) -> bool:

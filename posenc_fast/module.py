@@ -103,6 +103,7 @@ class SinusoidalEmbedding(nn.Module):
         # or FSDP deferred init can leave them wrong, and load_state_dict has nothing to restore.
         self.reset_parameters()
         self._prepare_turns()
+        self._prepared = None  # in the instance from the start: a compiled module's guards see no change later
 
     # The prepared launch of the last eager call (posenc_fast._prepared); a class default
     # so that modules unpickled from older versions have it too.
@@ -297,6 +298,7 @@ class SinusoidalPositionalEncoding(nn.Module):
         # With no weight to follow, the device is x's; ``device`` copies them there now, before any capture.
         if device is not None and torch.device(device).type != "meta":
             self.spec.turns_tensor(torch.device(device))
+        self._prepared = None  # (as SinusoidalEmbedding's)
 
     @classmethod
     def from_preset(cls, name: str, d_model: int, **overrides) -> "SinusoidalPositionalEncoding":

@@ -21,6 +21,7 @@ from torch import Tensor
 from . import config
 from ._dispatch import get_backend
 from ._dropout import dropout_for
+from ._routing import plain
 from ._spec import PEColumns
 from ._validate import check_id_range, check_op_inputs
 from . import reference
@@ -194,7 +195,7 @@ class _DirectApply:
     call here passes every argument, so outside torch.func the binding is skipped and the C++ apply (which
     runs ``forward`` then ``setup_context``) is called directly; under torch.func, torch's own apply.
     (That also skips torch's unwrapping of "dead" functorch wrappers, tensors kept from a finished
-    transform, 2 us a call: such a tensor is not ``_plain`` and takes the op, whose dispatcher unwraps it.)"""
+    transform, 2 us a call: such a tensor is not ``plain`` and takes the op, whose dispatcher unwraps it.)"""
 
     @classmethod
     def apply(cls, *args):
@@ -203,9 +204,6 @@ class _DirectApply:
         return super(torch.autograd.Function, cls).apply(*args)
 
 
-def _plain(t) -> bool:
-    """A tensor whose memory a kernel can read: not a functorch wrapper (``grad``'s or ``vmap``'s)."""
-    return t is None or not torch._C._functorch.is_functorch_wrapped_tensor(t)
 
 
 class EmbeddingFunction(_DirectApply, torch.autograd.Function):
@@ -268,7 +266,7 @@ class EmbeddingFunction(_DirectApply, torch.autograd.Function):
 def _layer(weight, ids, turns, positions, offsets, offset, seq_len, params: KernelParams, vocab_start, vocab_size,
            dropout_seed, dropout_p, backend):
     """The forward on plain tensors (``run_forward``), or through the op where torch.func has wrapped them."""
-    if _plain(weight) and _plain(ids) and _plain(positions) and _plain(offsets):
+    if plain(weight) and plain(ids) and plain(positions) and plain(offsets):
         return run_forward(ids, weight, turns, positions, offsets, offset, seq_len, params, vocab_start, vocab_size,
                            dropout_seed, dropout_p, backend)
     # The op rebuilds these params from its flat arguments (pe_zero_id: padding_idx with zero_pe_at_padding).
@@ -380,7 +378,9 @@ class LaunchedEmbeddingFunction(_DirectApply, torch.autograd.Function):
     @staticmethod
     def forward(ctx, weight, ids, launch, offset, gradient):
         out = launch(weight, ids, offset)
-        ctx.save_for_backward(ids)
+        # Flat, as EmbeddingFunction saves them: a recomputation (activation checkpointing) may take the
+        # other path and must save the same.
+        ctx.save_for_backward(ids.reshape(-1))
         ctx.gradient = gradient  # (sparse, num_embeddings, token_width, embed_scale, padding_idx, dtype, backend)
         return out
 
@@ -391,7 +391,7 @@ class LaunchedEmbeddingFunction(_DirectApply, torch.autograd.Function):
         grad_weight = None
         if ctx.needs_input_grad[0]:
             gradient = sparse_weight_gradient if sparse else WeightGradient.apply
-            grad_weight = gradient(grad_out.reshape(-1, grad_out.shape[-1]), ids.reshape(-1), num_embeddings,
+            grad_weight = gradient(grad_out.reshape(-1, grad_out.shape[-1]), ids, num_embeddings,
                                    token_width, embed_scale, padding_idx, weight_dtype, None, 0.0, backend)
         return grad_weight, None, None, None, None
 
@@ -462,7 +462,7 @@ class AddSinusoidalFunction(_DirectApply, torch.autograd.Function):
 
     @staticmethod
     def forward(x, turns, positions, offsets, offset, seq_len, pe_columns, x_scale, pe_scale, float64_math, backend):
-        run = add_sinusoidal_forward if _plain(x) and _plain(positions) and _plain(offsets) else add_sinusoidal_op
+        run = add_sinusoidal_forward if plain(x) and plain(positions) and plain(offsets) else add_sinusoidal_op
         return run(x, turns, positions, offsets, offset, seq_len, pe_columns, x_scale, pe_scale, float64_math,
                    backend)
 
@@ -479,9 +479,9 @@ class LaunchedAdditionFunction(_DirectApply, torch.autograd.Function):
     ``LaunchedEmbeddingFunction``): the gradient to ``x`` is ``x_scale * grad``, as in the op."""
 
     @staticmethod
-    def forward(ctx, x, launch, offset, x_scale):
-        ctx.x_scale, ctx.num_inputs = x_scale, 4
-        return launch(x, offset)
+    def forward(ctx, x, x_scale, launch, *launch_arguments):
+        ctx.x_scale, ctx.num_inputs = x_scale, 3 + len(launch_arguments)
+        return launch(x, *launch_arguments)
 
     backward = staticmethod(_add_backward)
 

@@ -475,3 +475,92 @@ def test_compile_after_prepared_calls():
         compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
         assert torch.equal(compiled(ids, offset=4), want)
         assert torch.equal(layer(ids, offset=4), want)  # and eager again
+
+
+def test_row_numbers_only_grow_whatever_the_threads_do(monkeypatch):
+    """Two threads call the same add_sinusoidal layer, one with few rows, one with many: the thread making the
+    short row numbers is held up while the other one needs long ones.  Every launch reads numbers at least as
+    long as its rows (the lock, and the numbers handed to the launch), so both outputs are the general path's."""
+    import threading
+    import time
+    import types
+
+    if "cpu" not in [t.values[0] for t in TARGETS]:
+        pytest.skip("the CPU extension is not available")
+    layer = pf.SinusoidalPositionalEncoding(8, backend="cpu")
+    layer(torch.randn(1, 1, 8))
+    layer(torch.randn(1, 1, 8))
+    real_torch = _prepared.torch
+
+    class SlowArange(types.ModuleType):
+        def __getattr__(self, name):
+            return getattr(real_torch, name)
+
+        def arange(self, count, **kwargs):
+            if count == 100:
+                time.sleep(0.3)  # the short numbers are made slowly: the other thread runs meanwhile
+            return real_torch.arange(count, **kwargs)
+
+    monkeypatch.setattr(_prepared, "torch", SlowArange("torch"))
+    short, long = torch.randn(1, 100, 8), torch.randn(1, 1000, 8)
+    results = {}
+    first = threading.Thread(target=lambda: results.__setitem__("short", layer(short)))
+    second = threading.Thread(target=lambda: results.__setitem__("long", layer(long)))
+    first.start()
+    time.sleep(0.05)
+    second.start()
+    first.join()
+    second.join()
+    monkeypatch.setattr(_prepared, "torch", real_torch)
+    for name, x in (("short", short), ("long", long)):
+        assert torch.equal(results[name], pf.SinusoidalPositionalEncoding(8, backend="cpu")(x)), name
+    assert layer._prepared.numbers[0].shape[0] >= 1000
+
+
+@pytest.mark.parametrize("backend,device", [t for t in TARGETS if t.values[0] in PREPARED_BACKENDS])
+def test_activation_checkpointing_across_the_two_paths(backend, device):
+    """Non-reentrant activation checkpointing recomputes the forward: the first step's forward takes the
+    general path and its recomputation the prepared launch (which now exists), so both must save the same."""
+    from torch.utils.checkpoint import checkpoint
+
+    layer = _basic_layer(backend, device).train()
+    twin = _fresh(layer)
+    weight = torch.randn(50, 16, device=device, requires_grad=True)
+    for step in range(3):
+        ids = _ids(device, seed=step)
+        checkpoint(layer, ids, use_reentrant=False).sum().backward()
+        twin(ids).sum().backward()
+        assert torch.equal(layer.weight.grad, twin.weight.grad), step
+        (grad,) = torch.autograd.grad(checkpoint(lambda i, w: pf.sinusoidal_embedding(i, w, backend=backend), ids,
+                                                 weight, use_reentrant=False).sum(), weight)
+        (want,) = torch.autograd.grad(pf.sinusoidal_embedding(ids, weight, backend=backend).sum(), weight)
+        assert torch.equal(grad, want), step
+
+
+@pytest.mark.parametrize("backend,device", TARGETS)
+def test_bad_and_unusual_inputs_after_prepared_calls(backend, device):
+    """What the general path refuses or handles specially, the functional entry points still do after
+    prepared calls: an unhashable backend, zero tensors (no memory), a tensor kept from a finished
+    torch.func transform (a functorch wrapper whose type is plain torch.Tensor)."""
+    weight = torch.randn(50, 16, device=device)
+    ids = _ids(device)
+    x = _addition_input(device, 1)
+    with torch.no_grad():
+        for _ in range(2):
+            pf.sinusoidal_embedding(ids, weight, backend=backend)
+            pf.add_sinusoidal(x, backend=backend)
+        with pytest.raises(ValueError, match="unknown backend"):
+            pf.sinusoidal_embedding(ids, weight, backend=[backend])
+        with pytest.raises(ValueError, match="unknown backend"):
+            pf.add_sinusoidal(x, backend=[backend])
+        with pytest.raises(ValueError, match="zero tensor"):
+            pf.sinusoidal_embedding(torch._efficientzerotensor(ids.shape, dtype=ids.dtype, device=device), weight,
+                                    backend=backend)
+        with pytest.raises(ValueError, match="zero tensor"):
+            pf.add_sinusoidal(torch._efficientzerotensor(x.shape, device=device), backend=backend)
+    kept = []
+    torch.func.grad(lambda w: (kept.append(w), w.sum())[1])(weight.clone())
+    layer = pf.SinusoidalEmbedding.from_pretrained(weight.clone(), backend=backend)
+    for _ in range(3):
+        out = torch.func.functional_call(layer, {"weight": kept[0]}, (ids,))
+        assert torch.equal(out.detach(), pf.SinusoidalEmbedding.from_pretrained(weight, backend=backend)(ids).detach())
