@@ -86,11 +86,14 @@ class PreparedForward:
     @staticmethod
     def build(spec, backend: str, dropout, weight: torch.Tensor) -> Optional["PreparedForward"]:
         """The prepared launch for the next calls like the one that just succeeded on the general path with
-        these settings (so they are valid), or None when its backend has none."""
+        these settings (so they are valid); where the backend has none, a stand-in that serves no call
+        (so that a module does not ask again on every call); None for a dropout that is not a float."""
         if type(dropout) is not float:
             return None
         bound = _bind(spec, backend, weight.dtype, weight.shape[0], weight.device, spec.zero_pe_at_padding)
-        return None if bound is None else PreparedForward(spec, backend, dropout, weight, *bound)
+        if bound is None:
+            return _NoForward(spec, backend, dropout, weight)
+        return PreparedForward(spec, backend, dropout, weight, *bound)
 
     def prepared_for(self, spec, backend: str, dropout, weight) -> bool:
         """Whether a table ``weight`` with these settings is still what this launch was prepared for."""
@@ -128,6 +131,25 @@ class PreparedForward:
         return out
 
 
+class _NoForward(PreparedForward):
+    """What a module keeps where its backend has no prepared launch (torch, triton): ``prepared_for`` as a
+    prepared launch's, so that it is built again only when something changes; ``run`` serves no call."""
+
+    __slots__ = ()
+
+    def __init__(self, spec, backend: str, dropout: float, weight: torch.Tensor):
+        self.spec, self.backend, self.dropout = spec, backend, dropout
+        self.dtype, self.shape, self.device = weight.dtype, weight.shape, weight.device
+        self.is_current = _always
+
+    def run(self, *args) -> None:
+        return None
+
+
+def _always() -> bool:
+    return True
+
+
 class PreparedAddition:
     """``add_sinusoidal``'s prepared launch for one spec, backend, dtype and device: ``x [..., S, D]``
     (contiguous) is the table, its row n read by token n, through row numbers 0..N-1 kept on the device
@@ -146,9 +168,10 @@ class PreparedAddition:
         self.growing = threading.Lock()
 
     @staticmethod
-    def build(spec, backend: str, x: torch.Tensor) -> Optional["PreparedAddition"]:
+    def build(spec, backend: str, x: torch.Tensor) -> "PreparedAddition":
+        """As ``PreparedForward.build``: a stand-in that serves no call where the backend has no launch."""
         bound = _bind(spec, backend, x.dtype, _ADDITION_ROW_BOUND, x.device, False)
-        return None if bound is None else PreparedAddition(spec, backend, x, bound[1])
+        return _NoAddition(spec, backend, x) if bound is None else PreparedAddition(spec, backend, x, bound[1])
 
     def prepared_for(self, spec, backend: str, x) -> bool:
         return (spec is self.spec and backend == self.backend and x.dtype is self.dtype and x.device == self.device
@@ -205,19 +228,17 @@ class PreparedAddition:
         return out
 
 
-class _Unprepared:
-    """Kept where the backend has no prepared launch, so that it is not asked again on every call."""
+class _NoAddition(PreparedAddition):
+    """``_NoForward``'s counterpart for ``add_sinusoidal``."""
 
-    @staticmethod
-    def run(*args):
+    __slots__ = ()
+
+    def __init__(self, spec, backend: str, x: torch.Tensor):
+        self.spec, self.backend, self.dtype, self.device = spec, backend, x.dtype, x.device
+        self.is_current = _always
+
+    def run(self, *args) -> None:
         return None
-
-    @staticmethod
-    def is_current() -> bool:
-        return True
-
-
-_UNPREPARED = _Unprepared()
 
 
 def _keep(spec, key, build) -> None:
@@ -228,7 +249,7 @@ def _keep(spec, key, build) -> None:
     if prepared is None or not prepared.is_current():
         if len(kept) >= _FUNCTIONAL_KEPT:
             kept.clear()
-        kept[key] = build() or _UNPREPARED
+        kept[key] = build()
 
 
 # The functional entry points key their launches by backend name (checked to be a str first: anything else

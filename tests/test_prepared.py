@@ -209,7 +209,7 @@ def test_bad_calls_after_prepared_ones_still_raise(backend, device):
         with torch.no_grad():
             layer(ids)
             layer(ids, offset=3)
-            assert (layer._prepared is not None) == (backend in PREPARED_BACKENDS)
+            assert (type(layer._prepared) is _prepared.PreparedForward) == (backend in PREPARED_BACKENDS)
             with pytest.raises(error, match=match):
                 layer(*args, **kwargs)
 
@@ -515,6 +515,29 @@ def test_row_numbers_only_grow_whatever_the_threads_do(monkeypatch):
     for name, x in (("short", short), ("long", long)):
         assert torch.equal(results[name], pf.SinusoidalPositionalEncoding(8, backend="cpu")(x)), name
     assert layer._prepared.numbers[0].shape[0] >= 1000
+
+
+@pytest.mark.parametrize("backend,device", [t for t in TARGETS if t.values[0] not in PREPARED_BACKENDS])
+def test_backends_without_a_launch_are_asked_once(backend, device, monkeypatch):
+    """A module whose backend has no prepared launch keeps a stand-in: it does not resolve the backend again
+    on every call to find out, and asks again once something changes (here the table's dtype)."""
+    built = []
+    for kind in (_prepared.PreparedForward, _prepared.PreparedAddition):
+        build = kind.__dict__["build"].__func__
+        monkeypatch.setattr(kind, "build", staticmethod(lambda *args, _build=build: built.append(1) or _build(*args)))
+    layer = _basic_layer(backend, device)
+    addition = pf.SinusoidalPositionalEncoding(16, backend=backend)
+    ids, x = _ids(device), _addition_input(device, 1)
+    with torch.no_grad():
+        for _ in range(4):
+            layer(ids)
+            addition(x)
+        assert len(built) == 2
+        layer.to(torch.bfloat16)
+        got = layer(ids)
+        addition(x.to(torch.bfloat16))
+        assert len(built) == 4
+        assert torch.equal(got, _fresh(layer)(ids))
 
 
 @pytest.mark.parametrize("backend,device", [t for t in TARGETS if t.values[0] in PREPARED_BACKENDS])
