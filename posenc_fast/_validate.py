@@ -9,6 +9,7 @@ lives in :func:`check_id_range`, called from inside the op at run time.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -110,8 +111,11 @@ def make_spec(
         # jit.trace gives sizes as traced 0-dim tensors.  The table's (or x's) shape is a constant of a
         # traced layer: taken as ints, so the frequencies are computed in float64 as always and the
         # spec cache never keys on a tensor.
-        num_embeddings, token_width = (int(size) if isinstance(size, torch.Tensor) else size
-                                       for size in (num_embeddings, token_width))
+        # (A TracerWarning for each would be noise to whoever traces a model around the layer: silenced.)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", torch.jit.TracerWarning)
+            num_embeddings, token_width = (int(size) if isinstance(size, torch.Tensor) else size
+                                           for size in (num_embeddings, token_width))
     elif frequencies is None:
         # A repeated call (the functional entry points build their spec on every call) skips the checks
         # below: the arguments, and the types of those where True, 1 and 1.0 are equal keys but not

@@ -587,3 +587,34 @@ def test_bad_and_unusual_inputs_after_prepared_calls(backend, device):
     for _ in range(3):
         out = torch.func.functional_call(layer, {"weight": kept[0]}, (ids,))
         assert torch.equal(out.detach(), pf.SinusoidalEmbedding.from_pretrained(weight, backend=backend)(ids).detach())
+
+
+class _Doubled(nn.Module):
+    def forward(self, weight):
+        return 2 * weight
+
+
+@pytest.mark.parametrize("backend,device", TARGETS)
+@pytest.mark.parametrize("kind", ["parametrization", "plain attribute", "new parameter"])
+def test_the_weight_the_module_reads_is_its_attribute(kind, backend, device, prepared_runs):
+    """The module reads its weight from its parameters (the cheap lookup) only where it is registered there:
+    a parametrization's property (torch.nn.utils.parametrize, parametrizations.weight_norm) and a plain
+    tensor attribute (the old weight_norm's hook sets one) are what it reads, on prepared calls too."""
+    layer = _basic_layer(backend, device)
+    table = layer.weight.detach().clone()
+    ids = _ids(device)
+    with torch.no_grad():
+        layer(ids, offset=9)
+        layer(ids, offset=9)
+    if kind == "parametrization":
+        torch.nn.utils.parametrize.register_parametrization(layer, "weight", _Doubled())
+    elif kind == "plain attribute":
+        del layer.weight
+        layer.weight = 2 * table
+    else:
+        layer.weight = nn.Parameter(2 * table)
+    exact = reference.sinusoidal_embedding(ids.cpu(), 2 * table.double().cpu(), offset=9, padding_idx=1)
+    for _ in range(3):
+        with torch.no_grad():
+            got = layer(ids, offset=9)
+        assert_within(got.cpu(), exact, output_bound(exact, torch.float32), f"{kind} {backend}")
