@@ -21,7 +21,7 @@ from posenc_fast.backends import cpu_backend, cuda_backend
 from cases import CASES, assert_within, backend_targets, make_inputs, output_bound
 
 TARGETS = backend_targets()
-PREPARED_BACKENDS = ("cpu", "cuda")  # the backends with prepare_forward
+PREPARED_BACKENDS = ("cpu", "cuda", "triton")  # the backends with prepare_forward: every one but the reference
 # Cases whose positions an int offset gives: the calls a prepared launch serves.
 OFFSET_CASES = [c for c in CASES if c.position_rule in ("zero", "int")]
 
@@ -245,7 +245,7 @@ def test_bad_calls_after_prepared_ones_still_raise(backend, device):
     bad_call(IndexError, "30 rows", torch.full_like(ids, 40))  # the check uses the new table's size
 
 
-@pytest.mark.parametrize("backend,device", [t for t in TARGETS if t.values[0] in PREPARED_BACKENDS])
+@pytest.mark.parametrize("backend,device", [t for t in TARGETS if t.values[0] in ("cpu", "cuda")])
 def test_a_changed_extension_is_not_used(backend, device, monkeypatch):
     """A prepared launch holds a binding object of the extension it was prepared with; once the backend's
     extension changes (a rebuild, tests switching host emulation), calls take the general path."""
@@ -259,6 +259,25 @@ def test_a_changed_extension_is_not_used(backend, device, monkeypatch):
         monkeypatch.setattr(module, "prepare", lambda device: None)  # no on-demand build either
         with pytest.raises(RuntimeError, match="extension unloaded by the test"):
             layer(ids)
+
+
+@pytest.mark.parametrize("backend,device", [t for t in TARGETS if t.values[0] == "triton" and t.values[1] == "cpu"])
+def test_triton_launches_stop_when_the_interpreter_is_turned_off(backend, device, monkeypatch, prepared_runs):
+    """Triton's prepared launch on CPU tensors runs in the interpreter: once TRITON_INTERPRET is unset,
+    calls take the general path again, which names the setting."""
+    layer = _basic_layer(backend, device)
+    addition = pf.SinusoidalPositionalEncoding(16, backend=backend)
+    ids, x = _ids(device), _addition_input(device, 1)
+    with torch.no_grad():
+        for _ in range(2):
+            layer(ids)
+            addition(x)
+        assert len(prepared_runs) == 2
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+            layer(ids)
+        with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+            addition(x)
 
 
 @pytest.mark.parametrize("backend,device", TARGETS)

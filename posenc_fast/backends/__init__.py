@@ -18,7 +18,8 @@ lives in ``posenc_fast._dispatch``.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, NamedTuple
+import functools
+from typing import Callable, NamedTuple, Tuple
 
 import torch
 
@@ -100,11 +101,47 @@ def kernel_params(spec, zero_pe_at_padding: bool) -> KernelParams:
 class PreparedLaunch(NamedTuple):
     """A backend's forward with the arguments that stay fixed between a module's calls bound once
     (``prepare_forward``), for positions ``offset + t % seq_len`` and no dropout.  Called as
-    ``launch(ids_ptr, id_codes[ids.dtype], weight_ptr, weight_row_stride, out_ptr, offset, seq_len,
-    num_tokens, last_argument())``; ``is_current()`` turns False when the backend's extension changes."""
+    ``launch(ids, weight, weight_row_stride, out, offset, seq_len, num_tokens, last_argument())`` with
+    contiguous ``ids`` of a dtype in ``id_dtypes``, a contiguous table ``weight`` of the prepared dtype (an
+    embedding's: of the prepared row count; ``add_sinusoidal``'s ``x``: at most) whose rows are
+    ``weight_row_stride`` elements apart, and ``out`` to fill (``num_tokens`` rows of the
+    layer's width); the same call on every backend.  ``is_current()`` turns False when the backend's
+    compiled code changes (another extension, Triton's kernels defined in another mode)."""
 
     launch: Callable
-    id_codes: Dict[torch.dtype, int]  # the id dtypes the binding takes -> its codes
+    id_dtypes: Tuple[torch.dtype, ...]  # the id dtypes the launch takes
     last_argument: Callable[[], int]  # asked per call: the CUDA stream handle, or the CPU thread count
     is_current: Callable[[], bool]
-    turns: torch.Tensor  # the int64 frequencies whose pointer ``launch`` holds: kept alive with it
+    turns: torch.Tensor  # the int64 frequencies the launch reads: kept alive with it
+
+
+ID_DTYPES = (torch.int32, torch.int64)  # the id dtypes every kernel reads
+
+
+def current_stream(device: torch.device) -> int:
+    """The current CUDA stream's raw handle on ``device``; 0 off CUDA devices (host emulation, Triton's
+    interpreter)."""
+    if device.type != "cuda":
+        return 0
+    if _raw_stream is not None:
+        return _raw_stream(device.index)
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def current_stream_function(device: torch.device) -> Callable[[], int]:
+    """``current_stream`` of ``device`` as a function of nothing, as cheap as it can be: a prepared launch
+    asks it on every call (it is what a launch runs on, and what ``_prepared`` keys a GPU's row numbers by)."""
+    if device.type != "cuda":
+        return _no_stream
+    if _raw_stream is not None:
+        return functools.partial(_raw_stream, device.index)
+    return functools.partial(current_stream, device)
+
+
+def _no_stream() -> int:
+    return 0
+
+
+# The current stream's raw handle without building a torch.cuda.Stream object (a few us per call,
+# which decoding pays on every step); the public API where this private one is missing.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)

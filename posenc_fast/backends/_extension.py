@@ -53,6 +53,17 @@ def dtype_code(module, dtype: torch.dtype, backend: str) -> int:
     return code
 
 
+def pointer_launch(bound, module, backend: str, id_dtypes):
+    """A binding's ``ForwardLaunch`` object (``bound``: it takes pointers and dtype codes) as the backends'
+    prepared launch takes its arguments (``backends.PreparedLaunch``: tensors)."""
+    id_codes = {dtype: dtype_code(module, dtype, backend) for dtype in id_dtypes}
+
+    def launch(ids, weight, weight_row_stride, out, offset, seq_len, num_tokens, last_argument):
+        bound(ids.data_ptr(), id_codes[ids.dtype], weight.data_ptr(), weight_row_stride, out.data_ptr(), offset,
+              seq_len, num_tokens, last_argument)
+    return launch
+
+
 def pointer(t: Optional[torch.Tensor]) -> int:
     return 0 if t is None else t.data_ptr()
 

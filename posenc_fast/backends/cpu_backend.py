@@ -24,10 +24,10 @@ from typing import Optional
 
 import torch
 
-from . import Dropout, KernelParams, PreparedLaunch, gradient_rows, new_buffer, sort_ids_for_gradient
+from . import ID_DTYPES, Dropout, KernelParams, PreparedLaunch, gradient_rows, new_buffer, sort_ids_for_gradient
 from ._extension import Extension as _Extension
 from ._extension import constant_under_compile as _constant_under_compile
-from ._extension import dtype_code, int64_vector, load_file, pointer
+from ._extension import dtype_code, int64_vector, load_file, pointer, pointer_launch
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FLOAT64_MATH = True  # precision="float64": float64 arithmetic and polynomials, one rounding
@@ -164,8 +164,8 @@ def prepare_forward(dtype, num_rows: int, device, turns, params: KernelParams) -
         params.pe_width, bool(params.concat), bool(columns.interleaved), columns.sin_base, columns.num_sin,
         columns.cos_base, columns.num_cos, int(params.pe_zero_id), float(params.embed_scale),
         float(params.pe_scale), bool(params.float64_math))
-    id_codes = {dtype: _dtype_code(module, dtype) for dtype in (torch.int32, torch.int64)}
-    return PreparedLaunch(launch, id_codes, torch.get_num_threads, lambda: _state is state, turns)
+    return PreparedLaunch(pointer_launch(launch, module, "cpu", ID_DTYPES), ID_DTYPES, torch.get_num_threads,
+                          lambda: _state is state, turns)
 
 
 def forward(ids, weight, turns, positions, offsets, offset, seq_len, params: KernelParams,

@@ -23,7 +23,6 @@ kernel source compiled for the CPU, so that backend="cuda" runs on CPU tensors t
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 import threading
@@ -31,10 +30,11 @@ from typing import Optional
 
 import torch
 
-from . import Dropout, KernelParams, PreparedLaunch, gradient_rows, new_buffer, sort_ids_for_gradient
+from . import (ID_DTYPES, Dropout, KernelParams, PreparedLaunch, current_stream, current_stream_function,
+               gradient_rows, new_buffer, sort_ids_for_gradient)
 from ._extension import Extension as _Extension
 from ._extension import constant_under_compile as _constant_under_compile
-from ._extension import dtype_code, int64_vector, load_file, pointer
+from ._extension import dtype_code, int64_vector, load_file, pointer, pointer_launch
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FLOAT64_MATH = True  # precision="float64": the kernels' float64 variant (longer polynomials, one rounding)
@@ -228,22 +228,11 @@ def _launch_weight_grad(module, sorted_ids, order, grad_out, grad_weight, partia
     )
 
 
-# The current stream's raw handle without building a torch.cuda.Stream object (a few us per call,
-# which decoding pays on every step); the public API where this private one is missing.
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-
-
 def _stream_and_device(t: torch.Tensor):
     device = t.device
     if device.type != "cuda":  # host emulation: no stream, no device
         return 0, 0
-    if _raw_stream is not None:
-        return _raw_stream(device.index), device.index
-    return torch.cuda.current_stream(device).cuda_stream, device.index
-
-
-def _no_stream() -> int:
-    return 0  # host emulation
+    return current_stream(device), device.index
 
 
 def prepare_forward(dtype, num_rows: int, device, turns, params: KernelParams) -> Optional[PreparedLaunch]:
@@ -260,14 +249,8 @@ def prepare_forward(dtype, num_rows: int, device, turns, params: KernelParams) -
         params.token_width, params.pe_width, params.concat, columns.interleaved, columns.sin_base, columns.num_sin,
         columns.cos_base, columns.num_cos, params.pe_zero_id, params.embed_scale, params.pe_scale,
         params.float64_math, device.index or 0)
-    if device.type != "cuda":
-        stream = _no_stream
-    elif _raw_stream is not None:
-        stream = functools.partial(_raw_stream, device.index)
-    else:
-        stream = lambda: torch.cuda.current_stream(device).cuda_stream  # noqa: E731
-    id_codes = {dtype: dtype_code(module, dtype, "cuda") for dtype in (torch.int32, torch.int64)}
-    return PreparedLaunch(launch, id_codes, stream, lambda: _state is state and _host_emulation == emulating, turns)
+    return PreparedLaunch(pointer_launch(launch, module, "cuda", ID_DTYPES), ID_DTYPES, current_stream_function(device),
+                          lambda: _state is state and _host_emulation == emulating, turns)
 
 
 def forward(ids, weight, turns, positions, offsets, offset, seq_len, params: KernelParams,

@@ -21,7 +21,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import KernelParams, gradient_rows, new_buffer, sort_ids_for_gradient
+from . import (ID_DTYPES, KernelParams, PreparedLaunch, current_stream_function, gradient_rows, new_buffer,
+               sort_ids_for_gradient)
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FLOAT64_MATH = True
@@ -231,6 +232,61 @@ def _forward(ids, weight, turns, positions, offsets, offset, seq_len, params: Ke
         num_warps=tiles.warps,
     )
     return out
+
+
+def prepare_forward(dtype, num_rows: int, device, turns, params: KernelParams) -> Optional[PreparedLaunch]:
+    """``forward_kernel``'s launch for a table of ``dtype`` on ``device`` (``posenc_fast._prepared``): what
+    ``_forward`` works out per call from the parameters (frequency words, columns, constexpr flags) done
+    once, and the tile shape and grid once per token count.  What stays per call is the call's own tensors,
+    offset, length and 64-bit-index decision, and Triton's launcher (on a GPU: argument specialisation
+    and the driver launch), which every Triton kernel pays."""
+    kernels = _load_kernels()
+    interpreted = _kernels_interpreted
+    turn_low, turn_high = _turn_words(turns)
+    columns = params.columns
+    element_size = torch.empty((), dtype=dtype).element_size()
+    shapes = {}  # num_tokens -> (tiles, grid): a decoding loop asks for one or two
+    fixed_before = (turns, turn_low, turn_high, None, None, None)  # no positions, offsets or dropout seed
+    fixed_after = (params.token_width, params.pe_width, params.num_pairs, turns.numel(), columns.sin_base,
+                   columns.num_sin, columns.cos_base, columns.num_cos, params.pe_zero_id)
+    fixed_flags = dict(CONCAT=params.concat, INTERLEAVED=columns.interleaved, POSITION_SOURCE=0,
+                       SOFTWARE_BF16=interpreted, FLOAT64=params.float64_math, DROPOUT=False, GROUPED=False,
+                       ZERO_COS_TAIL=columns.num_cos > params.num_pairs)
+
+    def shape_for(num_tokens: int):
+        shape = shapes.get(num_tokens)
+        if shape is None:
+            tiles = _forward_tiles(params, num_tokens, element_size)
+            num_copy = triton.cdiv(params.token_width, 2 * tiles.block_p) if params.concat else 0
+            grid = (triton.cdiv(num_tokens, tiles.block_t), num_copy + triton.cdiv(tiles.pair_slots, tiles.block_p))
+            if len(shapes) >= 64:
+                shapes.clear()
+            shape = shapes[num_tokens] = (tiles, grid, num_copy)
+        return shape
+
+    def launch(ids, weight, weight_row_stride, out, offset, seq_len, num_tokens, last_argument):
+        if num_tokens == 0:
+            return
+        tiles, grid, num_copy = shape_for(num_tokens)
+        # The rows the kernel may read: the table's (an embedding), or x's own (add_sinusoidal, whose launch
+        # is prepared for any row count), as _forward passes them.
+        table_rows = weight.numel() // weight_row_stride if weight_row_stride else num_rows
+        wide = _needs_wide_index(num_tokens, tiles.block_t, params.width, table_rows, weight_row_stride)
+        arguments = (ids, weight, out, *fixed_before, offset, max(seq_len, 1), num_tokens, table_rows,
+                     weight_row_stride, params.width, *fixed_after, num_copy, params.embed_scale, params.pe_scale,
+                     0, 1.0)
+        if interpreted:
+            with _interpreter_lock:
+                kernels.forward_kernel[grid](*arguments, BLOCK_T=tiles.block_t, BLOCK_P=tiles.block_p,
+                                             WIDE_INDEX=wide, num_warps=tiles.warps, **fixed_flags)
+        else:
+            kernels.forward_kernel[grid](*arguments, BLOCK_T=tiles.block_t, BLOCK_P=tiles.block_p,
+                                         WIDE_INDEX=wide, num_warps=tiles.warps, **fixed_flags)
+
+    def is_current() -> bool:  # the kernels' mode is fixed for the process; on CPU the interpreter must stay on
+        return device.type == "cuda" or interpreting()
+
+    return PreparedLaunch(launch, ID_DTYPES, current_stream_function(device), is_current, turns)
 
 
 def _backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype, dropout):
