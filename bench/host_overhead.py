@@ -20,8 +20,10 @@ processes on a shared machine inflate it less than wall time.  For scale, the ea
 plus a negligible computation, about what eager spends on the host before its kernels launch.
 
 ``--entry-points`` adds issue 26's table: every entry point (module, functional, ``add_sinusoidal`` and
-its module), in inference and in training, on ``cuda`` (zero-token launches, as above) and on ``cpu``
-and ``torch`` (their kernels run for real on a tiny case, so a few us of compute are included).
+its module), in inference and in training, on ``cuda`` (zero-token launches, as above), on ``triton``
+with its kernels stubbed (our host work up to the kernel call; Triton's own launcher, which runs on
+every call on a GPU, is not timed) and on ``cpu`` and ``torch`` (their kernels run for real on a tiny
+case, so a few us of compute are included).
 """
 
 from __future__ import annotations
@@ -124,11 +126,50 @@ def _entry_points(backend: str, width: int, vocab: int):
             "SinusoidalPositionalEncoding": add_module}
 
 
+class _NoTritonLaunch:
+    """Stands for a Triton kernel: ``kernel[grid](...)`` returns at once, so that the ``triton`` backend's
+    host work (ours, before Triton's launcher) can be timed without a GPU."""
+
+    def __getitem__(self, grid):
+        return _no_launch
+
+
+def _no_launch(*args, **kwargs):
+    return None
+
+
+def _stub_triton_kernels():
+    """Point the triton backend at stub kernels, as if compiled for a GPU (no interpreter lock) but on CPU
+    tensors; returns a function that restores it.  None where Triton is not installed."""
+    try:
+        import triton
+    except ImportError:
+        return None
+    from types import SimpleNamespace
+
+    from posenc_fast.backends import triton_backend
+
+    saved = (triton_backend.triton, triton_backend._kernels, triton_backend._kernels_interpreted,
+             triton_backend.available, triton_backend.interpreting)
+    stub = SimpleNamespace(forward_kernel=_NoTritonLaunch(), grad_chunk_kernel=_NoTritonLaunch(),
+                           grad_carry_kernel=_NoTritonLaunch())
+    triton_backend.triton, triton_backend._kernels, triton_backend._kernels_interpreted = triton, stub, False
+    triton_backend.available = lambda device: None
+    triton_backend.interpreting = lambda: True  # the prepared launch's check for CPU tensors
+
+    def restore():
+        (triton_backend.triton, triton_backend._kernels, triton_backend._kernels_interpreted,
+         triton_backend.available, triton_backend.interpreting) = saved
+    return restore
+
+
 def entry_point_table(calls: int) -> dict:
     """{backend: {entry point: {"inference": us, "training": us}}} and eager's own, id check off."""
     table = {}
-    for backend in ("cuda", "cpu", "torch"):
-        width, vocab = (4096, 262144) if backend == "cuda" else (TABLE_WIDTH, TABLE_VOCAB)
+    restore_triton = _stub_triton_kernels()
+    backends = ("cuda", "triton", "cpu", "torch") if restore_triton else ("cuda", "cpu", "torch")
+    for backend in backends:
+        width, vocab = (4096, 262144) if backend in ("cuda", "triton") else (TABLE_WIDTH, TABLE_VOCAB)
         rows = table[f"{backend} (d {width})"] = {}
         for name, make in _entry_points(backend, width, vocab).items():
             call, trainable = make()
@@ -138,6 +179,8 @@ def entry_point_table(calls: int) -> dict:
                 training = per_call_us(call, calls)  # grad enabled, a trainable input: an autograd node per call
             rows[name] = {"inference": inference, "training": training}
             del trainable
+        if backend == "triton":
+            restore_triton()
     eager = baselines.EagerSinusoidalEmbedding(TABLE_VOCAB, TABLE_WIDTH, max_len=32, embed_scale=TABLE_WIDTH ** 0.5)
     ids = torch.randint(0, TABLE_VOCAB, (TABLE_TOKENS, 1))
     with torch.no_grad():
@@ -192,7 +235,8 @@ def main(argv=None) -> int:
     for label, us in rows.items():
         print(f"  {label:56s} {us:6.1f} us")
     if table is not None:
-        print(f"every entry point, {TABLE_TOKENS} tokens, id check off (cuda: host work only; cpu, torch: "
+        print(f"every entry point, {TABLE_TOKENS} tokens, id check off (cuda: host work only; triton: ours, "
+              "Triton's launcher stubbed; cpu, torch: "
               f"vocab {TABLE_VOCAB}, tiny compute included): inference / training us per call")
         for backend, entries in table.items():
             for name, us in entries.items():

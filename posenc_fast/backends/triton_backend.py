@@ -237,51 +237,53 @@ def _forward(ids, weight, turns, positions, offsets, offset, seq_len, params: Ke
 def prepare_forward(dtype, num_rows: int, device, turns, params: KernelParams) -> Optional[PreparedLaunch]:
     """``forward_kernel``'s launch for a table of ``dtype`` on ``device`` (``posenc_fast._prepared``): what
     ``_forward`` works out per call from the parameters (frequency words, columns, constexpr flags) done
-    once, and the tile shape and grid once per token count.  What stays per call is the call's own tensors,
-    offset, length and 64-bit-index decision, and Triton's launcher (on a GPU: argument specialisation
-    and the driver launch), which every Triton kernel pays."""
+    once, and the tile shape, grid and 64-bit-index decision once per token count and table size.  What
+    stays per call is the call's own tensors, offset and length, and Triton's launcher (on a GPU: argument
+    specialisation and the driver launch), which every Triton kernel pays."""
     kernels = _load_kernels()
     interpreted = _kernels_interpreted
     turn_low, turn_high = _turn_words(turns)
     columns = params.columns
     element_size = torch.empty((), dtype=dtype).element_size()
-    shapes = {}  # num_tokens -> (tiles, grid): a decoding loop asks for one or two
+    shapes = {}  # (num_tokens, table rows, row stride) -> grid and arguments; a decoding loop has one or two
     fixed_before = (turns, turn_low, turn_high, None, None, None)  # no positions, offsets or dropout seed
-    fixed_after = (params.token_width, params.pe_width, params.num_pairs, turns.numel(), columns.sin_base,
-                   columns.num_sin, columns.cos_base, columns.num_cos, params.pe_zero_id)
+    fixed_middle = (params.token_width, params.pe_width, params.num_pairs, turns.numel(), columns.sin_base,
+                    columns.num_sin, columns.cos_base, columns.num_cos, params.pe_zero_id)
     fixed_flags = dict(CONCAT=params.concat, INTERLEAVED=columns.interleaved, POSITION_SOURCE=0,
                        SOFTWARE_BF16=interpreted, FLOAT64=params.float64_math, DROPOUT=False, GROUPED=False,
                        ZERO_COS_TAIL=columns.num_cos > params.num_pairs)
 
-    def shape_for(num_tokens: int):
-        shape = shapes.get(num_tokens)
+    def shape_for(num_tokens: int, table_rows: int, weight_row_stride: int):
+        key = (num_tokens, table_rows, weight_row_stride)
+        shape = shapes.get(key)
         if shape is None:
             tiles = _forward_tiles(params, num_tokens, element_size)
             num_copy = triton.cdiv(params.token_width, 2 * tiles.block_p) if params.concat else 0
             grid = (triton.cdiv(num_tokens, tiles.block_t), num_copy + triton.cdiv(tiles.pair_slots, tiles.block_p))
+            wide = _needs_wide_index(num_tokens, tiles.block_t, params.width, table_rows, weight_row_stride)
+            arguments_after = (num_tokens, table_rows, weight_row_stride, params.width, *fixed_middle, num_copy,
+                               params.embed_scale, params.pe_scale, 0, 1.0)
+            constexprs = dict(fixed_flags, BLOCK_T=tiles.block_t, BLOCK_P=tiles.block_p, WIDE_INDEX=wide,
+                              num_warps=tiles.warps)
             if len(shapes) >= 64:
                 shapes.clear()
-            shape = shapes[num_tokens] = (tiles, grid, num_copy)
+            shape = shapes[key] = (grid, arguments_after, constexprs)
         return shape
 
     def launch(ids, weight, weight_row_stride, out, offset, seq_len, num_tokens, last_argument):
         if num_tokens == 0:
             return
-        tiles, grid, num_copy = shape_for(num_tokens)
         # The rows the kernel may read: the table's (an embedding), or x's own (add_sinusoidal, whose launch
         # is prepared for any row count), as _forward passes them.
         table_rows = weight.numel() // weight_row_stride if weight_row_stride else num_rows
-        wide = _needs_wide_index(num_tokens, tiles.block_t, params.width, table_rows, weight_row_stride)
-        arguments = (ids, weight, out, *fixed_before, offset, max(seq_len, 1), num_tokens, table_rows,
-                     weight_row_stride, params.width, *fixed_after, num_copy, params.embed_scale, params.pe_scale,
-                     0, 1.0)
+        grid, arguments_after, constexprs = shape_for(num_tokens, table_rows, weight_row_stride)
         if interpreted:
             with _interpreter_lock:
-                kernels.forward_kernel[grid](*arguments, BLOCK_T=tiles.block_t, BLOCK_P=tiles.block_p,
-                                             WIDE_INDEX=wide, num_warps=tiles.warps, **fixed_flags)
+                kernels.forward_kernel[grid](ids, weight, out, *fixed_before, offset, max(seq_len, 1),
+                                             *arguments_after, **constexprs)
         else:
-            kernels.forward_kernel[grid](*arguments, BLOCK_T=tiles.block_t, BLOCK_P=tiles.block_p,
-                                         WIDE_INDEX=wide, num_warps=tiles.warps, **fixed_flags)
+            kernels.forward_kernel[grid](ids, weight, out, *fixed_before, offset, max(seq_len, 1), *arguments_after,
+                                         **constexprs)
 
     def is_current() -> bool:  # the kernels' mode is fixed for the process; on CPU the interpreter must stay on
         return device.type == "cuda" or interpreting()
