@@ -76,8 +76,7 @@ class PreparedForward:
 
     def __init__(self, spec, backend: str, dropout: float, weight: torch.Tensor, name: str,
                  launch: _backends.PreparedLaunch):
-        self.spec, self.backend, self.dropout = spec, backend, dropout
-        self.dtype, self.shape, self.device = weight.dtype, weight.shape, weight.device
+        self._identify(spec, backend, dropout, weight)
         self.width = spec.width
         self.launch, self.id_dtypes, self.last_argument = launch.launch, launch.id_dtypes, launch.last_argument
         self.is_current = launch.is_current
@@ -85,6 +84,11 @@ class PreparedForward:
         # What the weight gradient needs (LaunchedEmbeddingFunction), after the call's ``sparse``.
         padding_idx = -1 if spec.padding_idx is None else spec.padding_idx
         self.gradient = (weight.shape[0], weight.shape[1], spec.embed_scale, padding_idx, weight.dtype, name)
+
+    def _identify(self, spec, backend: str, dropout: float, weight: torch.Tensor) -> None:
+        """What ``prepared_for`` compares a call with."""
+        self.spec, self.backend, self.dropout = spec, backend, dropout
+        self.dtype, self.shape, self.device = weight.dtype, weight.shape, weight.device
 
     @staticmethod
     def build(spec, backend: str, dropout, weight: torch.Tensor) -> Optional["PreparedForward"]:
@@ -141,8 +145,7 @@ class _NoForward(PreparedForward):
     __slots__ = ()
 
     def __init__(self, spec, backend: str, dropout: float, weight: torch.Tensor):
-        self.spec, self.backend, self.dropout = spec, backend, dropout
-        self.dtype, self.shape, self.device = weight.dtype, weight.shape, weight.device
+        self._identify(spec, backend, dropout, weight)
         self.is_current = _always
 
     def run(self, *args) -> None:
@@ -162,13 +165,17 @@ class PreparedAddition:
                  "is_current", "keep_alive", "on_gpu", "numbers", "growing")
 
     def __init__(self, spec, backend: str, x: torch.Tensor, launch: _backends.PreparedLaunch):
-        self.spec, self.backend, self.dtype, self.device = spec, backend, x.dtype, x.device
+        self._identify(spec, backend, x)
         self.width, self.x_scale = spec.pe_width, spec.embed_scale
         self.launch = launch.launch  # row numbers are int64, which every launch takes
         self.last_argument, self.is_current, self.keep_alive = launch.last_argument, launch.is_current, launch.turns
         self.on_gpu = x.device.type == "cuda"
         self.numbers = None  # (row numbers, the stream handle they were made on: on a GPU, the only one using them)
         self.growing = threading.Lock()
+
+    def _identify(self, spec, backend: str, x: torch.Tensor) -> None:
+        """What ``prepared_for`` compares a call with."""
+        self.spec, self.backend, self.dtype, self.device = spec, backend, x.dtype, x.device
 
     @staticmethod
     def build(spec, backend: str, x: torch.Tensor) -> "PreparedAddition":
@@ -236,7 +243,7 @@ class _NoAddition(PreparedAddition):
     __slots__ = ()
 
     def __init__(self, spec, backend: str, x: torch.Tensor):
-        self.spec, self.backend, self.dtype, self.device = spec, backend, x.dtype, x.device
+        self._identify(spec, backend, x)
         self.is_current = _always
 
     def run(self, *args) -> None:
