@@ -166,21 +166,24 @@ def _stub_triton_kernels():
 def entry_point_table(calls: int) -> dict:
     """{backend: {entry point: {"inference": us, "training": us}}} and eager's own, id check off."""
     table = {}
-    restore_triton = _stub_triton_kernels()
-    backends = ("cuda", "triton", "cpu", "torch") if restore_triton else ("cuda", "cpu", "torch")
-    for backend in backends:
-        width, vocab = (4096, 262144) if backend in ("cuda", "triton") else (TABLE_WIDTH, TABLE_VOCAB)
-        rows = table[f"{backend} (d {width})"] = {}
-        for name, make in _entry_points(backend, width, vocab).items():
-            call, trainable = make()
-            with pf.id_check(False):
-                with torch.no_grad():
-                    inference = per_call_us(call, calls)
-                training = per_call_us(call, calls)  # grad enabled, a trainable input: an autograd node per call
-            rows[name] = {"inference": inference, "training": training}
-            del trainable
-        if backend == "triton":
-            restore_triton()
+    for backend in ("cuda", "triton", "cpu", "torch"):
+        restore_triton = _stub_triton_kernels() if backend == "triton" else None
+        if backend == "triton" and restore_triton is None:
+            continue  # Triton not installed
+        try:
+            width, vocab = (4096, 262144) if backend in ("cuda", "triton") else (TABLE_WIDTH, TABLE_VOCAB)
+            rows = table[f"{backend} (d {width})"] = {}
+            for name, make in _entry_points(backend, width, vocab).items():
+                call, trainable = make()
+                with pf.id_check(False):
+                    with torch.no_grad():
+                        inference = per_call_us(call, calls)
+                    training = per_call_us(call, calls)  # grad enabled, a trainable input: an autograd node per call
+                rows[name] = {"inference": inference, "training": training}
+                del trainable
+        finally:
+            if restore_triton is not None:
+                restore_triton()  # launches prepared on the stubs are no longer current (their kernel module)
     eager = baselines.EagerSinusoidalEmbedding(TABLE_VOCAB, TABLE_WIDTH, max_len=32, embed_scale=TABLE_WIDTH ** 0.5)
     ids = torch.randint(0, TABLE_VOCAB, (TABLE_TOKENS, 1))
     with torch.no_grad():

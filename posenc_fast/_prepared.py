@@ -43,7 +43,7 @@ from ._routing import eager_call
 from .backends import kernel_params
 from .ops import LaunchedAdditionFunction, LaunchedEmbeddingFunction, check_ids_if_enabled
 
-_STRIDED = torch.strided
+_STRIDED, _CONTIGUOUS = torch.strided, torch.contiguous_format
 _INT64_MIN, _INT64_END = -(2**63), 2**63
 # add_sinusoidal's launch reads rows 0..N-1 that it numbers itself, so the table's row count is only
 # a bound: the largest for which the CUDA kernels keep 32-bit row arithmetic (forward_kernels.cuh).
@@ -230,7 +230,9 @@ class PreparedAddition:
         return numbers[0] if not self.on_gpu or numbers[1] == stream else None
 
     def _output(self, x, offset, rows, last_argument) -> torch.Tensor:
-        out = torch.empty_like(x)  # x is contiguous, so is this; 0.9 us against 2 for new_empty(x.shape)
+        # Contiguous (x's strides on size-1 dimensions are not copied: the general path's output has none);
+        # 1 us against 2 for new_empty(x.shape).
+        out = torch.empty_like(x, memory_format=_CONTIGUOUS)
         if _backends.POISON_OUTPUTS:
             out.fill_(float("nan"))
         self.launch(rows, x, self.width, out, offset, x.shape[-2], x.numel() // self.width, last_argument)

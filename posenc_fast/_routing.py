@@ -19,6 +19,12 @@ def jit_tracing() -> bool:
     return not torch.compiler.is_compiling() and torch._C._is_tracing()  # (Dynamo cannot trace _is_tracing)
 
 
+def tracing() -> bool:
+    """Inside torch.compile / torch.export or jit.trace: what the entry points ask before a prepared launch,
+    which reads sizes (each a TracerWarning under jit.trace) and would not be traced as the op."""
+    return _is_compiling() or _is_tracing()
+
+
 def eager_call(ids, weight) -> bool:
     """Whether the call may run the op's implementation without torch.library: eager, on plain
     tensors, with nothing tracing (torch.compile, torch.export, jit.trace), transforming (torch.func,

@@ -111,11 +111,14 @@ def make_spec(
         # jit.trace gives sizes as traced 0-dim tensors.  The table's (or x's) shape is a constant of a
         # traced layer: taken as ints, so the frequencies are computed in float64 as always and the
         # spec cache never keys on a tensor.
-        # (A TracerWarning for each would be noise to whoever traces a model around the layer: silenced.)
+        # Tensor frequencies become floats here too.  (A TracerWarning for each would be noise to whoever
+        # traces a model around the layer: silenced, as the general path's are, functional._quiet_under_jit_trace.)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", torch.jit.TracerWarning)
             num_embeddings, token_width = (int(size) if isinstance(size, torch.Tensor) else size
                                            for size in (num_embeddings, token_width))
+            if frequencies is not None:
+                frequencies = _frequency_values(frequencies)
     elif frequencies is None:
         # A repeated call (the functional entry points build their spec on every call) skips the checks
         # below: the arguments, and the types of those where True, 1 and 1.0 are equal keys but not

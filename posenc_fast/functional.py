@@ -13,6 +13,7 @@ from ._dispatch import resolve_backend
 from ._dropout import check_dropout_p, draw_seed
 from ._prepared import functional_addition, functional_embedding, remember_addition, remember_embedding
 from ._routing import eager_call as _eager_call, in_onnx_export as _in_onnx_export, jit_tracing as _jit_tracing
+from ._routing import tracing as _tracing
 from ._spec import PESpec, dispatch_mode_depth
 from ._validate import check_offset, check_weight, check_weight_for_spec, make_batch, make_spec
 from .backends import kernel_params as _kernel_params
@@ -28,8 +29,9 @@ def _quiet_under_jit_trace(function):
     (lengths, batch, positions) reaches the output only through tensors (``_refuse_jit_trace``).  So the
     warnings are noise to whoever traces a model around the layer, and are silenced, for this call only.
     On the general paths (``apply_spec``, ``apply_add_spec``): the public functions are not wrapped, so a
-    decoding step's prepared launch does not pay the wrapper's argument repacking (about 0.6 us), and
-    what they read before the general path (``make_spec``'s table sizes) silences its own."""
+    decoding step's prepared launch does not pay the wrapper's argument repacking (about 0.6 us).  Before
+    the general path they read only what cannot warn or silences its own (``make_spec``'s table sizes and
+    frequencies), and under jit.trace they skip the prepared launch (``_routing.tracing``), which reads sizes."""
     @functools.wraps(function)
     def call(*args, **kwargs):
         if not _jit_tracing():
@@ -88,8 +90,9 @@ def sinusoidal_embedding(
     check_weight(weight)
     spec = make_spec(weight.shape[0], weight.shape[1], mode, d_pos, base, layout, embed_scale, pe_scale, padding_idx,
                      frequencies, zero_pe_at_padding, precision)
-    # A repeated call (a decoding step): see posenc_fast._prepared (never under torch.compile, which traces the op).
-    simple_call = positions is None and cu_seqlens is None and not torch.compiler.is_compiling()
+    # A repeated call (a decoding step): see posenc_fast._prepared (never under torch.compile or jit.trace, which
+    # trace the op and its checks).
+    simple_call = positions is None and cu_seqlens is None and not _tracing()
     if simple_call:
         out = functional_embedding(spec, backend, dropout_p, training, sparse, weight, ids, offset)
         if out is not None:
@@ -300,7 +303,7 @@ def add_sinusoidal(
     if x.dim() < 1 or not x.is_floating_point():
         raise TypeError(f"x must be a floating-point tensor [..., D], got dtype {x.dtype} and shape {list(x.shape)}")
     spec = make_spec(1, x.shape[-1], "add", None, base, layout, x_scale, pe_scale, None, frequencies, False, precision)
-    simple_call = positions is None and cu_seqlens is None and not torch.compiler.is_compiling()
+    simple_call = positions is None and cu_seqlens is None and not _tracing()
     if simple_call:
         out = functional_addition(spec, backend, x, offset)
         if out is not None:

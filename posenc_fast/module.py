@@ -13,7 +13,7 @@ from ._dispatch import check_backend_name
 from ._dropout import check_dropout_p
 from ._validate import check_weight, make_spec
 from ._prepared import PreparedAddition, PreparedForward
-from ._routing import eager_call
+from ._routing import eager_call, tracing
 from .functional import apply_add_spec, apply_spec
 from .presets import PADDING_AWARE_RULES, POSITION_RULES
 
@@ -172,16 +172,16 @@ class SinusoidalEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor, positions: Optional[torch.Tensor] = None,
                 offset: Union[int, torch.Tensor] = 0, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
-        # The weight from its registry: nn.Module.__getattr__ costs 0.6 us of a decoding step's 8.  Where it is
-        # not registered (a parametrization's property, an old weight_norm's plain attribute), the attribute.
-        weight = self._parameters.get("weight")
-        if weight is None:
-            weight = self.weight
+        # The weight from its registry: nn.Module.__getattr__ costs 0.6 us of a decoding step's 8.  Read by item,
+        # so that a registry that gathers on access (DeepSpeed ZeRO-3's) still does; where the weight is not
+        # registered (a parametrization's property, an old weight_norm's plain attribute), the attribute.
+        parameters = self._parameters
+        weight = parameters["weight"] if "weight" in parameters else self.weight
         spec, backend, dropout = self.spec, self.backend, self.dropout
         # A repeated call (a decoding step, a training step): see posenc_fast._prepared (never under
-        # torch.compile, which traces the op).
+        # torch.compile or jit.trace, which trace the op and its checks).
         simple_call = (positions is None and cu_seqlens is None and self.position_rule == "offset"
-                       and self.vocab_range is None and not torch.compiler.is_compiling())
+                       and self.vocab_range is None and not tracing())
         prepared = self._prepared  # read once: another thread may replace it
         if simple_call and prepared is not None:
             out = prepared.run(spec, backend, dropout, self.training, self.sparse, weight, ids, offset)
@@ -326,7 +326,7 @@ class SinusoidalPositionalEncoding(nn.Module):
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             raise TypeError(f"x must be a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}")
         spec, backend = self.spec, self.backend
-        simple_call = positions is None and cu_seqlens is None and not torch.compiler.is_compiling()
+        simple_call = positions is None and cu_seqlens is None and not tracing()
         prepared = self._prepared  # (see SinusoidalEmbedding.forward)
         if simple_call and prepared is not None:
             out = prepared.run(spec, backend, x, offset)

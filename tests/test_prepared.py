@@ -637,3 +637,44 @@ def test_the_weight_the_module_reads_is_its_attribute(kind, backend, device, pre
         with torch.no_grad():
             got = layer(ids, offset=9)
         assert_within(got.cpu(), exact, output_bound(exact, torch.float32), f"{kind} {backend}")
+
+
+@pytest.mark.parametrize("backend,device", TARGETS)
+def test_addition_outputs_are_laid_out_as_the_general_paths(backend, device):
+    """A contiguous x may carry any stride on a size-1 dimension: the output has the standard strides on
+    both paths (the first call's and the prepared ones')."""
+    storage = torch.randn(1000, device=device)
+    for x in (storage[:80].view(5, 16).unsqueeze(0).transpose(0, 1).transpose(0, 1),
+              storage.as_strided((1, 5, 16), (1000, 16, 1)), storage.as_strided((5, 1, 16), (16, 999, 1))):
+        assert x.is_contiguous()
+        layer = pf.SinusoidalPositionalEncoding(16, backend=backend)
+        with torch.no_grad():
+            outs = [layer(x, offset=3) for _ in range(3)] + [pf.add_sinusoidal(x, offset=3, backend=backend)
+                                                               for _ in range(3)]
+        for out in outs:
+            assert out.stride() == torch.empty(x.shape).stride(), (x.stride(), out.stride())
+            assert torch.equal(out, outs[0])
+
+
+@pytest.mark.parametrize("backend,device", [t for t in TARGETS if t.values[0] == "triton" and t.values[1] == "cpu"])
+def test_triton_launches_follow_the_kernel_module(backend, device, monkeypatch, prepared_runs):
+    """A prepared Triton launch holds the kernels it was prepared with: once the backend's kernel module is
+    another (a benchmark's stubs, restored), calls take the general path and prepare again."""
+    from types import SimpleNamespace
+
+    from posenc_fast.backends import triton_backend
+
+    layer = _basic_layer(backend, device)
+    ids = _ids(device)
+    with torch.no_grad():
+        want = layer(ids)
+        layer(ids)
+        assert len(prepared_runs) == 1
+        kernels = triton_backend._load_kernels()
+        monkeypatch.setattr(triton_backend, "_kernels", SimpleNamespace(
+            forward_kernel=kernels.forward_kernel, grad_chunk_kernel=kernels.grad_chunk_kernel,
+            grad_carry_kernel=kernels.grad_carry_kernel))
+        assert torch.equal(layer(ids), want)
+        assert len(prepared_runs) == 1  # the general path
+        assert torch.equal(layer(ids), want)
+        assert len(prepared_runs) == 2  # prepared again, on the new module

@@ -9,6 +9,7 @@ in concat's PE columns) and, for ``add_sinusoidal``, ``x_scale * t``.
 """
 
 import itertools
+import warnings
 
 import pytest
 import torch
@@ -214,8 +215,13 @@ def test_jit_trace_is_refused(entry, backend, device):
     f = entry.make(backend, fresh_base())
     primal = _randn(1, *entry.primal_shape)
     ids = _ids(2)
-    with pytest.raises(RuntimeError, match="torch.jit.trace.*only for calls with explicit positions.*torch.export"):
-        _trace(f, ids, primal)
+    with torch.no_grad():  # eager calls first, which keep a prepared launch: the trace must not reach it
+        f(ids, primal)
+        f(ids, primal)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", torch.jit.TracerWarning)  # and it warns of nothing on the way
+        with pytest.raises(RuntimeError, match="torch.jit.trace.*only for calls with explicit positions.*torch.export"):
+            _trace(f, ids, primal)
 
 
 class _WithPositions(torch.nn.Module):
@@ -252,8 +258,23 @@ _POSITIONED = {
                    lambda g, shape: torch.randn(*shape, WIDTH, generator=g),
                    lambda x, positions, base: SCALE * x.double() + reference.sinusoidal_table(
                        positions, WIDTH, base=base)),
+    # Frequencies given as a tensor: read as floats when the trace is made (constants of the layer).
+    "functional, tensor frequencies": (
+        lambda backend, base: lambda ids, positions: pf.sinusoidal_embedding(
+            ids, _TRACE_TABLE, positions=positions, frequencies=_TRACE_FREQUENCY_TENSOR, backend=backend),
+        lambda g, shape: torch.randint(0, VOCAB, shape, generator=g),
+        lambda ids, positions, base: reference.sinusoidal_embedding(
+            ids, _TRACE_TABLE.double(), positions=positions, frequencies=_TRACE_FREQUENCIES)),
+    "add_sinusoidal, tensor frequencies": (
+        lambda backend, base: lambda x, positions: pf.add_sinusoidal(
+            x, positions=positions, frequencies=_TRACE_FREQUENCY_TENSOR, backend=backend),
+        lambda g, shape: torch.randn(*shape, WIDTH, generator=g),
+        lambda x, positions, base: x.double() + reference.sinusoidal_table(
+            positions, WIDTH, frequencies=_TRACE_FREQUENCIES)),
 }
 _TRACE_TABLE = _randn(5, VOCAB, WIDTH)
+_TRACE_FREQUENCIES = [1.0, 0.5, 0.25, 0.125, 2.0**-10]
+_TRACE_FREQUENCY_TENSOR = torch.tensor(_TRACE_FREQUENCIES, dtype=torch.float64)
 
 
 def _module_with_table(table, **kwargs):

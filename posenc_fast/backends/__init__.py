@@ -106,7 +106,8 @@ class PreparedLaunch(NamedTuple):
     embedding's: of the prepared row count; ``add_sinusoidal``'s ``x``: at most) whose rows are
     ``weight_row_stride`` elements apart, and ``out`` to fill (``num_tokens`` rows of the
     layer's width); the same call on every backend.  ``is_current()`` turns False when the backend's
-    compiled code changes (another extension, Triton's kernels defined in another mode)."""
+    compiled code changes (another extension or kernel module; Triton's interpreter turned off for CPU
+    tensors)."""
 
     launch: Callable
     id_dtypes: Tuple[torch.dtype, ...]  # the id dtypes the launch takes

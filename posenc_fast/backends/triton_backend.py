@@ -285,8 +285,10 @@ def prepare_forward(dtype, num_rows: int, device, turns, params: KernelParams) -
             kernels.forward_kernel[grid](ids, weight, out, *fixed_before, offset, max(seq_len, 1), *arguments_after,
                                          **constexprs)
 
-    def is_current() -> bool:  # the kernels' mode is fixed for the process; on CPU the interpreter must stay on
-        return device.type == "cuda" or interpreting()
+    on_gpu = device.type == "cuda"
+
+    def is_current() -> bool:  # the same kernels (their mode is fixed once loaded); on CPU the interpreter still on
+        return _kernels is kernels and (on_gpu or interpreting())
 
     return PreparedLaunch(launch, ID_DTYPES, current_stream_function(device), is_current, turns)
 
