@@ -13,11 +13,15 @@
 //      calls), then select-or-scale;
 //   5. one rounding to the output dtype (nearest even), one contiguous store.
 // Steps 2 to 5 work on one row in L1 (a few KiB); only the weight row and the output row touch
-// memory.  No software prefetch of the next token's row: a row is 32+ contiguous lines, which the
-// hardware prefetchers follow once it is touched, and prefetching whole rows ahead filled the
-// line-fill buffers and slowed the 2-thread gather by ~10% (measured in a standalone loop).  When the batch repeats positions (B sequences sharing a scalar offset), the work is
+// memory.  When the batch repeats positions (B sequences sharing a scalar offset), the work is
 // split by position instead of by token: steps 1 and 2 run once per distinct position, for all the
 // tokens at it (the same values whichever token asks, so the results do not change).
+// Software prefetch: only there, and only the first lines of each row (prefetch_row_start).  The
+// hardware prefetchers follow a row once it is touched; what they cannot know is which row comes
+// next.  So while a block's sins and coses are computed (no memory traffic of their own), the first
+// lines of the rows that block will read are requested.  Prefetching whole rows instead filled the
+// line-fill buffers and slowed a 2-thread gather by ~10% (standalone loop); the first 8 lines made the
+// forward inside a model 1.03-1.07x the plain gather instead of 1.00-1.26x (bench/NOTES.md).
 //
 // Weight gradient: the caller sorts the ids; here the runs of equal ids are found, and each work
 // item (a run and a block of 128 columns) sums its tokens' gradient rows in fp32 in sorted order,
@@ -393,6 +397,19 @@ struct ForwardTokens {
   }
 };
 
+// Lines of a token's weight row requested ahead (see the file comment).
+constexpr int64_t kPrefetchLines = 8;
+constexpr int64_t kCacheLine = 64;
+
+template <typename T>
+POSENC_INLINE void prefetch_row_start(const ForwardArgs& a, int64_t id) {
+  if (id < 0 || id >= a.num_embeddings) return;
+  const char* row = static_cast<const char*>(a.weight) + id * a.weight_row_stride * static_cast<int64_t>(sizeof(T));
+  const int64_t row_bytes = a.token_width * static_cast<int64_t>(sizeof(T));
+  const int64_t lines = min_of(kPrefetchLines, (row_bytes + kCacheLine - 1) / kCacheLine);
+  for (int64_t line = 0; line < lines; ++line) __builtin_prefetch(row + line * kCacheLine, 0, 3);
+}
+
 // Position-major, when every sequence starts at the same scalar offset: items are positions j
 // (offset + j); the sin/cos row of j is computed once and serves tokens j, S + j, 2S + j, ...
 // The same function of the same position: results are those of the token-major path.
@@ -418,6 +435,7 @@ struct ForwardPositions {
     for (int64_t first = begin; first < end; first += kPositionBlock) {
       const int64_t count = min_of(kPositionBlock, end - first);
       for (int64_t j = 0; j < count; ++j) {
+        for (int64_t t = first + j; t < a.num_tokens; t += a.seq_len) prefetch_row_start<T>(a, token_id<IdT>(a, t));
         sin_cos_row(position_at(a, first + j), p.rates, p.slots, sins, coses);
         place_pe(p, sins, coses, p.pe_scale, pe_rows + j * p.width + p.pe_col0);
       }
