@@ -21,6 +21,7 @@ from posenc_fast.backends import cpu_backend, cuda_backend
 from cases import CASES, assert_within, backend_targets, make_inputs, output_bound
 
 TARGETS = backend_targets()
+TRITON_INTERPRETER = [t for t in TARGETS if t.values[0] == "triton" and t.values[1] == "cpu"]
 PREPARED_BACKENDS = ("cpu", "cuda", "triton")  # the backends with prepare_forward: every one but the reference
 # Cases whose positions an int offset gives: the calls a prepared launch serves.
 OFFSET_CASES = [c for c in CASES if c.position_rule in ("zero", "int")]
@@ -261,7 +262,7 @@ def test_a_changed_extension_is_not_used(backend, device, monkeypatch):
             layer(ids)
 
 
-@pytest.mark.parametrize("backend,device", [t for t in TARGETS if t.values[0] == "triton" and t.values[1] == "cpu"])
+@pytest.mark.parametrize("backend,device", TRITON_INTERPRETER)
 def test_triton_launches_stop_when_the_interpreter_is_turned_off(backend, device, monkeypatch, prepared_runs):
     """Triton's prepared launch on CPU tensors runs in the interpreter: once TRITON_INTERPRET is unset,
     calls take the general path again, which names the setting."""
@@ -656,7 +657,7 @@ def test_addition_outputs_are_laid_out_as_the_general_paths(backend, device):
             assert torch.equal(out, outs[0])
 
 
-@pytest.mark.parametrize("backend,device", [t for t in TARGETS if t.values[0] == "triton" and t.values[1] == "cpu"])
+@pytest.mark.parametrize("backend,device", TRITON_INTERPRETER)
 def test_triton_launches_follow_the_kernel_module(backend, device, monkeypatch, prepared_runs):
     """A prepared Triton launch holds the kernels it was prepared with: once the backend's kernel module is
     another (a benchmark's stubs, restored), calls take the general path and prepare again."""
