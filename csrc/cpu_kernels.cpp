@@ -16,12 +16,13 @@
 // memory.  When the batch repeats positions (B sequences sharing a scalar offset), the work is
 // split by position instead of by token: steps 1 and 2 run once per distinct position, for all the
 // tokens at it (the same values whichever token asks, so the results do not change).
-// Software prefetch: only there, and only the first lines of each row (prefetch_row_start).  The
-// hardware prefetchers follow a row once it is touched; what they cannot know is which row comes
-// next.  So while a block's sins and coses are computed (no memory traffic of their own), the first
-// lines of the rows that block will read are requested.  Prefetching whole rows instead filled the
-// line-fill buffers and slowed a 2-thread gather by ~10% (standalone loop); the first 8 lines made the
-// forward inside a model 1.03-1.07x the plain gather instead of 1.00-1.26x (bench/NOTES.md).
+// Software prefetch of the first 8 lines of weight rows (prefetch_row_start): the hardware prefetchers
+// follow a row once it is touched; what they cannot know is which row comes next.  Position-major, while a
+// block's sins and coses are computed (no memory traffic of their own), the rows that block will read;
+// token-major, the next token's row while this token's sins and coses are computed.  Prefetching whole
+// rows instead filled the line-fill buffers and slowed a 2-thread gather by ~10% (standalone loop); the
+// first 8 lines made the forward inside a model 1.03-1.07x the plain gather instead of 1.00-1.26x, and
+// the token-major forward 1.15x faster (bench/NOTES.md).
 //
 // Weight gradient: the caller sorts the ids; here the runs of equal ids are found, and each work
 // item (a run and a block of 128 columns) sums its tokens' gradient rows in fp32 in sorted order,
@@ -212,6 +213,15 @@ POSENC_INLINE void apply_dropout(const DropoutMask& mask, int64_t token, int64_t
 
 // ---- forward ----
 
+// How the position-major path cuts its work (ForwardPositions, position_work): item i is chunk i / groups
+// of positions and group i % groups of sequences.
+struct PositionWork {
+  int64_t chunk;  // positions per chunk: whole blocks of kPositionBlock
+  int64_t groups;  // sequence groups per chunk
+  int64_t num_sequences;
+  int64_t num_items;  // chunks x groups
+};
+
 template <typename Math>
 struct ForwardPlan {
   const ForwardArgs* args;
@@ -222,6 +232,7 @@ struct ForwardPlan {
   int64_t pe_col0;
   Math embed_scale, pe_scale, dropout_scale;
   DropoutMask mask;
+  PositionWork positions;  // the position-major path's cut (position_work)
 };
 
 #if defined(__AVX2__) && !defined(__AVX512DQ__)
@@ -378,25 +389,6 @@ POSENC_INLINE Math pe_scale_of(const ForwardPlan<Math>& p, int64_t id) {
   return (p.args->pe_zero_id >= 0 && id == p.args->pe_zero_id) ? Math(0) : p.pe_scale;  // fairseq padding: no PE
 }
 
-// Token-major: any positions (a positions tensor, per-sequence offsets): one sin/cos row per token.
-template <typename T, typename Math, typename IdT>
-struct ForwardTokens {
-  static void run(void* context, int64_t begin, int64_t end) {
-    const ForwardPlan<Math>& p = *static_cast<const ForwardPlan<Math>*>(context);
-    const ForwardArgs& a = *p.args;
-    Scratch<Math> scratch(p.width + 2 * p.slots);
-    Math* __restrict__ row = scratch.data;
-    Math* __restrict__ sins = row + p.width;
-    Math* __restrict__ coses = sins + p.slots;
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t id = token_id<IdT>(a, t);
-      sin_cos_row(token_position(a, t), p.rates, p.slots, sins, coses);
-      place_pe(p, sins, coses, pe_scale_of(p, id), row + p.pe_col0);
-      emit_row<T>(p, t, id, row);
-    }
-  }
-};
-
 // Lines of a token's weight row requested ahead (see the file comment).
 constexpr int64_t kPrefetchLines = 8;
 constexpr int64_t kCacheLine = 64;
@@ -410,11 +402,33 @@ POSENC_INLINE void prefetch_row_start(const ForwardArgs& a, int64_t id) {
   for (int64_t line = 0; line < lines; ++line) __builtin_prefetch(row + line * kCacheLine, 0, 3);
 }
 
-// Position-major, when every sequence starts at the same scalar offset: items are positions j
-// (offset + j); the sin/cos row of j is computed once and serves tokens j, S + j, 2S + j, ...
+// Token-major: any positions (a positions tensor, per-sequence offsets): one sin/cos row per token.
+template <typename T, typename Math, typename IdT>
+struct ForwardTokens {
+  static void run(void* context, int64_t begin, int64_t end) {
+    const ForwardPlan<Math>& p = *static_cast<const ForwardPlan<Math>*>(context);
+    const ForwardArgs& a = *p.args;
+    Scratch<Math> scratch(p.width + 2 * p.slots);
+    Math* __restrict__ row = scratch.data;
+    Math* __restrict__ sins = row + p.width;
+    Math* __restrict__ coses = sins + p.slots;
+    for (int64_t t = begin; t < end; ++t) {
+      if (t + 1 < end) prefetch_row_start<T>(a, token_id<IdT>(a, t + 1));
+      const int64_t id = token_id<IdT>(a, t);
+      sin_cos_row(token_position(a, t), p.rates, p.slots, sins, coses);
+      place_pe(p, sins, coses, pe_scale_of(p, id), row + p.pe_col0);
+      emit_row<T>(p, t, id, row);
+    }
+  }
+};
+
+// Position-major, when every sequence starts at the same scalar offset: the sin/cos row of position j
+// (offset + j) is computed once and serves tokens j, S + j, 2S + j, ... of the item's sequences.
 // The same function of the same position: results are those of the token-major path.
 //
-// A work item is a range of consecutive positions, taken kPositionBlock at a time: the block's PE
+// A work item is a range of consecutive positions (a chunk; position_work) in a range of sequences
+// (all of them, unless the sequences are too short to give every thread work: then a group of them),
+// taken kPositionBlock positions at a time: the block's PE
 // rows are made first (L1/L2-resident scratch), then each sequence's rows of that block are
 // written one after another.  So every thread writes runs of contiguous output rows, which the
 // hardware prefetchers and write-combining follow; position by position, two threads would
@@ -427,33 +441,44 @@ struct ForwardPositions {
   static void run(void* context, int64_t begin, int64_t end) {
     const ForwardPlan<Math>& p = *static_cast<const ForwardPlan<Math>*>(context);
     const ForwardArgs& a = *p.args;
+    const PositionWork& w = p.positions;
     Scratch<Math> scratch((kPositionBlock + 1) * p.width + 2 * p.slots);
     Math* __restrict__ pe_rows = scratch.data;  // the block's PEs at pe_scale, one row per position
     Math* __restrict__ row = pe_rows + kPositionBlock * p.width;  // a token's working row (dropout, or no PE)
     Math* __restrict__ sins = row + p.width;
     Math* __restrict__ coses = sins + p.slots;
-    for (int64_t first = begin; first < end; first += kPositionBlock) {
-      const int64_t count = min_of(kPositionBlock, end - first);
-      for (int64_t j = 0; j < count; ++j) {
-        for (int64_t t = first + j; t < a.num_tokens; t += a.seq_len) prefetch_row_start<T>(a, token_id<IdT>(a, t));
-        sin_cos_row(position_at(a, first + j), p.rates, p.slots, sins, coses);
-        place_pe(p, sins, coses, p.pe_scale, pe_rows + j * p.width + p.pe_col0);
-      }
-      for (int64_t start = first; start < a.num_tokens; start += a.seq_len) {
-        const int64_t stop = min_of(start + count, a.num_tokens);
-        for (int64_t t = start; t < stop; ++t) {
-          const int64_t id = token_id<IdT>(a, t);
-          Math* __restrict__ pe_row = pe_rows + (t - start) * p.width;
-          const Math scale = pe_scale_of(p, id);
-          if (scale != p.pe_scale) {  // pe_zero_id: this token's own (zero) PE
-            sin_cos_row(position_at(a, first + (t - start)), p.rates, p.slots, sins, coses);
-            place_pe(p, sins, coses, scale, row + p.pe_col0);
-            emit_row<T>(p, t, id, row);
-          } else if (a.dropout_seed != nullptr) {  // emit_row works in place: keep pe_row intact
-            for (int64_t k = p.pe_col0; k < p.width; ++k) row[k] = pe_row[k];
-            emit_row<T>(p, t, id, row);
-          } else {
-            emit_row<T>(p, t, id, pe_row);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t chunk = item / w.groups, group = item - chunk * w.groups;
+      // This item's tokens: positions [chunk_begin, chunk_end) of sequences [seq_begin, seq_end).
+      const int64_t seq_begin = w.num_sequences * group / w.groups;
+      const int64_t seq_end = w.num_sequences * (group + 1) / w.groups;
+      const int64_t tokens_end = min_of(seq_end * a.seq_len, a.num_tokens);
+      const int64_t chunk_end = min_of((chunk + 1) * w.chunk, a.seq_len);
+      for (int64_t first = chunk * w.chunk; first < chunk_end; first += kPositionBlock) {
+        const int64_t count = min_of(kPositionBlock, chunk_end - first);
+        for (int64_t j = 0; j < count; ++j) {
+          for (int64_t t = seq_begin * a.seq_len + first + j; t < tokens_end; t += a.seq_len) {
+            prefetch_row_start<T>(a, token_id<IdT>(a, t));
+          }
+          sin_cos_row(position_at(a, first + j), p.rates, p.slots, sins, coses);
+          place_pe(p, sins, coses, p.pe_scale, pe_rows + j * p.width + p.pe_col0);
+        }
+        for (int64_t start = seq_begin * a.seq_len + first; start < tokens_end; start += a.seq_len) {
+          const int64_t stop = min_of(start + count, tokens_end);
+          for (int64_t t = start; t < stop; ++t) {
+            const int64_t id = token_id<IdT>(a, t);
+            Math* __restrict__ pe_row = pe_rows + (t - start) * p.width;
+            const Math scale = pe_scale_of(p, id);
+            if (scale != p.pe_scale) {  // pe_zero_id: this token's own (zero) PE
+              sin_cos_row(position_at(a, first + (t - start)), p.rates, p.slots, sins, coses);
+              place_pe(p, sins, coses, scale, row + p.pe_col0);
+              emit_row<T>(p, t, id, row);
+            } else if (a.dropout_seed != nullptr) {  // emit_row works in place: keep pe_row intact
+              for (int64_t k = p.pe_col0; k < p.width; ++k) row[k] = pe_row[k];
+              emit_row<T>(p, t, id, row);
+            } else {
+              emit_row<T>(p, t, id, pe_row);
+            }
           }
         }
       }
@@ -470,12 +495,20 @@ struct ForwardPositions {
 // balance threads.
 constexpr int64_t kTokenGrain = 16;
 
-// Positions per work item of ForwardPositions: about four items per thread, so that each thread
-// writes long runs of rows and the threads still balance; whole position blocks.
-POSENC_INLINE int64_t position_grain(int64_t seq_len, int num_threads) {
-  const int64_t items = 4 * static_cast<int64_t>(num_threads > 0 ? num_threads : 1);
-  const int64_t grain = (seq_len + items - 1) / items;
-  return max_of(kPositionBlock, (grain + kPositionBlock - 1) / kPositionBlock * kPositionBlock);
+// The cut of position-major work (ForwardPositions): about four items per thread.  Items are chunks of
+// whole position blocks; where a sequence has too few positions for that many chunks (short sequences, a
+// one-token decoding step over a large batch), each chunk's sequences are split into groups too, and each
+// group computes its chunk's sins and coses again (a few rows).
+POSENC_INLINE PositionWork position_work(const ForwardArgs& a) {
+  PositionWork w;
+  const int64_t items = 4 * static_cast<int64_t>(a.num_threads > 0 ? a.num_threads : 1);
+  const int64_t grain = (a.seq_len + items - 1) / items;
+  w.chunk = (grain + kPositionBlock - 1) / kPositionBlock * kPositionBlock;
+  const int64_t num_chunks = (a.seq_len + w.chunk - 1) / w.chunk;
+  w.num_sequences = (a.num_tokens + a.seq_len - 1) / a.seq_len;
+  w.groups = max_of(1, min_of(w.num_sequences, (items + num_chunks - 1) / num_chunks));
+  w.num_items = num_chunks * w.groups;
+  return w;
 }
 
 template <typename T, typename Math, typename IdT>
@@ -500,9 +533,9 @@ const char* forward_typed(const ForwardArgs& a) {
     p.mask = DropoutMask{{static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)}, a.dropout_threshold};
   }
   const bool shared_positions = a.positions == nullptr && a.offsets == nullptr;
-  if (shared_positions && a.num_tokens >= 2 * a.seq_len) {
-    parallel_for(a.seq_len, position_grain(a.seq_len, a.num_threads), a.num_threads,
-                 &ForwardPositions<T, Math, IdT>::run, &p);
+  if (shared_positions && a.seq_len > 0 && a.num_tokens >= 2 * a.seq_len) {
+    p.positions = position_work(a);
+    parallel_for(p.positions.num_items, 1, a.num_threads, &ForwardPositions<T, Math, IdT>::run, &p);
   } else {
     parallel_for(a.num_tokens, kTokenGrain, a.num_threads, &ForwardTokens<T, Math, IdT>::run, &p);
   }

@@ -368,3 +368,29 @@ def test_sparse_gradient_cost_script_smoke(tmp_path):
     assert {(row["impl"], row["sparse"]) for row in doc["rows"]} == {
         (impl, sparse) for impl in ("fused", "nn.Embedding") for sparse in (False, True)}
     assert all(row["backward_ms"] > 0 for row in doc["rows"]) and doc["device"].startswith("CPU")
+
+
+@pytest.mark.slow
+def test_cpu_kernel_ab_script_smoke():
+    """bench/cpu_kernel_ab.py builds HEAD's and the working tree's CPU kernel into one program and times both
+    (a run of the script on a tiny case, not a timing)."""
+    import platform
+    import shutil
+    import subprocess
+    import sys
+
+    from posenc_fast import _build
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if platform.machine() not in ("x86_64", "AMD64") or _build.find_cxx() is None:
+        pytest.skip("needs an x86 machine with a C++ compiler")
+    if shutil.which("git") is None or not os.path.isdir(os.path.join(root, ".git")):
+        pytest.skip("needs a git checkout (the script compares with a revision)")
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    result = subprocess.run([sys.executable, os.path.join(root, "bench", "cpu_kernel_ab.py"), "--shapes", "3x5,7x1",
+                             "--vocab", "50", "--d", "40", "--repeats", "3", "--threads", "2"],
+                            capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line.split() for line in result.stdout.splitlines() if line.split()[:1] in (["3x5"], ["7x1"])]
+    assert [(row[0], row[1]) for row in rows] == [(s, c) for s in ("3x5", "7x1") for c in ("warm", "cold")]
+    assert all(float(x) > 0 for row in rows for x in row[2:6]), rows  # p10 and median of each version, in ms

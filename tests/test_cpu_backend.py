@@ -74,19 +74,27 @@ def _run(ids, weight, grad_out, threads, **kwargs):
         torch.set_num_threads(previous)
 
 
+# Shapes whose position-major work is cut differently with the thread count: long sequences (chunks of
+# positions), and few or one position per sequence (chunks that also split the sequences into groups,
+# of unequal sizes).
+THREAD_SHAPES = [(3, 150), (37, 1), (9, 3)]
+
+
+@pytest.mark.parametrize("shape", THREAD_SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("dropout_p", [0.0, 0.3])
-def test_results_do_not_depend_on_thread_count(dropout_p, seed):
+def test_results_do_not_depend_on_thread_count(dropout_p, shape, seed):
     """Forward and weight gradient are bitwise the same on 1, 2 and 5 threads (more than there are
     work chunks of some shapes, more than the cores of small machines)."""
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 40, (3, 150), generator=g)
+    ids = torch.randint(0, 40, shape, generator=g)
     ids.view(-1)[::3] = 7  # a hot id: one long run
     weight = torch.randn(40, 300, generator=g)
-    grad_out = torch.randn(3, 150, 300, generator=g)
+    grad_out = torch.randn(*shape, 300, generator=g)
     kwargs = dict(embed_scale=3.0, padding_idx=2)
     if dropout_p:
         kwargs.update(dropout_p=dropout_p)
-    for offset in (0, torch.tensor([5, 0, 1000], dtype=torch.int64)):
+    per_sequence_offsets = torch.randint(0, 2000, shape[:1], generator=g)
+    for offset in (0, per_sequence_offsets):
         first = _run(ids, weight, grad_out, 1, offset=offset, **kwargs)
         for threads in (2, 5):
             out, grad = _run(ids, weight, grad_out, threads, offset=offset, **kwargs)
@@ -94,14 +102,15 @@ def test_results_do_not_depend_on_thread_count(dropout_p, seed):
             assert torch.equal(grad, first[1]), f"weight gradient differs on {threads} threads"
 
 
+@pytest.mark.parametrize("shape", [(4, 33)] + THREAD_SHAPES[1:], ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("mode", ["add", "concat"])
 @pytest.mark.parametrize("dropout_p", [0.0, 0.25])
-def test_position_major_equals_token_major(mode, dropout_p, seed):
+def test_position_major_equals_token_major(mode, dropout_p, shape, seed):
     """A scalar offset shared by the sequences (one sin/cos row per position, reused) and the same
     positions given per sequence (one per token) give bitwise the same output, padding's zero PE included."""
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 30, (4, 33), generator=g)
-    ids[:, -5:] = 1
+    ids = torch.randint(0, 30, shape, generator=g)
+    ids.view(-1)[::4] = 1
     weight = torch.randn(30, 20, generator=g, dtype=torch.float64).to(torch.bfloat16)
     kwargs = dict(mode=mode, d_pos=6 if mode == "concat" else None, layout="split", padding_idx=1,
                   zero_pe_at_padding=True, embed_scale=2.0)
@@ -110,7 +119,7 @@ def test_position_major_equals_token_major(mode, dropout_p, seed):
     torch.manual_seed(seed)  # the dropout seed is drawn from torch's generator: the same one for both calls
     shared = pf.sinusoidal_embedding(ids, weight, backend="cpu", offset=12345, **kwargs)
     torch.manual_seed(seed)
-    per_sequence = pf.sinusoidal_embedding(ids, weight, backend="cpu", offset=torch.full((4,), 12345), **kwargs)
+    per_sequence = pf.sinusoidal_embedding(ids, weight, backend="cpu", offset=torch.full(shape[:1], 12345), **kwargs)
     assert torch.equal(shared, per_sequence)
 
 

@@ -1,0 +1,135 @@
+// Same-process A/B timing of two builds of csrc/cpu_kernels.cpp (driven by bench/cpu_kernel_ab.py).
+//
+// The 2-core VMs this project is developed on vary by up to 2x from one process to the next, which hides a
+// 5-10% kernel change in any comparison of separate runs.  Here both builds are linked into one program (in
+// namespaces isa_a and isa_b, the way the package links its ISA variants), called alternately on the same
+// table, ids and output, so that a noisy second hits both alike.  With --cold, a 96 MiB buffer is written
+// (by the same threads) before every call, so that the table rows come from memory, as after other layers.
+//
+// Timing only: the turns are approximate (long double), nothing is checked.  Both builds must share
+// cpu_kernels.h's ForwardArgs (the driver compiles both against the working tree's header).
+#include <omp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "cpu_kernels.h"
+
+namespace posenc {
+namespace cpu {
+namespace isa_a {
+const char* forward(const ForwardArgs&);
+}
+namespace isa_b {
+const char* forward(const ForwardArgs&);
+}
+
+// As the binding's OpenMP path: chunks of `grain` items taken from a shared counter by a team.
+void parallel_for(int64_t num_items, int64_t grain, int num_threads, void (*fn)(void*, int64_t, int64_t),
+                  void* context) {
+  if (num_items <= 0) return;
+  if (grain < 1) grain = 1;
+  const int64_t num_chunks = (num_items + grain - 1) / grain;
+  const int team = num_threads < num_chunks ? num_threads : static_cast<int>(num_chunks);
+  if (team <= 1) {
+    fn(context, 0, num_items);
+    return;
+  }
+  std::atomic<int64_t> next_chunk{0};
+#pragma omp parallel num_threads(team)
+  for (;;) {
+    const int64_t begin = next_chunk.fetch_add(1) * grain;
+    if (begin >= num_items) break;
+    fn(context, begin, std::min(begin + grain, num_items));
+  }
+}
+}  // namespace cpu
+}  // namespace posenc
+
+namespace {
+using posenc::cpu::DType;
+using posenc::cpu::ForwardArgs;
+
+double now_ms() {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+double quantile(std::vector<double> v, double q) {
+  std::sort(v.begin(), v.end());
+  return v[static_cast<size_t>(q * (v.size() - 1))];
+}
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 8) {
+    std::fprintf(stderr, "usage: %s vocab d batch length threads repeats cold(0|1)\n", argv[0]);
+    return 2;
+  }
+  const int64_t vocab = atoll(argv[1]), d = atoll(argv[2]), batch = atoll(argv[3]), length = atoll(argv[4]);
+  const int threads = atoi(argv[5]), repeats = atoi(argv[6]), cold = atoi(argv[7]);
+  const int64_t tokens = batch * length;
+  std::mt19937_64 rng(1);
+  std::normal_distribution<float> normal;
+  std::vector<float> table(static_cast<size_t>(vocab * d));
+  for (float& x : table) x = normal(rng);
+  std::vector<int64_t> ids(static_cast<size_t>(tokens));
+  for (int64_t& id : ids) id = static_cast<int64_t>(rng() % static_cast<uint64_t>(vocab));
+  std::vector<int64_t> turns(static_cast<size_t>(d / 2));
+  for (int64_t i = 0; i < d / 2; ++i) {
+    const long double turns_per_position = powl(10000.0L, -2.0L * i / d) / (2.0L * 3.14159265358979323846L);
+    turns[i] = static_cast<int64_t>(static_cast<uint64_t>(llroundl(turns_per_position * 0x1p64L)));
+  }
+  std::vector<float> out(static_cast<size_t>(tokens * d), 0.0f);
+  std::vector<float> flush(cold ? (size_t{24} << 20) : 0, 0.0f);
+
+  ForwardArgs a{};
+  a.ids = ids.data();
+  a.ids_dtype = DType::kInt64;
+  a.weight = table.data();
+  a.weight_row_stride = d;
+  a.dtype = DType::kFloat32;
+  a.out = out.data();
+  a.turns = turns.data();
+  a.num_turns = d / 2;
+  a.seq_len = length;
+  a.num_tokens = tokens;
+  a.num_embeddings = vocab;
+  a.token_width = d;
+  a.pe_width = d;
+  a.interleaved = true;
+  a.pe_zero_id = -1;
+  a.embed_scale = std::sqrt(static_cast<double>(d));
+  a.pe_scale = 1.0;
+  a.dropout_scale = 1.0;
+  a.num_threads = threads;
+
+  std::vector<double> times[2];
+  const int warmup = 10;
+  for (int r = 0; r < repeats + warmup; ++r) {
+    for (int k = 0; k < 2; ++k) {
+      const int which = (r + k) & 1;  // alternate which build goes first
+      if (cold) {
+#pragma omp parallel for num_threads(threads)
+        for (size_t i = 0; i < flush.size(); i += 16) flush[i] += 1.0f;
+      }
+      const double start = now_ms();
+      const char* error = which ? posenc::cpu::isa_b::forward(a) : posenc::cpu::isa_a::forward(a);
+      const double elapsed = now_ms() - start;
+      if (error != nullptr) {
+        std::fprintf(stderr, "forward failed: %s\n", error);
+        return 1;
+      }
+      if (r >= warmup) times[which].push_back(elapsed);
+    }
+  }
+  std::printf("%.6f %.6f %.6f %.6f\n", quantile(times[0], 0.1), quantile(times[0], 0.5), quantile(times[1], 0.1),
+              quantile(times[1], 0.5));
+  return 0;
+}

@@ -1,0 +1,87 @@
+"""Same-process A/B of the CPU forward kernel: a git revision's csrc/cpu_kernels.cpp against the working tree's.
+
+    python bench/cpu_kernel_ab.py [--base HEAD] [--shapes 8x512,64x64,4096x1,1x4096] [--repeats 200]
+
+Separate runs on a small shared VM differ by up to 2x (bench/NOTES.md), so a kernel change of a few percent
+cannot be seen by timing the package before and after.  This builds both versions of the kernel file into one
+program (bench/cpu_kernel_ab.cpp, with the package's own compile flags for the best ISA variant this CPU has)
+and calls them alternately on the same data, warm (back to back) and cold (after 96 MiB of other writes).
+Prints p10 and median per version and the median ratio new / base (below 1: the working tree is faster).
+Needs a C++ compiler with OpenMP (-fopenmp); x86 only (the flags are the AVX-512 or AVX2 variant's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from posenc_fast import _build  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def isa_flags() -> list:
+    """The package's flags for the best variant this CPU runs (CPU_X86_VARIANTS is ordered best first)."""
+    with open("/proc/cpuinfo") as f:
+        flags = set(next(line for line in f if line.startswith("flags")).split())
+    needs = {"isa_avx512": {"avx512f", "avx512dq", "avx512bw", "avx512vl"}, "isa_avx2": {"avx2", "fma"}}
+    for name, variant_flags in _build.CPU_X86_VARIANTS:
+        if needs.get(name, set()) <= flags:
+            return variant_flags
+    return []
+
+
+def build(base: str, workdir: str) -> str:
+    cxx = _build.find_cxx()
+    if cxx is None:
+        sys.exit("no C++ compiler found")
+    base_dir = os.path.join(workdir, "base")
+    os.makedirs(base_dir)
+    archive = subprocess.run(["git", "-C", REPO, "archive", base, "csrc"], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", base_dir], input=archive, check=True)
+    common = [cxx, "-std=c++17", "-O3", "-fopenmp", "-pthread"] + isa_flags()
+    sources = {"isa_a": os.path.join(base_dir, "csrc", "cpu_kernels.cpp"),
+               "isa_b": os.path.join(REPO, "csrc", "cpu_kernels.cpp")}
+    objects = [os.path.join(workdir, namespace + ".o") for namespace in sources]
+    compiles = [subprocess.Popen(common + [f"-DPOSENC_CPU_ISA={namespace}", f"-I{os.path.dirname(source)}", "-c",
+                                           source, "-o", obj])
+                for (namespace, source), obj in zip(sources.items(), objects)]
+    if any(process.wait() != 0 for process in compiles):
+        sys.exit("compiling cpu_kernels.cpp failed")
+    program = os.path.join(workdir, "cpu_kernel_ab")
+    subprocess.run(common + [f"-I{os.path.join(REPO, 'csrc')}", os.path.join(REPO, "bench", "cpu_kernel_ab.cpp")]
+                   + objects + ["-o", program], check=True)
+    return program
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--base", default="HEAD", help="the git revision to compare with (default HEAD)")
+    parser.add_argument("--shapes", default="8x512,64x64,4096x1,1x4096", help="batch x length, comma-separated")
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--d", type=int, default=512)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--repeats", type=int, default=200)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as workdir:
+        program = build(args.base, workdir)
+        print(f"V {args.vocab}, d {args.d}, fp32, {args.threads} threads, {args.repeats} alternating calls each; "
+              f"base {args.base} vs working tree; ms")
+        print(f"{'shape':>8} {'cache':>5} {'base p10':>9} {'base med':>9} {'new p10':>9} {'new med':>9} {'new/base':>9}")
+        for shape in args.shapes.split(","):
+            batch, length = (int(n) for n in shape.split("x"))
+            for cold in (0, 1):
+                line = subprocess.run([program, str(args.vocab), str(args.d), str(batch), str(length), str(args.threads),
+                                       str(args.repeats), str(cold)], check=True, capture_output=True, text=True).stdout
+                a10, a50, b10, b50 = (float(x) for x in line.split())
+                ratio = b50 / a50 if a50 > 0 else float("nan")
+                print(f"{shape:>8} {'cold' if cold else 'warm':>5} {a10:9.4f} {a50:9.4f} {b10:9.4f} {b50:9.4f} "
+                      f"{ratio:9.2f}")
+
+
+if __name__ == "__main__":
+    main()
