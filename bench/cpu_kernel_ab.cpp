@@ -6,8 +6,11 @@
 // table, ids and output, so that a noisy second hits both alike.  With --cold, a 96 MiB buffer is written
 // (by the same threads) before every call, so that the table rows come from memory, as after other layers.
 //
-// Timing only: the turns are approximate (long double), nothing is checked.  Both builds must share
-// cpu_kernels.h's ForwardArgs (the driver compiles both against the working tree's header).
+// Timing only: the turns are approximate (long double), nothing is checked.  Each build is compiled with its
+// own revision's cpu_kernels.h, and this file with the working tree's: the driver refuses a base revision
+// whose header differs (its ForwardArgs could be laid out differently).  Where one version runs on more
+// threads than the other (a small batch split or not), load from other processes penalises only that one:
+// compare on an idle machine.
 #include <omp.h>
 
 #include <algorithm>
@@ -74,6 +77,10 @@ int main(int argc, char** argv) {
   }
   const int64_t vocab = atoll(argv[1]), d = atoll(argv[2]), batch = atoll(argv[3]), length = atoll(argv[4]);
   const int threads = atoi(argv[5]), repeats = atoi(argv[6]), cold = atoi(argv[7]);
+  if (vocab < 1 || d < 2 || batch < 1 || length < 1 || threads < 1 || repeats < 1) {
+    std::fprintf(stderr, "vocab, batch, length, threads and repeats must be >= 1, d >= 2\n");
+    return 2;
+  }
   const int64_t tokens = batch * length;
   std::mt19937_64 rng(1);
   std::normal_distribution<float> normal;

@@ -7,7 +7,9 @@ cannot be seen by timing the package before and after.  This builds both version
 program (bench/cpu_kernel_ab.cpp, with the package's own compile flags for the best ISA variant this CPU has)
 and calls them alternately on the same data, warm (back to back) and cold (after 96 MiB of other writes).
 Prints p10 and median per version and the median ratio new / base (below 1: the working tree is faster).
-Needs a C++ compiler with OpenMP (-fopenmp); x86 only (the flags are the AVX-512 or AVX2 variant's).
+Run it on an idle machine: where one version splits a case over more threads than the other, load from other
+processes penalises only that one.  Needs Linux on x86 (the AVX-512 or AVX2 variant's flags, read from
+/proc/cpuinfo), a C++ compiler with OpenMP (-fopenmp), and a base revision with the same csrc/cpu_kernels.h.
 """
 
 from __future__ import annotations
@@ -39,6 +41,10 @@ def build(base: str, workdir: str) -> str:
     cxx = _build.find_cxx()
     if cxx is None:
         sys.exit("no C++ compiler found")
+    same_header = subprocess.run(["git", "-C", REPO, "diff", "--quiet", base, "--", "csrc/cpu_kernels.h"])
+    if same_header.returncode != 0:
+        sys.exit(f"csrc/cpu_kernels.h differs between {base} and the working tree: the two builds could not "
+                 "share one ForwardArgs")
     base_dir = os.path.join(workdir, "base")
     os.makedirs(base_dir)
     archive = subprocess.run(["git", "-C", REPO, "archive", base, "csrc"], check=True, capture_output=True).stdout
@@ -67,6 +73,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--repeats", type=int, default=200)
     args = parser.parse_args()
+    if args.repeats < 1 or args.threads < 1:
+        parser.error("--repeats and --threads must be >= 1")
     with tempfile.TemporaryDirectory() as workdir:
         program = build(args.base, workdir)
         print(f"V {args.vocab}, d {args.d}, fp32, {args.threads} threads, {args.repeats} alternating calls each; "

@@ -14,8 +14,9 @@
 //   5. one rounding to the output dtype (nearest even), one contiguous store.
 // Steps 2 to 5 work on one row in L1 (a few KiB); only the weight row and the output row touch
 // memory.  When the batch repeats positions (B sequences sharing a scalar offset), the work is
-// split by position instead of by token: steps 1 and 2 run once per distinct position, for all the
-// tokens at it (the same values whichever token asks, so the results do not change).
+// split by position instead of by token: steps 1 and 2 run once per distinct position (once per group
+// of sequences, where short sequences are split into groups), for all the tokens at it (the same values
+// whichever token asks, so the results do not change).
 // Software prefetch of the first 8 lines of weight rows (prefetch_row_start): the hardware prefetchers
 // follow a row once it is touched; what they cannot know is which row comes next.  Position-major, while a
 // block's sins and coses are computed (no memory traffic of their own), the rows that block will read;
@@ -495,18 +496,27 @@ struct ForwardPositions {
 // balance threads.
 constexpr int64_t kTokenGrain = 16;
 
+// Output elements per sequence group at least: torch's own grain (at::internal::GRAIN_SIZE), below which
+// at::parallel_for stays on one thread.
+constexpr int64_t kGroupElements = 32768;
+
 // The cut of position-major work (ForwardPositions): about four items per thread.  Items are chunks of
 // whole position blocks; where a sequence has too few positions for that many chunks (short sequences, a
 // one-token decoding step over a large batch), each chunk's sequences are split into groups too, and each
-// group computes its chunk's sins and coses again (a few rows).
-POSENC_INLINE PositionWork position_work(const ForwardArgs& a) {
+// group computes its chunk's sins and coses again (a few rows).  `width`: of an output row.
+POSENC_INLINE PositionWork position_work(const ForwardArgs& a, int64_t width) {
   PositionWork w;
   const int64_t items = 4 * static_cast<int64_t>(a.num_threads > 0 ? a.num_threads : 1);
   const int64_t grain = (a.seq_len + items - 1) / items;
   w.chunk = (grain + kPositionBlock - 1) / kPositionBlock * kPositionBlock;
   const int64_t num_chunks = (a.seq_len + w.chunk - 1) / w.chunk;
   w.num_sequences = (a.num_tokens + a.seq_len - 1) / a.seq_len;
-  w.groups = max_of(1, min_of(w.num_sequences, (items + num_chunks - 1) / num_chunks));
+  // Groups of at least kGroupElements output elements: a smaller split costs more to hand to another thread
+  // than it saves (37 x 1 at d 512: 3 us on one thread, 6 us split in two).
+  const int64_t rows_per_sequence = min_of(w.chunk, a.seq_len);
+  const int64_t min_rows = max_of(1, kGroupElements / max_of(width, 1));
+  const int64_t most_groups = max_of(1, w.num_sequences * rows_per_sequence / min_rows);
+  w.groups = max_of(1, min_of(min_of(w.num_sequences, most_groups), (items + num_chunks - 1) / num_chunks));
   w.num_items = num_chunks * w.groups;
   return w;
 }
@@ -534,7 +544,7 @@ const char* forward_typed(const ForwardArgs& a) {
   }
   const bool shared_positions = a.positions == nullptr && a.offsets == nullptr;
   if (shared_positions && a.seq_len > 0 && a.num_tokens >= 2 * a.seq_len) {
-    p.positions = position_work(a);
+    p.positions = position_work(a, p.width);
     parallel_for(p.positions.num_items, 1, a.num_threads, &ForwardPositions<T, Math, IdT>::run, &p);
   } else {
     parallel_for(a.num_tokens, kTokenGrain, a.num_threads, &ForwardTokens<T, Math, IdT>::run, &p);

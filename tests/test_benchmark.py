@@ -382,9 +382,11 @@ def test_cpu_kernel_ab_script_smoke():
     from posenc_fast import _build
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if platform.machine() not in ("x86_64", "AMD64") or _build.find_cxx() is None:
-        pytest.skip("needs an x86 machine with a C++ compiler")
-    if shutil.which("git") is None or not os.path.isdir(os.path.join(root, ".git")):
+    if not sys.platform.startswith("linux") or platform.machine() != "x86_64" or _build.find_cxx() is None:
+        pytest.skip("needs Linux on x86-64 with a C++ compiler")
+    inside = shutil.which("git") and subprocess.run(["git", "-C", root, "rev-parse", "--is-inside-work-tree"],
+                                                    capture_output=True, text=True).stdout.strip() == "true"
+    if not inside:
         pytest.skip("needs a git checkout (the script compares with a revision)")
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     result = subprocess.run([sys.executable, os.path.join(root, "bench", "cpu_kernel_ab.py"), "--shapes", "3x5,7x1",
