@@ -1,6 +1,7 @@
 """Host time per call of the layer with the kernel launch stubbed out, on any machine (issue 15 item 4).
 
     python bench/host_overhead.py [--calls N] [--json PATH] [--entry-points]
+    python bench/host_overhead.py --real cuda [--calls N] [--json PATH]      (on a GPU)
 
 A decoding step calls the layer with a handful of tokens (the benchmark's decode case: 64 sequences
 of one token, d_model 4096, vocabulary 262144), so the host path, not the GPU, sets its speed, and
@@ -24,6 +25,13 @@ its module), in inference and in training, on ``cuda`` (zero-token launches, as 
 with its kernels stubbed (our host work up to the kernel call; Triton's own launcher, which runs on
 every call on a GPU, is not timed) and on ``cpu`` and ``torch`` (their kernels run for real on a tiny
 case, so a few us of compute are included).
+
+``--real cuda`` times the decode case as a user runs it on a GPU instead: real tensors, real launches
+(Triton's launcher and cudaLaunchKernel included), the calling thread's CPU time per call for
+``auto`` and each GPU backend, in inference and training, and eager's module on the same tensors.
+The kernels run asynchronously and take less than the host path here, so the thread's time is the
+host time (the stream is synchronised after each repeat).  ``--real cpu`` runs the same on the CPU
+backends (a dry run of the harness without a GPU; there the kernels' compute is included).
 """
 
 from __future__ import annotations
@@ -82,16 +90,49 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def per_call_us(fn, calls: int, repeats: int = 7, warmup: int = 200) -> float:
+def per_call_us(fn, calls: int, repeats: int = 7, warmup: int = 200, sync=lambda: None) -> float:
     best = float("inf")
     for _ in range(repeats):
         for _ in range(warmup):
             fn()
+        sync()
         start = time.thread_time()
         for _ in range(calls):
             fn()
         best = min(best, (time.thread_time() - start) / calls * 1e6)
+        sync()
     return best
+
+
+def real_device_table(device: torch.device, calls: int, num_sequences: int, d_model: int, vocab: int) -> dict:
+    """{implementation: {"inference": us, "training": us}}: host time per decode call on ``device`` with
+    real launches, id check off, bf16 on a GPU (the benchmark's decode case), fp32 on the CPU."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    ids = torch.randint(0, vocab, (num_sequences, 1), device=device)
+    backends = ("auto", "cuda", "triton") if device.type == "cuda" else ("auto", "cpu")
+    table = {}
+    for backend in backends:
+        try:
+            layer = pf.SinusoidalEmbedding(vocab, d_model, embed_scale=d_model ** 0.5, backend=backend,
+                                           device=device, dtype=dtype)
+            layer(ids, offset=17)
+        except Exception as error:  # a backend this machine cannot run: said, not timed
+            table[backend] = {"unavailable": f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"}
+            continue
+        with pf.id_check(False):
+            with torch.no_grad():
+                inference = per_call_us(lambda: layer(ids, offset=17), calls, sync=sync)
+            training = per_call_us(lambda: layer(ids, offset=17), calls, sync=sync)
+        table[backend] = {"inference": inference, "training": training}
+        del layer
+    eager = baselines.EagerSinusoidalEmbedding(vocab, d_model, max_len=64, embed_scale=d_model ** 0.5,
+                                               device=device, dtype=dtype)
+    with torch.no_grad():
+        inference = per_call_us(lambda: eager(ids), calls, sync=sync)
+    table["eager (nn.Embedding + scale + add)"] = {"inference": inference,
+                                                   "training": per_call_us(lambda: eager(ids), calls, sync=sync)}
+    return table
 
 
 # Issue 26's table: every entry point, inference (no autograd) and training (autograd node), per backend.
@@ -198,11 +239,15 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--calls", type=int, default=3000, help="calls per repeat")
     parser.add_argument("--json", help="also write the numbers to this file")
+    parser.add_argument("--real", metavar="DEVICE",
+                        help="time real calls on DEVICE (cuda on a GPU; cpu for a dry run) instead of stubbed launches")
     parser.add_argument("--entry-points", action="store_true",
                         help="also time every backend and entry point, inference and training (issue 26)")
     args = parser.parse_args(argv)
 
     num_sequences, d_model, vocab = 64, 4096, 262144
+    if args.real:
+        return _main_real(torch.device(args.real), args, num_sequences, d_model, vocab)
     cuda_backend.use_host_emulation(_build.build_host_emulation())
     cuda_backend._state = cuda_backend._state._replace(module=_ZeroTokenLaunches(cuda_backend._state.module))
     layer = pf.SinusoidalEmbedding(vocab, d_model, backend="cuda")
@@ -253,6 +298,28 @@ def main(argv=None) -> int:
                        "torch": torch.__version__, "clock": "time.thread_time, best of 7",
                        "us_per_call": rows, "target_us": TARGET_US,
                        "entry_points_us_per_call": table}, f, indent=2)
+    return 0
+
+
+def _main_real(device, args, num_sequences, d_model, vocab) -> int:
+    table = real_device_table(device, args.calls, num_sequences, d_model, vocab)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
+    print(f"host time per call (thread CPU time, real launches), decode case ({num_sequences} tokens, d_model "
+          f"{d_model}, vocab {vocab}), id check off, on {name}; torch {torch.__version__}: inference / training us")
+    for impl, us in table.items():
+        if "unavailable" in us:
+            print(f"  {impl:40s} unavailable: {us['unavailable']}")
+        else:
+            print(f"  {impl:40s} {us['inference']:6.1f} / {us['training']:6.1f}")
+    auto = table["auto"].get("inference")
+    if auto is not None:
+        print(f"target < {TARGET_US:g} us on auto (inference): {'met' if auto < TARGET_US else 'MISSED'} ({auto:.1f} us)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"case": {"tokens": num_sequences, "d_model": d_model, "vocab": vocab}, "device": name,
+                       "host": _cpu_name(), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+                       "clock": "time.thread_time, best of 7, real launches", "target_us": TARGET_US,
+                       "us_per_call": table}, f, indent=2)
     return 0
 
 

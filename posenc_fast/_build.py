@@ -34,7 +34,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
-from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence
+from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 # sm_80 (A100), sm_86 (RTX 30xx, A40), sm_89 (L4, RTX 40xx), sm_90 (H100/H200), and PTX of
 # sm_90 that the driver JIT-compiles for newer GPUs (Blackwell and later).
@@ -88,6 +88,24 @@ def parse_cuda_archs(spec: Optional[str]) -> List[CudaArch]:
         else:
             archs.append(CudaArch(name, bool(ptx)))
     return archs
+
+
+def archs_cover(archs: Sequence[CudaArch], capability: Tuple[int, int]) -> bool:
+    """Whether a build for ``archs`` holds code a GPU of compute ``capability`` (major, minor) runs:
+    machine code of its major version and a minor no higher, or PTX of a capability no higher, which
+    the driver compiles at load.  Arch-specific code ("90a") runs on that capability only, and
+    family code ("100f") within its major version."""
+    for arch in archs:
+        digits = re.match(r"\d+", arch.name).group()
+        built, suffix = (int(digits[:-1]), int(digits[-1])), arch.name[len(digits):]
+        same_family = built[0] == capability[0] and built[1] <= capability[1]
+        if suffix == "a":
+            runs = built == capability
+        else:
+            runs = same_family or (arch.ptx and suffix != "f" and built <= capability)
+        if runs:
+            return True
+    return False
 
 
 def gencode_flags(archs: Sequence[CudaArch]) -> List[str]:

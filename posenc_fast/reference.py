@@ -52,9 +52,12 @@ def exact_sinusoid(positions: torch.Tensor, turns: torch.Tensor, pe_width: int, 
     sin_columns, cos_columns = columns.sin_columns(pe_width), columns.cos_columns(pe_width)
     # Pair slots beyond the given frequencies (an odd D's zero tail) have R = 0: sin 0 = 0.
     slots = max(len(sin_columns), len(cos_columns), turns.numel())
-    padded = torch.zeros(slots, dtype=torch.int64, device=positions.device)
-    padded[: turns.numel()] = turns.to(positions.device)
-    frac = positions.unsqueeze(-1) * padded  # wraps mod 2**64: the exact fractional turn
+    turns = turns.reshape(-1).to(positions.device)
+    if slots > turns.numel():
+        # Concatenated, not copied into a zero buffer: torch 2.11's ONNX exporter renames a constant copied
+        # whole into a buffer of its own dtype, and then fails to find it (pytorch/pytorch#178868).
+        turns = torch.cat([turns, turns.new_zeros(slots - turns.numel())])
+    frac = positions.unsqueeze(-1) * turns  # wraps mod 2**64: the exact fractional turn
     angle = frac.to(torch.float64) * _RADIANS_PER_UNIT  # in [-pi, pi)
     table = torch.zeros(positions.shape + (pe_width,), dtype=torch.float64, device=positions.device)
     _assign(table, sin_columns, torch.sin(angle))

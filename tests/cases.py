@@ -239,14 +239,17 @@ def output_bound(exact: torch.Tensor, dtype: torch.dtype, precision: str = "floa
 
 def assert_within(actual: torch.Tensor, exact: torch.Tensor, bound: torch.Tensor, what: str):
     assert actual.shape == exact.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(exact.shape)}"
-    err = (actual.double().cpu() - exact.double().cpu()).abs()
-    bound = bound.double().cpu()
+    # Compared where the output is (a GPU output against a CPU reference: on the GPU), so that a check
+    # of 2**31 elements does not copy gigabytes to the host.
+    device = actual.device
+    err = (actual.double() - exact.double().to(device)).abs()
+    bound = bound.double().to(device)
     ok = err <= bound  # NaN (an unwritten, poisoned element) fails
     if not bool(ok.all()):
         bad = (~ok).nonzero()[0].tolist()
         idx = tuple(bad)
         raise AssertionError(
             f"{what}: {int((~ok).sum())} of {ok.numel()} elements out of bounds; first at {idx}: "
-            f"got {actual.double().cpu()[idx].item()!r}, exact {exact.double().cpu()[idx].item()!r}, "
+            f"got {actual[idx].double().item()!r}, exact {exact[idx].double().item()!r}, "
             f"err {err[idx].item():.3g} > bound {bound[idx].item():.3g}"
         )

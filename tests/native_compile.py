@@ -40,19 +40,32 @@ FORWARD_VARIANTS = [
     ("fp16", True, False, 0, False, "grouped"), ("fp32", True, True, 2, False, "any"),
     ("bf16", True, False, 0, False, "any"), ("fp32", False, False, 0, True, "grouped"),
 ]
+# Triton's JIT turns an integer argument equal to 1 into a constant (a Python int in the kernel, with no
+# .to() or .dtype): an offset of 1 (a decoding step), a length, a width or a count of 1.  These variants
+# compile with every integer argument 1, as such a launch does.
+ONE_VALUED_INTS = ("offset", "seq_len", "num_tokens", "num_embeddings", "weight_row_stride", "out_row_stride",
+                   "token_width", "pe_width", "num_pairs", "num_turns", "sin_base", "num_sin", "cos_base", "num_cos",
+                   "pe_zero_id", "num_copy_blocks", "dropout_threshold", "grad_out_row_stride", "padding_idx")
+ONE_VALUED_FORWARD = [FORWARD_VARIANTS[i] for i in (0, 5, 7, 13)]  # add/concat, each position source, dropout
 # (kernel, dtype, dropout)
 GRAD_VARIANTS = [(kernel, dtype, False) for kernel in ("grad_chunk_kernel", "grad_carry_kernel")
                  for dtype in ("fp32", "fp16", "bf16")]
 GRAD_VARIANTS += [("grad_chunk_kernel", "fp32", True), ("grad_chunk_kernel", "bf16", True)]
 
 
-def forward_name(dtype, concat, split, position_source, float64, dropout):
+def forward_name(dtype, concat, split, position_source, float64, dropout, ints_one=False):
     return (f"forward-{dtype}-{'concat' if concat else 'add'}-{'split' if split else 'interleaved'}"
-            f"-pos{position_source}{'-f64math' if float64 else ''}{f'-dropout_{dropout}' if dropout else ''}")
+            f"-pos{position_source}{'-f64math' if float64 else ''}{f'-dropout_{dropout}' if dropout else ''}"
+            f"{'-ints1' if ints_one else ''}")
 
 
-def grad_name(kernel, dtype, dropout):
-    return f"{kernel}-{dtype}{'-dropout' if dropout else ''}"
+def grad_name(kernel, dtype, dropout, ints_one=False):
+    return f"{kernel}-{dtype}{'-dropout' if dropout else ''}{'-ints1' if ints_one else ''}"
+
+
+def _ints_one(fn, constexprs):
+    """``constexprs`` with every integer argument of ``fn`` that a launch can pass as 1 made the constant 1."""
+    return dict(constexprs, **{name: 1 for name in ONE_VALUED_INTS if name in fn.arg_names})
 
 
 def _forward_signature(dtype, position_source, dropout):
@@ -152,7 +165,7 @@ def main() -> int:
         print("run with TRITON_INTERPRET=0", file=sys.stderr)
         return 2
     for arch in ARCHS:
-        for variant in FORWARD_VARIANTS:
+        for variant, ints_one in [(v, False) for v in FORWARD_VARIANTS] + [(v, True) for v in ONE_VALUED_FORWARD]:
             dtype, concat, split, position_source, float64, dropout = variant
             if concat:  # 8 tokens x 64 / 128 pair slots (a PE of 128 / 256 columns)
                 tiles = SimpleNamespace(block_t=8, block_p=128 if split else 64, warps=triton_backend.FORWARD_WARPS)
@@ -172,16 +185,20 @@ def main() -> int:
                 constexprs["offsets_ptr"] = None
             if dropout is None:
                 constexprs["seed_ptr"] = None
-            _record(forward_name(*variant), arch, lambda: _compile(
+            if ints_one:
+                constexprs = _ints_one(kernels.forward_kernel, constexprs)
+            _record(forward_name(*variant, ints_one), arch, lambda: _compile(
                 kernels.forward_kernel, _forward_signature(dtype, position_source, dropout), constexprs, arch,
                 tiles.warps))
-        for kernel, dtype, dropout in GRAD_VARIANTS:
+        for (kernel, dtype, dropout), ints_one in [(v, False) for v in GRAD_VARIANTS] + [(v, True) for v in GRAD_VARIANTS]:
             constexprs = {"CHUNK": 32, "BLOCK_D": 256, "SOFTWARE_BF16": False}
             if kernel == "grad_chunk_kernel":
                 constexprs["DROPOUT"] = dropout
                 if not dropout:
                     constexprs["seed_ptr"] = None
-            _record(grad_name(kernel, dtype, dropout), arch, lambda: _compile(
+            if ints_one:
+                constexprs = _ints_one(getattr(kernels, kernel), constexprs)
+            _record(grad_name(kernel, dtype, dropout, ints_one), arch, lambda: _compile(
                 getattr(kernels, kernel), _grad_signature(kernel, dtype), constexprs, arch, 1))
     return 0
 

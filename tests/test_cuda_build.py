@@ -172,6 +172,22 @@ def test_cuda_backend_without_gpu_raises(real_extension_state):
     assert resolve_backend("auto", torch.device("cpu"), torch.float32) == expected
 
 
+def test_auto_on_cuda_tensors_takes_the_cuda_backend_first_then_triton(monkeypatch):
+    """The order measured on an H200 (docs/cuda_backend.md): the CUDA kernels where usable, else Triton,
+    else torch; a backend that cannot take the dtype is passed over."""
+    from posenc_fast.backends import triton_backend
+
+    gpu = torch.device("cuda")
+    monkeypatch.setattr(triton_backend, "available", lambda device: None)
+    monkeypatch.setattr(cuda_backend, "available", lambda device: None)
+    assert resolve_backend("auto", gpu, torch.bfloat16) == "cuda"
+    assert resolve_backend("auto", gpu, torch.float64) == "torch"  # float64 tables: the reference op
+    monkeypatch.setattr(cuda_backend, "available", lambda device: "no extension")
+    assert resolve_backend("auto", gpu, torch.bfloat16) == "triton"
+    monkeypatch.setattr(triton_backend, "available", lambda device: "no triton")
+    assert resolve_backend("auto", gpu, torch.bfloat16) == "torch"
+
+
 def test_availability_traces_under_compile(real_extension_state):
     """torch.compile(fullgraph=True) of code that asks for the cuda backend, before anything loaded the
     extension: the lookup runs once at trace time instead of breaking the graph."""
@@ -205,6 +221,45 @@ def test_arch_list_parsing(spec, expected):
 def test_arch_list_rejects_nonsense(bad):
     with pytest.raises(ValueError, match="POSENC_FAST_CUDA_ARCHS"):
         _build.parse_cuda_archs(bad)
+
+
+@pytest.mark.parametrize("spec,capability,runs", [
+    ("80;86;89;90+PTX", (7, 5), False),  # the default build on a T4: nothing older than sm_80
+    ("80;86;89;90+PTX", (8, 0), True), ("80;86;89;90+PTX", (8, 7), True),  # sm_86 code runs on 8.7
+    ("80;86;89;90+PTX", (12, 0), True),  # a newer GPU: the driver compiles the sm_90 PTX
+    ("90", (8, 0), False), ("90", (12, 0), False), ("90", (9, 0), True),  # no PTX: sm_90 machines only
+    ("86", (8, 0), False), ("80", (8, 9), True),
+    ("90a", (9, 0), True), ("90a+PTX", (10, 0), False),  # arch-specific: that capability only
+    ("100f", (10, 3), True), ("100f", (12, 0), False),
+])
+def test_which_gpus_a_build_runs_on(spec, capability, runs):
+    assert _build.archs_cover(_build.parse_cuda_archs(spec), capability) is runs
+
+
+def test_a_build_without_code_for_the_gpu_is_refused_and_auto_takes_triton(monkeypatch):
+    """An extension built for sm_90 only, on a GPU of capability 8.0: backend='cuda' says how to rebuild,
+    and auto passes over it to Triton instead of failing at launch."""
+    from types import SimpleNamespace
+
+    from posenc_fast.backends import triton_backend
+
+    module = SimpleNamespace(CUDA_ARCHS="90")
+    monkeypatch.setattr(cuda_backend, "_lookup", lambda: SimpleNamespace(module=module, problem=None))
+    monkeypatch.setattr(cuda_backend, "_unusable_reason", lambda: None)
+    monkeypatch.setattr(cuda_backend, "_host_emulation", False)
+    monkeypatch.setattr(cuda_backend, "_arch_reasons", {})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: "NVIDIA A100")
+    reason = cuda_backend.available(torch.device("cuda"))
+    assert reason is not None and "built for 90" in reason and "NVIDIA A100" in reason and "8.0" in reason
+    assert 'POSENC_FAST_CUDA_ARCHS="80"' in reason
+    monkeypatch.setattr(triton_backend, "available", lambda device: None)
+    assert resolve_backend("auto", torch.device("cuda"), torch.bfloat16) == "triton"
+    module.CUDA_ARCHS = "80;90"
+    monkeypatch.setattr(cuda_backend, "_arch_reasons", {})  # the answer is kept per module and GPU: ask again
+    assert cuda_backend.available(torch.device("cuda:0")) is None
+    assert resolve_backend("auto", torch.device("cuda"), torch.bfloat16) == "cuda"
 
 
 def test_gencode_flags():

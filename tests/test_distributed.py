@@ -59,10 +59,14 @@ def _wrap_ddp(model):
 
 
 def _wrap_fsdp2(model):
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    fully_shard(model.embed)
-    fully_shard(model)
+    # A CPU mesh named explicitly: fully_shard's default mesh is on the GPU wherever there is one,
+    # which would move the model there while the data stays on the CPU.
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    fully_shard(model.embed, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
 
 

@@ -6,17 +6,25 @@ import sys
 
 import pytest
 
+from cases import cuda_extension_problem
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-# Every backend a CPU can run (triton through its interpreter) is accepted by the example.
+# Every backend is accepted by the example: on the CPU (triton through its interpreter) without a GPU,
+# triton and cuda on the GPU where there is one.
 @pytest.mark.parametrize("pe,dropout,backend", [("add", "0", "auto"), ("concat", "0.1", "auto"), ("none", "0.1", "auto"),
-                                                ("add", "0.1", "cpu"), ("concat", "0", "torch"), ("add", "0", "triton")])
+                                                ("add", "0.1", "cpu"), ("concat", "0", "torch"), ("add", "0", "triton"),
+                                                ("concat", "0.1", "cuda")])
 def test_train_tiny_lm_runs(pe, dropout, backend):
+    on_gpu = __import__("torch").cuda.is_available()
+    if backend == "cuda" and (not on_gpu or cuda_extension_problem() is not None):
+        pytest.skip("backend='cuda' needs a GPU and the CUDA extension")
+    device = "cuda" if backend in ("triton", "cuda") and on_gpu else "cpu"
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     result = subprocess.run(
         [sys.executable, os.path.join(ROOT, "examples", "train_tiny_lm.py"), "--pe", pe, "--steps", "6",
-         "--batch", "4", "--length", "5", "--d-model", "16", "--d-pos", "8", "--device", "cpu", "--dropout", dropout,
+         "--batch", "4", "--length", "5", "--d-model", "16", "--d-pos", "8", "--device", device, "--dropout", dropout,
          "--backend", backend],
         capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-3000:]

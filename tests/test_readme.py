@@ -48,6 +48,8 @@ def _load(name):
 
 
 CPU_RUN = "cpu-intel-r-xeon-r-processor.json"
+GPU_RUN = "nvidia-h200.json"
+HEADLINE = 524288  # tokens
 BUILD = "build-size.json"
 
 
@@ -58,6 +60,11 @@ def cpu_ms(threads, op, impl):
 def cpu_speedup(threads, op, vs):
     return lambda doc: next(s["speedup"] for s in doc["speedups"]
                             if (s["threads"], s["op"], s["impl"], s["vs"]) == (threads, op, "cpu", vs))
+
+
+def gpu_ms(tokens, op, impl):
+    return lambda doc: next(r["median_ms"] for r in doc["cases"]
+                            if (r["tokens"], r["op"], r["impl"]) == (tokens, op, impl))
 
 
 def megabytes(key):
@@ -76,6 +83,12 @@ QUOTED = [
      CPU_RUN, [cpu_ms(2, "forward", "cpu"), cpu_ms(2, "forward", "eager"), cpu_speedup(2, "forward", "eager"),
                cpu_ms(2, "forward", "compile"), cpu_speedup(2, "forward", "compile")]),
     ("README.md", "the step {:.2f}x faster than eager", CPU_RUN, [cpu_speedup(2, "step", "eager")]),
+    ("README.md", "the forward takes {:.3f} ms with `backend=\"triton\"` and {:.3f} ms with `backend=\"cuda\"` "
+     "against {:.2f} ms for eager PyTorch and {:.3f} ms for `torch.compile` of it", GPU_RUN,
+     [gpu_ms(HEADLINE, "forward", impl) for impl in ("triton", "cuda", "eager", "compile")]),
+    ("README.md", "the training step (forward + backward) {:.2f} ms with `triton` and {:.2f} ms with `cuda` against "
+     "{:.2f} ms eager and {:.2f} ms compiled", GPU_RUN,
+     [gpu_ms(HEADLINE, "step", impl) for impl in ("triton", "cuda", "eager", "compile")]),
     ("README.md", "stripped of host debug symbols: {:.1f} MB for the default archs", BUILD, [megabytes("module_bytes")]),
     ("docs/cuda_backend.md", "{:.1f} MB after stripping, of which the `.nv_fatbin` section is {:.1f} MB; "
      "zip-compressed as a wheel stores it, {:.1f} MB", BUILD,

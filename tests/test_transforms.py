@@ -31,16 +31,17 @@ def fresh_base() -> float:
     return float(next(_bases)) + 0.5
 
 
-def _ids(seed, shape=(BATCH, SEQ), vocab=VOCAB):
-    return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed))
+def _ids(seed, shape=(BATCH, SEQ), vocab=VOCAB, device="cpu"):
+    return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed)).to(device)
 
 
-def _randn(seed, *shape, dtype=torch.float32):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(dtype)
+def _randn(seed, *shape, dtype=torch.float32, device="cpu"):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(device, dtype)
 
 
-# The differentiable entry points: (name, make(backend, base) -> f(ids, primal), primal width, exact tangent).
-# ``tangent_of(ids, t)`` is the derivative applied to a tangent t of the primal, in float64.
+# The differentiable entry points: (name, make(backend, base, device) -> f(ids, primal), primal width, exact
+# tangent).  ``tangent_of(ids, t)`` is the derivative applied to a tangent t of the primal, in float64, on
+# t's device.
 class Entry:
     def __init__(self, name, make, primal_shape, tangent_of, module=False):
         self.name, self.make, self.primal_shape, self.tangent_of, self.module = (name, make, primal_shape,
@@ -62,7 +63,7 @@ def _embedding_tangent(mode="add", padding_idx=None, d_pos=4):
 
 
 def _functional(mode="add", padding_idx=None):
-    def make(backend, base):
+    def make(backend, base, device):
         kwargs = dict(embed_scale=SCALE, base=base, offset=OFFSET, padding_idx=padding_idx, backend=backend)
         if mode == "concat":
             kwargs.update(mode="concat", d_pos=4)
@@ -70,20 +71,20 @@ def _functional(mode="add", padding_idx=None):
     return make
 
 
-def _module(backend, base):
-    layer = pf.SinusoidalEmbedding(VOCAB, WIDTH, embed_scale=SCALE, base=base, backend=backend)
+def _module(backend, base, device):
+    layer = pf.SinusoidalEmbedding(VOCAB, WIDTH, embed_scale=SCALE, base=base, backend=backend, device=device)
 
     call = lambda ids, weight: torch.func.functional_call(layer, {"weight": weight}, (ids,), {"offset": OFFSET})  # noqa: E731
     call.layer, call.traced_input = layer, lambda ids, weight: ids
     return call
 
 
-def _add(backend, base):
+def _add(backend, base, device):
     return lambda ids, x: pf.add_sinusoidal(x, x_scale=SCALE, base=base, offset=OFFSET, backend=backend)
 
 
-def _add_module(backend, base):
-    layer = pf.SinusoidalPositionalEncoding(WIDTH, x_scale=SCALE, base=base, backend=backend)
+def _add_module(backend, base, device):
+    layer = pf.SinusoidalPositionalEncoding(WIDTH, x_scale=SCALE, base=base, backend=backend).to(device)
     call = lambda ids, x: layer(x, offset=OFFSET)  # noqa: E731
     call.layer, call.traced_input = layer, lambda ids, x: x
     return call
@@ -111,8 +112,9 @@ def _assert_tangent(actual, expected, what):
 def test_forward_mode_ad_tangent(entry, backend, device, seed):
     """A dual table (or dual x) under torch.autograd.forward_ad: the output carries the exact tangent, and
     its primal is the plain call's output; with and without grad mode."""
-    f = entry.make(backend, fresh_base())
-    ids, primal, tangent = _ids(seed), _randn(seed + 1, *entry.primal_shape), _randn(seed + 2, *entry.primal_shape)
+    f = entry.make(backend, fresh_base(), device)
+    ids, primal, tangent = (_ids(seed, device=device), _randn(seed + 1, *entry.primal_shape, device=device),
+                            _randn(seed + 2, *entry.primal_shape, device=device))
     plain = f(ids, primal)
     for grad_mode in (False, True):
         with torch.set_grad_enabled(grad_mode), fwAD.dual_level():
@@ -127,12 +129,13 @@ def test_forward_mode_ad_tangent(entry, backend, device, seed):
 def test_func_jvp_and_vjp_are_exact_and_adjoint(entry, backend, device, seed):
     """torch.func.jvp gives the exact tangent, torch.func.vjp the exact cotangent, and the two are
     adjoint: <J t, u> = <t, J^T u> (so jacfwd and jacrev describe one Jacobian, padding included)."""
-    f = entry.make(backend, fresh_base())
-    ids, primal, tangent = _ids(seed), _randn(seed + 1, *entry.primal_shape), _randn(seed + 2, *entry.primal_shape)
+    f = entry.make(backend, fresh_base(), device)
+    ids, primal, tangent = (_ids(seed, device=device), _randn(seed + 1, *entry.primal_shape, device=device),
+                            _randn(seed + 2, *entry.primal_shape, device=device))
     out, out_tangent = torch.func.jvp(lambda p: f(ids, p), (primal,), (tangent,))
     torch.testing.assert_close(out, f(ids, primal), atol=0, rtol=0)
     _assert_tangent(out_tangent, entry.tangent_of(ids, tangent), f"{entry} {backend} jvp")
-    cotangent = _randn(seed + 3, *out.shape)
+    cotangent = _randn(seed + 3, *out.shape, device=device)
     _, pullback = torch.func.vjp(lambda p: f(ids, p), primal)
     (primal_cotangent,) = pullback(cotangent)
     exact_forward = (entry.tangent_of(ids, tangent) * cotangent.double()).sum()
@@ -150,14 +153,15 @@ def test_func_jvp_and_vjp_are_exact_and_adjoint(entry, backend, device, seed):
 def test_jacfwd_equals_jacrev_and_hessian(entry, backend, device, seed):
     """The full Jacobian both ways on a small case, and the Hessian of a quadratic loss (which goes
     through the weight gradient's own jvp: jacfwd(jacrev(...))), against the float64 Jacobian."""
-    f = entry.make(backend, fresh_base())
-    ids, primal = _ids(seed, shape=(1, 3)), _randn(seed + 1, *entry.primal_shape[:-2], *(
-        (1, 3) if entry.name == "add_sinusoidal" else entry.primal_shape[-2:-1]), entry.primal_shape[-1])
+    f = entry.make(backend, fresh_base(), device)
+    ids, primal = _ids(seed, shape=(1, 3), device=device), _randn(seed + 1, *entry.primal_shape[:-2], *(
+        (1, 3) if entry.name == "add_sinusoidal" else entry.primal_shape[-2:-1]), entry.primal_shape[-1],
+        device=device)
     forward = torch.func.jacfwd(lambda p: f(ids, p))(primal)
     backward = torch.func.jacrev(lambda p: f(ids, p))(primal)
     torch.testing.assert_close(forward, backward, atol=0, rtol=0)
     # The exact Jacobian: the tangent map applied to every basis tangent.
-    basis = torch.eye(primal.numel(), dtype=torch.float64).reshape(primal.numel(), *primal.shape)
+    basis = torch.eye(primal.numel(), dtype=torch.float64, device=device).reshape(primal.numel(), *primal.shape)
     exact = torch.stack([entry.tangent_of(ids, b) for b in basis], dim=-1).reshape(forward.shape)
     _assert_tangent(forward, exact, f"{entry} {backend} jacfwd")
     hessian = torch.func.hessian(lambda p: (f(ids, p) ** 2).sum() / 2)(primal)
@@ -171,9 +175,9 @@ def test_jacfwd_equals_jacrev_and_hessian(entry, backend, device, seed):
 def test_per_sample_gradients_with_vmap(entry, backend, device, seed):
     """Opacus-style per-sample gradients, vmap(grad(loss)) over the batch, equal one autograd call per
     sample; the weight gradient stays deterministic per sample."""
-    f = entry.make(backend, fresh_base())
-    ids, weight = _ids(seed, shape=(4, SEQ)), _randn(seed + 1, *entry.primal_shape)
-    targets = _randn(seed + 2, 4, SEQ, f(ids[:1], weight).shape[-1])
+    f = entry.make(backend, fresh_base(), device)
+    ids, weight = _ids(seed, shape=(4, SEQ), device=device), _randn(seed + 1, *entry.primal_shape, device=device)
+    targets = _randn(seed + 2, 4, SEQ, f(ids[:1], weight).shape[-1], device=device)
 
     def loss(w, sample_ids, target):
         return ((f(sample_ids.unsqueeze(0), w) - target) ** 2).sum()
@@ -189,7 +193,7 @@ def test_per_sample_gradients_with_vmap(entry, backend, device, seed):
 def test_gradcheck_forward_and_reverse_mode(entry, seed):
     """torch.autograd.gradcheck / gradgradcheck with forward mode on the float64 backend (the only one
     with float64 tables), against finite differences."""
-    f = entry.make("torch", fresh_base())
+    f = entry.make("torch", fresh_base(), "cpu")
     ids = _ids(seed, shape=(2, 3))
     primal_shape = (2, 3, WIDTH) if entry.name.startswith("add") else entry.primal_shape
     primal = _randn(seed + 1, *primal_shape, dtype=torch.float64).requires_grad_(True)
@@ -212,9 +216,9 @@ def test_jit_trace_is_refused(entry, backend, device):
     """Positions derived from the length and an offset: a trace would bake them in (silently wrong at any
     other length), so it is refused, pointing to explicit positions and torch.export; TorchScript's ONNX
     exporter traces, so it is refused the same way."""
-    f = entry.make(backend, fresh_base())
-    primal = _randn(1, *entry.primal_shape)
-    ids = _ids(2)
+    f = entry.make(backend, fresh_base(), device)
+    primal = _randn(1, *entry.primal_shape, device=device)
+    ids = _ids(2, device=device)
     with torch.no_grad():  # eager calls first, which keep a prepared launch: the trace must not reach it
         f(ids, primal)
         f(ids, primal)
@@ -235,38 +239,40 @@ class _WithPositions(torch.nn.Module):
         return self.call(first, positions)
 
 
-# name -> (make(backend, base) -> f(first input, positions), the first input at a shape, float64 definition)
+# name -> (make(backend, base, device) -> f(first input, positions), the first input at a shape (on the
+# CPU), float64 definition (of CPU inputs))
 _POSITIONED = {
-    "functional": (lambda backend, base: lambda ids, positions: pf.sinusoidal_embedding(
-                       ids, _TRACE_TABLE, positions=positions, embed_scale=SCALE, padding_idx=3,
+    "functional": (lambda backend, base, device: lambda ids, positions: pf.sinusoidal_embedding(
+                       ids, _TRACE_TABLE.to(device), positions=positions, embed_scale=SCALE, padding_idx=3,
                        zero_pe_at_padding=True, base=base, backend=backend),
                    lambda g, shape: torch.randint(0, VOCAB, shape, generator=g),
                    lambda ids, positions, base: reference.sinusoidal_embedding(
                        ids, _TRACE_TABLE.double(), positions=positions, embed_scale=SCALE, padding_idx=3,
                        zero_pe_at_padding=True, base=base)),
-    "module": (lambda backend, base: _module_with_table(_TRACE_TABLE, embed_scale=SCALE, base=base, backend=backend),
+    "module": (lambda backend, base, device: _module_with_table(_TRACE_TABLE, embed_scale=SCALE, base=base,
+                                                                 backend=backend, device=device),
                lambda g, shape: torch.randint(0, VOCAB, shape, generator=g),
                lambda ids, positions, base: reference.sinusoidal_embedding(
                    ids, _TRACE_TABLE.double(), positions=positions, embed_scale=SCALE, base=base)),
-    "add_sinusoidal": (lambda backend, base: lambda x, positions: pf.add_sinusoidal(
+    "add_sinusoidal": (lambda backend, base, device: lambda x, positions: pf.add_sinusoidal(
                            x, positions=positions, x_scale=SCALE, base=base, backend=backend),
                        lambda g, shape: torch.randn(*shape, WIDTH, generator=g),
                        lambda x, positions, base: SCALE * x.double() + reference.sinusoidal_table(
                            positions, WIDTH, base=base)),
-    "add_module": (lambda backend, base: pf.SinusoidalPositionalEncoding(WIDTH, x_scale=SCALE, base=base,
-                                                                         backend=backend),
+    "add_module": (lambda backend, base, device: pf.SinusoidalPositionalEncoding(WIDTH, x_scale=SCALE, base=base,
+                                                                                 backend=backend).to(device),
                    lambda g, shape: torch.randn(*shape, WIDTH, generator=g),
                    lambda x, positions, base: SCALE * x.double() + reference.sinusoidal_table(
                        positions, WIDTH, base=base)),
     # Frequencies given as a tensor: read as floats when the trace is made (constants of the layer).
     "functional, tensor frequencies": (
-        lambda backend, base: lambda ids, positions: pf.sinusoidal_embedding(
-            ids, _TRACE_TABLE, positions=positions, frequencies=_TRACE_FREQUENCY_TENSOR, backend=backend),
+        lambda backend, base, device: lambda ids, positions: pf.sinusoidal_embedding(
+            ids, _TRACE_TABLE.to(device), positions=positions, frequencies=_TRACE_FREQUENCY_TENSOR, backend=backend),
         lambda g, shape: torch.randint(0, VOCAB, shape, generator=g),
         lambda ids, positions, base: reference.sinusoidal_embedding(
             ids, _TRACE_TABLE.double(), positions=positions, frequencies=_TRACE_FREQUENCIES)),
     "add_sinusoidal, tensor frequencies": (
-        lambda backend, base: lambda x, positions: pf.add_sinusoidal(
+        lambda backend, base, device: lambda x, positions: pf.add_sinusoidal(
             x, positions=positions, frequencies=_TRACE_FREQUENCY_TENSOR, backend=backend),
         lambda g, shape: torch.randn(*shape, WIDTH, generator=g),
         lambda x, positions, base: x.double() + reference.sinusoidal_table(
@@ -277,8 +283,8 @@ _TRACE_FREQUENCIES = [1.0, 0.5, 0.25, 0.125, 2.0**-10]
 _TRACE_FREQUENCY_TENSOR = torch.tensor(_TRACE_FREQUENCIES, dtype=torch.float64)
 
 
-def _module_with_table(table, **kwargs):
-    layer = pf.SinusoidalEmbedding(*table.shape, **kwargs)
+def _module_with_table(table, device="cpu", **kwargs):
+    layer = pf.SinusoidalEmbedding(*table.shape, device=device, **kwargs)
     with torch.no_grad():
         layer.weight.copy_(table)
     return layer
@@ -293,9 +299,9 @@ def test_jit_trace_with_explicit_positions_is_right_at_other_shapes(name, backen
 
     make, first_input, definition = _POSITIONED[name]
     base = fresh_base()
-    layer = make(backend, base)
+    layer = make(backend, base, device)
     g = torch.Generator().manual_seed(seed)
-    example = (first_input(g, (BATCH, SEQ)), torch.randint(0, 100, (BATCH, SEQ), generator=g))
+    example = (first_input(g, (BATCH, SEQ)).to(device), torch.randint(0, 100, (BATCH, SEQ), generator=g).to(device))
     with warnings.catch_warnings():
         warnings.simplefilter("error", torch.jit.TracerWarning)
         with torch.no_grad():
@@ -304,11 +310,11 @@ def test_jit_trace_with_explicit_positions_is_right_at_other_shapes(name, backen
         first, positions = first_input(g, shape), torch.randint(-2**30, 2**30, shape, generator=g)
         exact = definition(first, positions, base)
         with torch.no_grad():
-            got = traced(first, positions)
+            got = traced(first.to(device), positions.to(device))
         assert_within(got, exact, output_bound(exact, torch.float32), f"{name} {backend} traced at {shape}")
         # The trace was the first call with these parameters: it left nothing behind for eager calls.
         with torch.no_grad():
-            got = make(backend, base)(first, positions)
+            got = make(backend, base, device)(first.to(device), positions.to(device))
         assert_within(got, exact, output_bound(exact, torch.float32), f"{name} {backend} eager after the trace")
 
 
@@ -323,19 +329,20 @@ def _trace(f, ids, primal):
 def test_jit_trace_for_training_keeps_the_padding_row_out_of_the_gradient(backend, device, seed):
     """A traced training step: the gradient is nn.Embedding's with padding_idx (the padding row gets
     none), as eager; sparse=True, which the trace cannot keep, is refused."""
-    layer = _module_with_table(_TRACE_TABLE, embed_scale=SCALE, padding_idx=3, backend=backend)
+    layer = _module_with_table(_TRACE_TABLE, device, embed_scale=SCALE, padding_idx=3, backend=backend)
     g = torch.Generator().manual_seed(seed)
     ids, positions = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g), torch.randint(0, 100, (BATCH, SEQ), generator=g)
     ids[0, :2] = 3
-    traced = torch.jit.trace(_WithPositions(layer), (ids, positions), check_trace=False)
+    traced = torch.jit.trace(_WithPositions(layer), (ids.to(device), positions.to(device)), check_trace=False)
     ids, positions = torch.randint(0, VOCAB, (3, 7), generator=g), torch.randint(0, 100, (3, 7), generator=g)
     ids[1, 1:4] = 3
     target = torch.randn(3, 7, WIDTH, generator=g)
+    ids, positions, target = ids.to(device), positions.to(device), target.to(device)
     (traced_grad,) = torch.autograd.grad((traced(ids, positions) * target).sum(), layer.weight)
     (eager_grad,) = torch.autograd.grad((layer(ids, positions=positions) * target).sum(), layer.weight)
     assert not traced_grad[3].any()
     torch.testing.assert_close(traced_grad, eager_grad, atol=1e-5, rtol=1e-5)
-    sparse = _module_with_table(_TRACE_TABLE, sparse=True, backend=backend)
+    sparse = _module_with_table(_TRACE_TABLE, device, sparse=True, backend=backend)
     with pytest.raises(NotImplementedError, match="sparse=True.*jit.trace"):
         torch.jit.trace(_WithPositions(sparse), (ids, positions), check_trace=False)
 
@@ -405,16 +412,16 @@ def test_no_state_left_behind(entry, mode, backend, device, seed):
     """The first call with a new set of parameters happens under ``mode`` (whatever it makes of it,
     a refusal included); every later plain call, of a fresh layer too, is still right."""
     base = fresh_base()
-    ids, primal = _ids(seed), _randn(seed + 1, *entry.primal_shape)
+    ids, primal = _ids(seed, device=device), _randn(seed + 1, *entry.primal_shape, device=device)
     try:
-        MODES[mode](lambda: entry.make(backend, base), ids, primal)
+        MODES[mode](lambda: entry.make(backend, base, device), ids, primal)
     except RuntimeError as error:  # posenc_fast's own refusal (jit.trace) is fine; nothing else is
         assert str(error).startswith("posenc_fast supports torch.jit.trace"), error
-    for f in (entry.make(backend, base), entry.make(backend, base)):
+    for f in (entry.make(backend, base, device), entry.make(backend, base, device)):
         for grad_mode in (False, True):
             with torch.set_grad_enabled(grad_mode):
                 out = f(ids, primal.clone().requires_grad_(grad_mode))
-            _assert_output(entry, base, ids, primal, out, f"{entry} after {mode} on {backend}")
+            _assert_output(entry, base, ids.cpu(), primal.cpu(), out, f"{entry} after {mode} on {backend}")
 
 
 def _assert_output(entry, base, ids, primal, out, what):

@@ -28,8 +28,10 @@ import native_compile  # noqa: E402  (its kernels are compiled only in the subpr
 
 VARIANTS = [(native_compile.forward_name(*v), arch) for arch in native_compile.ARCHS
             for v in native_compile.FORWARD_VARIANTS]
-VARIANTS += [(native_compile.grad_name(*v), arch) for arch in native_compile.ARCHS
-             for v in native_compile.GRAD_VARIANTS]
+VARIANTS += [(native_compile.forward_name(*v, ints_one=True), arch) for arch in native_compile.ARCHS
+             for v in native_compile.ONE_VALUED_FORWARD]
+VARIANTS += [(native_compile.grad_name(*v, ints_one=ones), arch) for arch in native_compile.ARCHS
+             for v in native_compile.GRAD_VARIANTS for ones in (False, True)]
 
 
 @pytest.fixture(scope="module")

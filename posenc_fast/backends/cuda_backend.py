@@ -121,6 +121,38 @@ def _unusable_reason() -> Optional[str]:
     return reason
 
 
+_arch_reasons = {}  # (id of the extension module, device index) -> (that module, _arch_problem's answer)
+
+
+@_constant_under_compile
+def _arch_problem(device: torch.device) -> Optional[str]:
+    """Why the loaded extension holds no code for the GPU at ``device`` (its CUDA_ARCHS against the GPU's
+    compute capability), or None; worked out once per GPU, so that ``auto`` passes over a build that
+    would fail at launch ("no kernel image") and takes Triton instead."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    module = _lookup().module
+    key = (id(module), index)
+    if key not in _arch_reasons:
+        from .. import _build
+
+        built_for = getattr(module, "CUDA_ARCHS", "unknown")
+        try:
+            archs = _build.parse_cuda_archs(built_for)
+        except ValueError:  # an older build that does not say: the launch decides
+            archs = None
+        reason = None
+        if archs is not None:
+            capability = tuple(torch.cuda.get_device_capability(index))
+            if not _build.archs_cover(archs, capability):
+                reason = (f"backend='cuda': the CUDA extension was built for {built_for}, which holds no code for "
+                          f"this GPU ({torch.cuda.get_device_name(index)}, compute capability "
+                          f"{capability[0]}.{capability[1]}): rebuild it with POSENC_FAST_CUDA_ARCHS="
+                          f"\"{capability[0]}{capability[1]}\" (pip install . again, or python -m posenc_fast._build), "
+                          f"or use backend='triton' or 'auto'")
+        _arch_reasons[key] = (module, reason)  # the module kept alive, so that its id stays its own
+    return _arch_reasons[key][1]
+
+
 def available(device: torch.device) -> Optional[str]:
     """None if this backend can run on ``device``, else the reason it cannot and how to fix it."""
     if _host_emulation:
@@ -130,7 +162,7 @@ def available(device: torch.device) -> Optional[str]:
         other = "'cpu' (or 'auto')" if device.type == "cpu" else "'torch' (or 'auto')"
         return (f"backend='cuda' runs on CUDA tensors, but these are on {device.type!r}: move them to a GPU "
                 f"(.cuda()), or use backend={other} for {device.type} tensors")
-    return _unusable_reason()
+    return _unusable_reason() or _arch_problem(device)
 
 
 def prepare(device: torch.device) -> None:

@@ -248,7 +248,8 @@ def _add_rows(
             within = within.to(tl.int32)  # <= t0 < 2**31
     if POSITION_SOURCE == 0:
         # Phase = offset * R + within * R (wrapping): the first term is the same for every token.
-        phase0 = (offset.to(tl.int64) * turns).to(tl.uint64, bitcast=True)
+        # tl.cast, not offset.to(): the JIT passes an offset of 1 (a decoding step) as a Python int.
+        phase0 = (tl.cast(offset, tl.int64) * turns).to(tl.uint64, bitcast=True)
     for i in tl.static_range(BLOCK_T):
         token = t0 + i
         token_ok = token < num_tokens
