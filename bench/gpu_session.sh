@@ -7,6 +7,9 @@
 #                                            compute-sanitizer beside them; headline, decode and wide timed;
 #                                            the decode host time (a session has 15 minutes of device time
 #                                            in all: this one call, STAGE_SECONDS=555, is most of it)
+#   bash bench/gpu_session.sh proof-more     the short second call right after it (SKIP_INSTALL=1): the > 2^31-element
+#                                            tests alone, headline with compile-max-autotune, the wide backward
+#                                            against tokens, pytest bench/ --benchmark-only (quick list)
 #   bash bench/gpu_session.sh tests          install; python -m pytest tests --maxfail=25 -q; compute-sanitizer
 #                                            memcheck on the CUDA backend (skipped if it is unavailable)
 #   bash bench/gpu_session.sh bench          install; python -m posenc_fast bench --out $OUT (JSON + PNG);
@@ -41,6 +44,7 @@ if [[ "$STAGE" == all ]]; then STAGE_SECONDS="${STAGE_SECONDS:-1800}"; else STAG
 DEADLINE=$((SECONDS + STAGE_SECONDS))
 SUMMARY=()
 CUDA_BACKEND_OK=0
+INSTALL_OK=0
 
 note() {
     SUMMARY+=("$*")
@@ -140,6 +144,7 @@ install() {
     timeout "$t" "$PY" -m pip install --no-build-isolation --no-deps -e . >"$OUT/install.log" 2>&1
     rc=$?
     if ((rc == 0)); then
+        INSTALL_OK=1
         note "install: ok"
     else
         note "install: $(result_of $rc) building with the CUDA extension (install.log); installing without it"
@@ -234,9 +239,11 @@ sys.exit(1 if bad else 0)
 EOF
 }
 
+# SANITIZER_RUNS: the driver's runs as tool:backends pairs (backends joined by '+'), each with its
+# own time cap and summary line; by default memcheck, then racecheck, each on both backends.
 run_sanitizer() {
-    local backends="triton" driver=/tmp/posenc_fast_sanitize.py t rc summary
-    ((CUDA_BACKEND_OK == 1)) && backends="cuda triton"
+    local backends="triton" driver=/tmp/posenc_fast_sanitize.py t rc summary run tool
+    ((CUDA_BACKEND_OK == 1)) && backends="cuda+triton"
     if ! command -v compute-sanitizer >/dev/null; then
         note "sanitizer: skipped (no compute-sanitizer on PATH)"
         return
@@ -246,16 +253,24 @@ run_sanitizer() {
     # Without PyTorch's caching allocator every tensor is its own allocation, so memcheck sees
     # accesses past a tensor's end instead of landing inside a pooled block.
     export PYTORCH_NO_CUDA_MEMORY_CACHING=1
-    for tool in ${SANITIZER_TOOLS:-memcheck racecheck}; do
+    for run in ${SANITIZER_RUNS:-memcheck:$backends racecheck:$backends}; do
+        tool=${run%%:*}
+        backends=${run#*:}
+        if [[ "$backends" == *cuda* ]] && ((CUDA_BACKEND_OK != 1)); then
+            note "sanitizer $tool ($backends): skipped (the cuda backend is unavailable)"
+            continue
+        fi
         t=$(allow "${SANITIZER_SECONDS:-150}" "${SANITIZER_RESERVE:-10}")
-        if ((t < 30)); then note "sanitizer $tool: skipped (stage time used up)"; continue; fi
+        if ((t < 30)); then note "sanitizer $tool ($backends): skipped (stage time used up)"; continue; fi
         echo "== compute-sanitizer --tool $tool on the driver, backends $backends (timeout ${t}s) -> sanitizer.log"
-        echo "### compute-sanitizer --tool $tool python $driver $backends" >>"$OUT/sanitizer.log"
+        echo "### compute-sanitizer --tool $tool python $driver ${backends//+/ }" >>"$OUT/sanitizer.log"
         # shellcheck disable=SC2086  # one argument per backend
-        timeout "$t" compute-sanitizer --tool "$tool" --error-exitcode 99 --print-limit 30 "$PY" "$driver" $backends \
-            >>"$OUT/sanitizer.log" 2>&1
+        # Each run's own output first (its summary line is read from it), then the log.
+        timeout "$t" compute-sanitizer --tool "$tool" --error-exitcode 99 --print-limit 30 "$PY" "$driver" \
+            ${backends//+/ } >/tmp/posenc_fast_sanitize.out 2>&1
         rc=$?
-        summary=$(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|sanitizer driver" "$OUT/sanitizer.log" | tail -n 2 | tr '\n' ' ')
+        cat /tmp/posenc_fast_sanitize.out >>"$OUT/sanitizer.log"
+        summary=$(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|sanitizer driver" /tmp/posenc_fast_sanitize.out | tail -n 2 | tr '\n' ' ')
         note "sanitizer $tool (driver: $backends): $(result_of $rc): $summary"
     done
     # Then the CUDA-backend cases of the test suite, as far as the stage's time allows.
@@ -315,9 +330,9 @@ run_bench_more() {
         note "bench-more: set BENCH_CASES to the cases to add (e.g. BENCH_CASES=headline-concat,headline-fp32)"
         return
     fi
-    t=$(allow 560 20)
+    t=$(allow 560 "${BENCH_RESERVE:-20}")
     if ((t < 60)); then note "bench-more: skipped (stage time used up)"; return; fi
-    budget=$((t - 120))
+    budget=$((t - ${BENCH_FINISH_SECONDS:-120}))
     ((budget < 30)) && budget=30
     echo "== bench-more (timeout ${t}s): --cases $BENCH_CASES --merge into bench/results -> \$OUT"
     timeout "$t" "$PY" -m posenc_fast bench --out bench/results --merge --cases "$BENCH_CASES" \
@@ -359,35 +374,62 @@ run_pytest_bench() {
 }
 
 # The first call of a session on a GPU, in one device call: install; the test suite spread over
-# the cores (xdist), with compute-sanitizer on the driver beside it; then the headline, decode and
-# wide benchmarks alone on the GPU, and the decode host time.  At most 8 files come back from $OUT:
-# env.txt install.log tests.log sanitizer.log bench.log <slug>.json <slug>.png host-overhead-gpu.json.  What it leaves out (compile-max-autotune, the sweeps, the
-# pytest-benchmark list, the dropout cost) the other stages add in later calls.
+# the cores (xdist), with compute-sanitizer on the driver beside it (SANITIZER_RUNS) and the CUDA
+# forward's A/B variant building; then, alone on the GPU, the A/B timing (bench/cuda_forward_ab.py,
+# CUDA_AB=0 skips it), the decode host time, and the benchmark: BENCH_CASES merged into the
+# tree's bench/results/<slug>.json when set, else headline, decode and wide (BENCH_ARGS).
+# At most 8 files come back from $OUT: env.txt tests.log sanitizer.log cuda-forward-ab.json
+# host-overhead-gpu.json bench.log <slug>.json <slug>.png (install.log only if the install failed).
 # Every test, slow ones too (addopts overridden), but the host-side compile checks CI runs anyway.
 # -v twice: run_tests passes -q, and one line per test survives a run cut short by its timeout.
-PROOF_TEST_ARGS="-n 12 -v -v --timeout 200 -o addopts=-ra --ignore=tests/test_triton_native_compile.py \
+PROOF_TEST_ARGS="-n ${TEST_WORKERS:-12} -v -v --timeout 200 -o addopts=-ra --ignore=tests/test_triton_native_compile.py \
 --ignore=tests/test_sass_report.py --deselect tests/test_cuda_build.py::test_kernels_compile_without_spills \
 --deselect tests/test_benchmark.py::test_cpu_kernel_ab_script_smoke \
 --deselect tests/test_integrations_transformers.py::test_transformers_exporters_with_dynamic_shapes"
 run_proof() {
     install
-    # memcheck only (racecheck: the tests stage): beside 12 test processes both tools on both backends
-    # did not finish in 2 x 120 s (2026-11-26); memcheck of the cuda backend alone took 45 s.
     # One seed for every test process (each would draw its own), said in the summary to rerun a failure.
     export POSENC_FAST_TEST_SEED="${POSENC_FAST_TEST_SEED:-$RANDOM$RANDOM}"
     note "tests: POSENC_FAST_TEST_SEED=$POSENC_FAST_TEST_SEED"
+    local ab_build_pid="" sanitizer_pid line
+    if ((CUDA_BACKEND_OK == 1 && ${CUDA_AB:-1} == 1)); then
+        timeout 240 "$PY" bench/cuda_forward_ab.py --build-only ${CUDA_AB_ARGS:-} >/tmp/posenc_fast_ab_build.log 2>&1 &
+        ab_build_pid=$!
+    fi
+    # memcheck only by default (racecheck: the tests stage): beside 12 test processes both tools on both
+    # backends did not finish in 2 x 120 s (2026-11-26); memcheck of the cuda backend alone took 45 s.
     # The sanitizer leaves the bench and host time their reserve, as the tests do.
-    (SANITIZE_TESTS=0 SANITIZER_TOOLS=memcheck SANITIZER_SECONDS="${SANITIZER_SECONDS:-240}" \
+    (SANITIZE_TESTS=0 SANITIZER_RUNS="${SANITIZER_RUNS:-memcheck:cuda+triton}" SANITIZER_SECONDS="${SANITIZER_SECONDS:-240}" \
         SANITIZER_RESERVE="${TEST_RESERVE:-200}" run_sanitizer) >"$OUT/sanitizer.out" 2>&1 &
-    local sanitizer_pid=$! line
+    sanitizer_pid=$!
     TEST_SECONDS="${TEST_SECONDS:-250}" TEST_RESERVE="${TEST_RESERVE:-200}" \
         TEST_ARGS="${TEST_ARGS:-$PROOF_TEST_ARGS}" run_tests
     wait "$sanitizer_pid"
     while IFS= read -r line; do SUMMARY+=("${line#== }"); done < <(grep '^== sanitizer' "$OUT/sanitizer.out")
     rm -f "$OUT/sanitizer.out"  # its notes are in the summary, the tools' output in sanitizer.log
-    BENCH_FINISH_SECONDS="${BENCH_FINISH_SECONDS:-90}" \
-        BENCH_ARGS="${BENCH_ARGS:---cases headline,decode,wide --impls eager,compile,triton,cuda}" run_bench
+    if [[ -n "$ab_build_pid" ]]; then
+        wait "$ab_build_pid" && run_cuda_ab || note "cuda forward A/B: the variant did not build: $(tail -n 3 /tmp/posenc_fast_ab_build.log)"
+    fi
     run_host_time
+    if [[ -n "${BENCH_CASES:-}" ]]; then
+        run_bench_more
+    else
+        BENCH_FINISH_SECONDS="${BENCH_FINISH_SECONDS:-90}" \
+            BENCH_ARGS="${BENCH_ARGS:---cases headline,decode,wide --impls eager,compile,triton,cuda}" run_bench
+    fi
+    ((INSTALL_OK == 1)) && rm -f "$OUT/install.log"  # its tail was printed; the file slot goes to the results
+}
+
+# The CUDA forward's build variants against the installed build, alone on the GPU.
+run_cuda_ab() {
+    local t rc
+    t=$(allow "${CUDA_AB_SECONDS:-100}" "${CUDA_AB_RESERVE:-150}")
+    if ((t < 30)); then note "cuda forward A/B: skipped (stage time used up)"; return; fi
+    echo "== bench/cuda_forward_ab.py --ncu (timeout ${t}s) -> cuda-forward-ab.json"
+    # shellcheck disable=SC2086  # CUDA_AB_ARGS is a list of arguments
+    timeout "$t" "$PY" bench/cuda_forward_ab.py --ncu --json "$OUT/cuda-forward-ab.json" ${CUDA_AB_ARGS:-} 2>&1
+    rc=$?
+    note "cuda forward A/B: $(result_of $rc)"
 }
 
 # The decode case's host time per call on the GPU (real launches; the 10 us target on auto).
@@ -401,10 +443,40 @@ run_host_time() {
     note "host time: $(result_of $rc)"
 }
 
+# A short second call right after the proof stage, on the still-warm machine (SKIP_INSTALL=1):
+# the > 2^31-element tests alone, the headline again with compile-max-autotune (merged), the
+# wide backward against the token count (dense and sparse), then pytest-benchmark's quick list.
+# Files: tests.log bench.log <slug>.json <slug>.png sparse_gradient_cost.json pytest-bench.log
+# pytest-benchmark.json env.txt.
+run_proof_more() {
+    local t rc
+    install
+    t=$(allow 120 150)
+    if ((t >= 30)); then
+        echo "== the > 2^31-element tests alone (timeout ${t}s) -> tests.log"
+        timeout "$t" "$PY" -m pytest tests/test_functional.py -k larger_than_2_pow_31 -v -p no:cacheprovider \
+            -o addopts=-ra >"$OUT/tests.log" 2>&1
+        rc=$?
+        tail -n 6 "$OUT/tests.log"
+        note "tests > 2^31 elements: $(result_of $rc): $(grep -E '[0-9]+ (passed|failed|error)' "$OUT/tests.log" | tail -n 1)"
+    fi
+    BENCH_CASES="${BENCH_CASES:-headline}" BENCH_ARGS="${BENCH_ARGS:---impls eager,compile,compile-max-autotune,triton,cuda}" \
+        BENCH_FINISH_SECONDS="${BENCH_FINISH_SECONDS:-100}" BENCH_RESERVE="${BENCH_RESERVE:-90}" run_bench_more
+    t=$(allow 60 40)
+    if ((t >= 20)); then
+        echo "== bench/sparse_gradient_cost.py, wide, bf16, 4096/16384/65536 tokens (timeout ${t}s)"
+        timeout "$t" "$PY" bench/sparse_gradient_cost.py --device cuda --dtype bfloat16 --tokens 4096,16384,65536 \
+            --out "$OUT" 2>&1
+        note "wide backward against tokens: $(result_of $?)"
+    fi
+    POSENC_FAST_BENCH_IMPLS="${POSENC_FAST_BENCH_IMPLS:-eager,compile,triton,cuda}" run_pytest_bench
+}
+
 env_report
 case "$STAGE" in
     env) ;;
     proof) run_proof ;;
+    proof-more) run_proof_more ;;
     tests) install; run_tests; run_sanitizer ;;
     bench) install; run_bench ;;
     bench-more) install; run_bench_more ;;
@@ -412,7 +484,7 @@ case "$STAGE" in
     dropout) install; run_dropout_cost ;;
     all) install; run_tests; run_sanitizer; run_bench; run_pytest_bench; run_dropout_cost ;;
     *)
-        echo "unknown stage '$STAGE'; expected one of: env proof tests bench bench-more pytest-bench dropout all" >&2
+        echo "unknown stage '$STAGE'; expected one of: env proof proof-more tests bench bench-more pytest-bench dropout all" >&2
         exit 2
         ;;
 esac

@@ -1,13 +1,16 @@
 """What ``sparse=True`` saves where the vocabulary is wide: the weight gradient of one training step,
 dense against sparse, fused against ``nn.Embedding``, on the wide case of issue 26 (V 262144, d 4096).
 
-    python bench/sparse_gradient_cost.py [--out DIR] [--device cpu|cuda] [--tokens 4096]
+    python bench/sparse_gradient_cost.py [--out DIR] [--device cpu|cuda] [--tokens 4096,16384,65536]
+        [--dtype float32|bfloat16]
     python bench/sparse_gradient_cost.py --smoke       # a tiny run of the script (not a timing)
 
 Bytes first: a dense fp32 gradient is V * d * 4 = 4 GiB to allocate and zero (page faults on CPU)
 whatever the batch; a sparse one is U * d * 4 for the U distinct ids among the tokens.  Timed: the
 backward alone (a fresh ``.grad`` each time, as after ``zero_grad(set_to_none=True)``), median of
-``--reps`` after a warmup, random ids and tables (never zeros).  Prints a table and writes
+``--reps`` after a warmup, random ids and tables (never zeros).  With several token counts the
+table shows whether the cost tracks the tokens (sparse: it should, from near zero; dense: on top
+of the fixed allocate-and-zero, timed alone as the ``zero-fill`` row).  Prints a table and writes
 sparse_gradient_cost.json (device, versions, date) under ``--out``.
 """
 
@@ -41,33 +44,41 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="posenc_fast-bench-results")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--tokens", type=int, default=4096, help="batch 8 x tokens/8")
+    parser.add_argument("--tokens", default="4096", help="comma-separated token counts, each as batch 8 x tokens/8")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
     shape = SMOKE if args.smoke else WIDE
     vocab, width = shape["vocab"], shape["d_model"]
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, vocab, (8, max(args.tokens // 8, 1)), generator=g).to(device)
-    table = torch.randn(vocab, width, generator=g).to(device)
-    grad_out = torch.randn(*ids.shape, width, generator=g).to(device)
-    distinct = int(torch.unique(ids).numel())
+    table = torch.randn(vocab, width, generator=g).to(device, dtype)
+    reps = 1 if args.smoke else args.reps
     rows = []
-    for sparse in (False, True):
-        fused = pf.SinusoidalEmbedding.from_pretrained(table, sparse=sparse, embed_scale=width ** 0.5)
-        eager = torch.nn.Embedding.from_pretrained(table, freeze=False, sparse=sparse)
-        for impl, leaf, make in (("fused", fused.weight, lambda: fused(ids)),
-                                 ("nn.Embedding", eager.weight, lambda: eager(ids) * width ** 0.5)):
-            ms = _timed_backward(make, leaf, grad_out, device, 1 if args.smoke else args.reps)
-            rows.append(dict(impl=impl, sparse=sparse, backward_ms=round(ms, 3)))
-            print(f"{impl:13s} sparse={sparse!s:5s}  backward {ms:9.2f} ms", flush=True)
+    zero_ms = median_ms(lambda: torch.zeros(vocab, width, device=device, dtype=dtype), device, warmup=1, reps=reps)
+    rows.append(dict(impl="zero-fill", sparse=False, tokens=0, backward_ms=round(zero_ms, 3)))
+    print(f"zero-fill of the dense [{vocab}, {width}] {args.dtype} gradient alone: {zero_ms:9.3f} ms", flush=True)
+    for tokens in (int(t) for t in args.tokens.split(",")):
+        ids = torch.randint(0, vocab, (8, max(tokens // 8, 1)), generator=g).to(device)
+        grad_out = torch.randn(*ids.shape, width, generator=g).to(device, dtype)
+        distinct = int(torch.unique(ids).numel())
+        for sparse in (False, True):
+            fused = pf.SinusoidalEmbedding.from_pretrained(table, sparse=sparse, embed_scale=width ** 0.5)
+            eager = torch.nn.Embedding.from_pretrained(table, freeze=False, sparse=sparse)
+            for impl, leaf, make in (("fused", fused.weight, lambda: fused(ids)),
+                                     ("nn.Embedding", eager.weight, lambda: eager(ids) * width ** 0.5)):
+                ms = _timed_backward(make, leaf, grad_out, device, reps)
+                rows.append(dict(impl=impl, sparse=sparse, tokens=ids.numel(), distinct_ids=distinct,
+                                 backward_ms=round(ms, 3)))
+                print(f"{ids.numel():8d} tokens  {impl:13s} sparse={sparse!s:5s}  backward {ms:9.3f} ms", flush=True)
+            del fused, eager
     report = dict(
         what="weight-gradient backward, dense vs sparse (bench/sparse_gradient_cost.py)",
         device=device_name(device),
-        torch=torch.__version__, date=date.today().isoformat(), vocab=vocab, d_model=width,
-        tokens=ids.numel(), distinct_ids=distinct,
-        dense_gradient_bytes=vocab * width * 4, sparse_values_bytes=distinct * width * 4, rows=rows)
+        torch=torch.__version__, date=date.today().isoformat(), vocab=vocab, d_model=width, dtype=args.dtype,
+        dense_gradient_bytes=vocab * width * dtype.itemsize, rows=rows)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "sparse_gradient_cost.json")
     with open(path, "w") as f:

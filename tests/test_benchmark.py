@@ -361,12 +361,12 @@ def test_sparse_gradient_cost_script_smoke(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     result = subprocess.run([sys.executable, os.path.join(root, "bench", "sparse_gradient_cost.py"), "--smoke",
-                             "--device", "cpu", "--tokens", "64", "--out", str(tmp_path)],
+                             "--device", "cpu", "--tokens", "64,256", "--out", str(tmp_path)],
                             capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     doc = json.loads((tmp_path / "sparse_gradient_cost.json").read_text())
-    assert {(row["impl"], row["sparse"]) for row in doc["rows"]} == {
-        (impl, sparse) for impl in ("fused", "nn.Embedding") for sparse in (False, True)}
+    assert {(row["impl"], row["sparse"], row["tokens"]) for row in doc["rows"]} == {("zero-fill", False, 0)} | {
+        (impl, sparse, tokens) for impl in ("fused", "nn.Embedding") for sparse in (False, True) for tokens in (64, 256)}
     assert all(row["backward_ms"] > 0 for row in doc["rows"]) and doc["device"].startswith("CPU")
 
 
