@@ -1,8 +1,9 @@
-"""A/B of the CUDA forward kernel's build options on a GPU: the installed extension against builds of
-the same csrc/ with extra preprocessor defines, timed in alternation on the same data (with Triton's
-forward as a third reference row).
+"""A/B of the CUDA forward kernel's build options on a GPU, in one run.
 
-    python bench/cuda_forward_ab.py --build-only [--define POSENC_FORWARD_MIN_BLOCKS=4]   # build, no GPU needed
+The installed extension against builds of the same csrc/ with extra preprocessor defines, timed in
+alternation on the same data (with Triton's forward as a third reference row).
+
+    python bench/cuda_forward_ab.py --build-only [--define POSENC_FORWARD_MIN_BLOCKS=1]   # build, no GPU needed
     python bench/cuda_forward_ab.py [--define ...] [--cases headline,headline-fp32] [--json FILE] [--ncu]
 
 Two runs of the benchmark differ by a few percent from machine to machine, and a device session
@@ -27,6 +28,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+from datetime import date
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from posenc_fast import _build  # noqa: E402
@@ -52,6 +54,7 @@ def build_variant(work: str, defines, log) -> str:
     plan = _build.plan_build(source_dir, build_dir, output, nvcc, archs)
     flags = [f"-D{d}" for d in defines]
     plan = plan._replace(compiles=[cmd + flags for cmd in plan.compiles])
+    os.makedirs(build_dir, exist_ok=True)
     _build.run_build(plan, source_dir, build_dir, log=log)
     return output
 
@@ -96,7 +99,10 @@ def worker(build: str) -> int:
         request = json.loads(line)
         op = request["op"]
         if op == "about":
+            import triton
+
             answer = dict(device=torch.cuda.get_device_name(device), torch=torch.__version__,
+                          triton=triton.__version__, date=date.today().isoformat(),
                           copy_GBps=round(copy_bandwidth_GBps(device), 1))
         elif op == "bytes":
             answer = dict(bytes=bytes_moved("forward", CASE_BY_NAME[request["case"]]))
@@ -116,7 +122,8 @@ def worker(build: str) -> int:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--define", action="append", default=None, metavar="NAME=VALUE",
-                        help="one variant per --define (default: POSENC_FORWARD_MIN_BLOCKS=4); "
+                        help="one variant per --define (default: POSENC_FORWARD_MIN_BLOCKS=1, the compiler's own "
+                             "register count for the 2-byte kernels); "
                              "several defines in one variant separated by commas")
     parser.add_argument("--work", default="/tmp/posenc_fast_cuda_ab")
     parser.add_argument("--build-only", action="store_true")
@@ -126,7 +133,7 @@ def main(argv=None) -> int:
     parser.add_argument("--ncu", action="store_true")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # a build's path, or "installed"
     args = parser.parse_args(argv)
-    variants = [tuple(v.split(",")) for v in (args.define or ["POSENC_FORWARD_MIN_BLOCKS=4"])]
+    variants = [tuple(v.split(",")) for v in (args.define or ["POSENC_FORWARD_MIN_BLOCKS=1"])]
     os.makedirs(args.work, exist_ok=True)
     if args.build_only:
         with open(os.path.join(args.work, "build.log"), "a") as log:

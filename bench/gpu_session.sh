@@ -167,9 +167,11 @@ run_tests() {
     local t rc
     t=$(allow "${TEST_SECONDS:-420}" "${TEST_RESERVE:-170}")
     if ((t < 10)); then note "tests: skipped (stage time used up)"; return; fi
-    echo "== tests (timeout ${t}s): python -m pytest tests --maxfail=25 -q ${TEST_ARGS:-} -> tests.log"
-    # shellcheck disable=SC2086  # TEST_ARGS is a list of arguments
-    timeout "$t" "$PY" -m pytest tests --maxfail=25 -q -p no:cacheprovider ${TEST_ARGS:-} >"$OUT/tests.log" 2>&1
+    echo "== tests (timeout ${t}s): python -m pytest ${TEST_PATHS:-tests} --maxfail=25 -q ${TEST_ARGS:-} -> tests.log"
+    # TEST_PATHS: the test files in the order to run them (default: the folder), e.g. those a cut run
+    # did not reach first.
+    # shellcheck disable=SC2086  # TEST_PATHS and TEST_ARGS are lists of arguments
+    timeout "$t" "$PY" -m pytest ${TEST_PATHS:-tests} --maxfail=25 -q -p no:cacheprovider ${TEST_ARGS:-} >"$OUT/tests.log" 2>&1
     rc=$?
     tail -n 25 "$OUT/tests.log"; echo
     note "tests: $(result_of $rc): $(grep -E '[0-9]+ (passed|failed|error)' "$OUT/tests.log" | tail -n 1)"
@@ -241,8 +243,12 @@ EOF
 
 # SANITIZER_RUNS: the driver's runs as tool:backends pairs (backends joined by '+'), each with its
 # own time cap and summary line; by default memcheck, then racecheck, each on both backends.
+# SANITIZER_KERNELS: a kernel-name substring the tools check alone (compute-sanitizer --kernel-name
+# kns=...), e.g. "_kernel" for this package's kernels and not torch's sorts, which made racecheck of
+# the cuda backend's driver outlast 112 s alone (2026-11-26).
 run_sanitizer() {
-    local backends="triton" driver=/tmp/posenc_fast_sanitize.py t rc summary run tool
+    local backends="triton" driver=/tmp/posenc_fast_sanitize.py t rc summary run tool filter=()
+    [[ -n "${SANITIZER_KERNELS:-}" ]] && filter=(--kernel-name "kns=$SANITIZER_KERNELS")
     ((CUDA_BACKEND_OK == 1)) && backends="cuda+triton"
     if ! command -v compute-sanitizer >/dev/null; then
         note "sanitizer: skipped (no compute-sanitizer on PATH)"
@@ -266,7 +272,7 @@ run_sanitizer() {
         echo "### compute-sanitizer --tool $tool python $driver ${backends//+/ }" >>"$OUT/sanitizer.log"
         # shellcheck disable=SC2086  # one argument per backend
         # Each run's own output first (its summary line is read from it), then the log.
-        timeout "$t" compute-sanitizer --tool "$tool" --error-exitcode 99 --print-limit 30 "$PY" "$driver" \
+        timeout "$t" compute-sanitizer --tool "$tool" "${filter[@]}" --error-exitcode 99 --print-limit 30 "$PY" "$driver" \
             ${backends//+/ } >/tmp/posenc_fast_sanitize.out 2>&1
         rc=$?
         cat /tmp/posenc_fast_sanitize.out >>"$OUT/sanitizer.log"

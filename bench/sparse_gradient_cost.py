@@ -40,6 +40,19 @@ def _timed_backward(make_output, leaf, grad_out, device, reps):
     return median_ms(step, device, warmup=1, reps=reps)
 
 
+def _profile(module, ids, grad_out, device, title):
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        module.weight.grad = None
+        module(ids).backward(grad_out)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    sort_by = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(f"profile, {title}:\n{prof.key_averages().table(sort_by=sort_by, row_limit=12)}", flush=True)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="posenc_fast-bench-results")
@@ -48,6 +61,9 @@ def main(argv=None):
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--profile", action="store_true",
+                        help="also print torch.profiler's top ops (host and device time) of one fused step per sparse "
+                             "setting at the first token count: where a fixed cost goes")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
@@ -73,7 +89,8 @@ def main(argv=None):
                 rows.append(dict(impl=impl, sparse=sparse, tokens=ids.numel(), distinct_ids=distinct,
                                  backward_ms=round(ms, 3)))
                 print(f"{ids.numel():8d} tokens  {impl:13s} sparse={sparse!s:5s}  backward {ms:9.3f} ms", flush=True)
-            del fused, eager
+            if args.profile and tokens == int(args.tokens.split(",")[0]):
+                _profile(fused, ids, grad_out, device, f"fused, sparse={sparse}, {ids.numel()} tokens")
     report = dict(
         what="weight-gradient backward, dense vs sparse (bench/sparse_gradient_cost.py)",
         device=device_name(device),

@@ -38,17 +38,19 @@ namespace forward_detail {
 
 constexpr int kThreads = 256;
 
-// Blocks of kThreads that each multiprocessor must be able to hold (the second __launch_bounds__
-// argument: it caps the registers per thread at 65536 / (kThreads * blocks)).  1 leaves the count
-// to the compiler (72 registers for the bf16 forwards on sm_90: 3 blocks, 37.5% occupancy);
-// bench/cuda_forward_ab.py builds other values with -DPOSENC_FORWARD_MIN_BLOCKS=N and times them.
-// The dropout and float64-math kernels keep 1: capped at 64 registers they spill.
+// Blocks of kThreads that each multiprocessor must be able to hold (__launch_bounds__'s second
+// argument: it caps the registers per thread at 65536 / (kThreads * blocks)).  Measured on an H200
+// (bench/cuda_forward_ab.py, 2026-11-26): with 4 (64 registers, 50% occupancy) the bf16 headline
+// forward took 0.523 ms against 0.585 ms with the compiler's own 72 registers (3 blocks, 37.5%):
+// 96.9% of the copy bandwidth against 86.6%.  Kernels of 4-byte tables, with dropout or with
+// float64 math spill when capped at 64 registers (fp32: 1.23 ms against 1.02) and are left uncapped.
+// -DPOSENC_FORWARD_MIN_BLOCKS=N sets the 2-byte kernels' value (bench/cuda_forward_ab.py's A/B).
 #ifndef POSENC_FORWARD_MIN_BLOCKS
-#define POSENC_FORWARD_MIN_BLOCKS 1
+#define POSENC_FORWARD_MIN_BLOCKS 4
 #endif
-template <typename Math, bool kDropout>
+template <typename T, typename Math, bool kDropout>
 __host__ __device__ constexpr int forward_min_blocks() {
-  return (sizeof(Math) == 8 || kDropout) ? 1 : POSENC_FORWARD_MIN_BLOCKS;
+  return (sizeof(T) == 2 && sizeof(Math) == 4 && !kDropout) ? POSENC_FORWARD_MIN_BLOCKS : 1;
 }
 
 // Launchers of one weight dtype (defined in forward_<dtype>.cu).
@@ -461,7 +463,7 @@ __device__ __forceinline__ void forward_unit(const KernelArgs<T, Math>& a, const
 // unit by * blockDim.x + x of the K tokens from (bx * blockDim.y + y) * K.  No shared memory and no
 // barriers, so a thread without a unit or a token simply returns.
 template <typename T, typename Math, typename IdT, bool kInterleaved, bool kDropout, bool kPositions>
-__global__ void __launch_bounds__(kThreads, (forward_min_blocks<Math, kDropout>())) forward_kernel(const KernelArgs<T, Math> a) {
+__global__ void __launch_bounds__(kThreads, (forward_min_blocks<T, Math, kDropout>())) forward_kernel(const KernelArgs<T, Math> a) {
   constexpr int K = tokens_per_thread<kInterleaved>();
   const int64_t unit = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
   const int64_t first = (static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y) * K;

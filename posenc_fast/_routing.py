@@ -34,13 +34,14 @@ def eager_call(ids, weight) -> bool:
     call, most of the host time of a decoding step, and its custom-op autograd wrapper about 150
     us more in training (``ops.EmbeddingFunction``).  Same implementation, same checks.  A tensor kept
     from a finished torch.func transform is a functorch wrapper of type ``torch.Tensor`` (``plain``):
-    such a call takes the op, whose dispatcher unwraps it.  (Module-level names for torch's predicates:
+    such a call takes the op, whose dispatcher unwraps it; so does a legacy-vmap batched tensor.  (Module-level names for torch's predicates:
     every prepared launch asks this, and each attribute lookup is a tenth of a microsecond.)
     """
     return (type(ids) is _TENSOR and (type(weight) is _PARAMETER or type(weight) is _TENSOR)
             and not _is_compiling() and not _is_tracing() and not _functorch_transforms_active()
             and not dispatch_mode_depth() and _forward_ad._current_level < 0
-            and not _functorch_wrapped(ids) and not _functorch_wrapped(weight))
+            and not _functorch_wrapped(ids) and not _functorch_wrapped(weight)
+            and not _legacy_batched(ids) and not _legacy_batched(weight))
 
 
 _TENSOR, _PARAMETER = torch.Tensor, torch.nn.Parameter
@@ -48,6 +49,10 @@ _is_compiling = torch.compiler.is_compiling
 _is_tracing = torch._C._is_tracing
 _functorch_transforms_active = torch._C._are_functorch_transforms_active
 _functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+# torch.autograd.gradcheck's batched-gradient check runs the backward under the legacy vmap
+# (torch._vmap_internals), whose batched tensors are neither functorch wrappers nor seen by the
+# transform predicate.
+_legacy_batched = torch._C._functorch.is_legacy_batchedtensor
 
 
 def plain(t) -> bool:

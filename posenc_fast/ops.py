@@ -21,7 +21,7 @@ from torch import Tensor
 from . import config
 from ._dispatch import get_backend
 from ._dropout import dropout_for
-from ._routing import plain
+from ._routing import eager_call, plain
 from ._spec import PEColumns
 from ._validate import check_id_range, check_op_inputs
 from . import reference
@@ -119,6 +119,14 @@ def sinusoidal_embedding_backward_op(
 ) -> Tensor:
     """Weight gradient ``[num_embeddings, token_width]`` in ``weight_dtype``; deterministic.
     With dropout, the forward's mask is regenerated from the same seed."""
+    return weight_gradient(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype,
+                           dropout_seed, dropout_p, backend)
+
+
+def weight_gradient(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype,
+                    dropout_seed, dropout_p, backend) -> Tensor:
+    """The backward op's implementation, which eager calls run without torch.library's wrapper
+    (``weight_gradient_op``)."""
     if (grad_out.dim() != 2 or ids.dim() != 1 or grad_out.shape[0] != ids.shape[0]
             or grad_out.shape[1] < token_width or num_embeddings < 0 or token_width < 0):
         raise ValueError(f"grad_out of shape {list(grad_out.shape)} and ids of shape {list(ids.shape)} do not fit a "
@@ -137,6 +145,16 @@ def sinusoidal_embedding_backward_op(
 def _(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype, dropout_seed, dropout_p,
       backend):
     return grad_out.new_empty((num_embeddings, token_width), dtype=weight_dtype)
+
+
+def weight_gradient_op(grad_out, ids, *rest) -> Tensor:
+    """The backward op, or its implementation directly where the call is eager on plain tensors
+    (``_routing.eager_call``) and records no graph (the op's own autograd gives a double backward):
+    torch.library's wrapper costs as much host time as the rest of the gradient of a small batch
+    (30 of 60 us for 64 tokens on a 2-core VM; bench/NOTES.md)."""
+    if not (torch.is_grad_enabled() and grad_out.requires_grad) and eager_call(ids, grad_out):
+        return weight_gradient(grad_out, ids, *rest)
+    return sinusoidal_embedding_backward_op(grad_out, ids, *rest)
 
 
 def _save_for_weight_gradient(ctx, ids, weight, embed_scale, padding_idx, dropout_seed, dropout_p, backend):
@@ -245,7 +263,7 @@ class EmbeddingFunction(_DirectApply, torch.autograd.Function):
     def backward(ctx, grad_out):
         grad_weight = None
         if ctx.needs_input_grad[0]:
-            grad_weight = _weight_gradient(ctx, grad_out, sparse_weight_gradient if ctx.sparse else WeightGradient.apply)
+            grad_weight = _weight_gradient(ctx, grad_out, sparse_weight_gradient if ctx.sparse else dense_weight_gradient)
         return (grad_weight,) + (None,) * 14
 
     @staticmethod
@@ -320,14 +338,14 @@ def sparse_weight_gradient(grad_out, ids, num_embeddings, token_width, embed_sca
     ``unique``): the dense ``[U, token_width]`` it returns is the gradient's values, so the cost tracks
     the tokens, never the vocabulary.  The padding row and out-of-range ids (id check off) are left out.
     The dropout mask is a function of the token's place, not its id: the renumbering keeps it."""
-    ids64 = ids.to(torch.int64)
-    counted = (ids64 >= 0) & (ids64 < num_embeddings)
-    if padding_idx >= 0:
-        counted &= ids64 != padding_idx
     # Left-out tokens take the sentinel id num_embeddings, which sorts last: its row is dropped below.
-    rows, renumbered = torch.unique(torch.where(counted, ids64, num_embeddings), sorted=True, return_inverse=True)
-    values = sinusoidal_embedding_backward_op(grad_out, renumbered, rows.shape[0], token_width, embed_scale, -1,
-                                              weight_dtype, dropout_seed, dropout_p, backend)
+    # (Out-of-range ids by a clamp to [-1, V] and -1 -> V, as backends.sort_ids_for_gradient: fewer ops.)
+    keys = torch.remainder(ids.to(torch.int64).clamp(-1, num_embeddings), num_embeddings + 1)
+    if padding_idx >= 0:
+        keys = keys.masked_fill(keys == padding_idx, num_embeddings)
+    rows, renumbered = torch.unique(keys, sorted=True, return_inverse=True)
+    values = weight_gradient_op(grad_out, renumbered, rows.shape[0], token_width, embed_scale, -1,
+                                weight_dtype, dropout_seed, dropout_p, backend)
     kept = rows.shape[0] - int(bool(rows.numel()) and bool(rows[-1] == num_embeddings))
     # Sorted, distinct, in-range rows by construction: coalesced, and nothing for an invariant check to find.
     return torch.sparse_coo_tensor(rows[:kept].unsqueeze(0), values[:kept], (num_embeddings, token_width),
@@ -347,8 +365,8 @@ class WeightGradient(_DirectApply, torch.autograd.Function):
     @staticmethod
     def forward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype, dropout_seed,
                 dropout_p, backend):
-        return sinusoidal_embedding_backward_op(grad_out, ids, num_embeddings, token_width, embed_scale,
-                                                padding_idx, weight_dtype, dropout_seed, dropout_p, backend)
+        return weight_gradient_op(grad_out, ids, num_embeddings, token_width, embed_scale,
+                                  padding_idx, weight_dtype, dropout_seed, dropout_p, backend)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -366,6 +384,16 @@ class WeightGradient(_DirectApply, torch.autograd.Function):
         ids, dropout_seed = ctx.saved_tensors
         return WeightGradient.apply(grad_out_tangent, ids, ctx.num_embeddings, ctx.token_width, ctx.embed_scale,
                                     ctx.padding_idx, ctx.weight_dtype, dropout_seed, ctx.dropout_p, ctx.backend)
+
+
+def dense_weight_gradient(grad_out, ids, *rest) -> Tensor:
+    """The dense weight gradient of a backward pass: ``WeightGradient.apply``, the gradient with its own
+    derivatives (double backward, jvp, vmap), where a graph is recorded or a transform runs; in a plain
+    eager backward that records nothing (``create_graph=False``), the implementation alone: the
+    Function's apply is a fifth of a small batch's gradient on the host (12 of 45 us, 64 tokens)."""
+    if not torch.is_grad_enabled() and eager_call(ids, grad_out):
+        return weight_gradient(grad_out, ids, *rest)
+    return WeightGradient.apply(grad_out, ids, *rest)
 
 
 class LaunchedEmbeddingFunction(_DirectApply, torch.autograd.Function):
@@ -390,7 +418,7 @@ class LaunchedEmbeddingFunction(_DirectApply, torch.autograd.Function):
         sparse, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype, backend = ctx.gradient
         grad_weight = None
         if ctx.needs_input_grad[0]:
-            gradient = sparse_weight_gradient if sparse else WeightGradient.apply
+            gradient = sparse_weight_gradient if sparse else dense_weight_gradient
             grad_weight = gradient(grad_out.reshape(-1, grad_out.shape[-1]), ids, num_embeddings,
                                    token_width, embed_scale, padding_idx, weight_dtype, None, 0.0, backend)
         return grad_weight, None, None, None, None

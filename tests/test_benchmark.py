@@ -396,3 +396,27 @@ def test_cpu_kernel_ab_script_smoke():
     rows = [line.split() for line in result.stdout.splitlines() if line.split()[:1] in (["3x5"], ["7x1"])]
     assert [(row[0], row[1]) for row in rows] == [(s, c) for s in ("3x5", "7x1") for c in ("warm", "cold")]
     assert all(float(x) > 0 for row in rows for x in row[2:6]), rows  # p10 and median of each version, in ms
+
+
+def test_cuda_forward_ab_builds_each_variant_with_its_defines(tmp_path, monkeypatch):
+    """bench/cuda_forward_ab.py compiles every source of a variant with its -D flags, in a folder of its
+    own, and reuses a finished build (the plan is checked; nothing is compiled here)."""
+    import importlib.util
+
+    from posenc_fast import _build
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("cuda_forward_ab", os.path.join(root, "bench", "cuda_forward_ab.py"))
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    plans = []
+    monkeypatch.setattr(_build, "find_nvcc", lambda *a, **k: "/usr/bin/true")
+    monkeypatch.setattr(_build, "run_build", lambda plan, *a, **k: plans.append(plan))
+    defines = ("POSENC_FORWARD_MIN_BLOCKS=1", "OTHER=2")
+    output = ab.build_variant(str(tmp_path), defines, log=None)
+    assert os.path.dirname(output) == ab.variant_dir(str(tmp_path), defines) != ab.variant_dir(str(tmp_path), ())
+    (plan,) = plans
+    assert len(plan.compiles) == len(_build.SOURCES)
+    assert all(cmd[-2:] == ["-DPOSENC_FORWARD_MIN_BLOCKS=1", "-DOTHER=2"] for cmd in plan.compiles)
+    open(output, "w").close()  # (run_build was stubbed: the folder exists only if build_variant made it)
+    assert ab.build_variant(str(tmp_path), defines, log=None) == output and len(plans) == 1

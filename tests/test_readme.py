@@ -49,6 +49,7 @@ def _load(name):
 
 CPU_RUN = "cpu-intel-r-xeon-r-processor.json"
 GPU_RUN = "nvidia-h200.json"
+CUDA_FORWARD_AB = "cuda-forward-ab-nvidia-h200.json"
 HEADLINE = 524288  # tokens
 BUILD = "build-size.json"
 
@@ -65,6 +66,10 @@ def cpu_speedup(threads, op, vs):
 def gpu_ms(tokens, op, impl):
     return lambda doc: next(r["median_ms"] for r in doc["cases"]
                             if (r["tokens"], r["op"], r["impl"]) == (tokens, op, impl))
+
+
+def ab_ms(case, variant):
+    return lambda doc: next(r["median_ms"] for r in doc["rows"] if (r["case"], r["variant"]) == (case, variant))
 
 
 def megabytes(key):
@@ -89,6 +94,8 @@ QUOTED = [
     ("README.md", "the training step (forward + backward) {:.2f} ms with `triton` and {:.2f} ms with `cuda` against "
      "{:.2f} ms eager and {:.2f} ms compiled", GPU_RUN,
      [gpu_ms(HEADLINE, "step", impl) for impl in ("triton", "cuda", "eager", "compile")]),
+    ("README.md", "which an A/B in one process put at {:.3f} ms against {:.3f} ms", CUDA_FORWARD_AB,
+     [ab_ms("headline", "POSENC_FORWARD_MIN_BLOCKS=4"), ab_ms("headline", "installed")]),
     ("README.md", "stripped of host debug symbols: {:.1f} MB for the default archs", BUILD, [megabytes("module_bytes")]),
     ("docs/cuda_backend.md", "{:.1f} MB after stripping, of which the `.nv_fatbin` section is {:.1f} MB; "
      "zip-compressed as a wheel stores it, {:.1f} MB", BUILD,
