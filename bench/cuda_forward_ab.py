@@ -14,7 +14,7 @@ the GPU: each round times every variant once (do_bench, rotated order).  Every v
 checked bitwise against the installed build's (a SHA-256 of the bytes) before it is timed.  Prints
 the median ms per variant and case, the percent of the measured copy bandwidth (by
 posenc_fast.benchmark's byte count), and the ratio to the installed build.  Builds go to ``--work``
-(one folder per define set; an existing build is reused), for POSENC_FAST_CUDA_ARCHS (default 90).
+(one folder per hash of csrc/ and define set; a finished build of the same sources is reused), for POSENC_FAST_CUDA_ARCHS (default 90).
 With ``--ncu``, Nsight Compute's registers, occupancy and throughput of each build's kernel on the
 first case follow.
 """
@@ -22,6 +22,7 @@ first case follow.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -36,8 +37,21 @@ from posenc_fast import _build  # noqa: E402
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def sources_digest() -> str:
+    """A short hash of csrc/ (sources and headers): a build of other sources is never reused."""
+    digest = hashlib.sha256()
+    source_dir = os.path.join(REPO, "csrc")
+    for root, _, files in sorted(os.walk(source_dir)):
+        for name in sorted(files):
+            path = os.path.join(root, name)
+            digest.update(os.path.relpath(path, source_dir).encode())
+            with open(path, "rb") as f:
+                digest.update(f.read())
+    return digest.hexdigest()[:12]
+
+
 def variant_dir(work: str, defines) -> str:
-    return os.path.join(work, "_".join(d.replace("=", "-") for d in defines) or "plain")
+    return os.path.join(work, sources_digest(), "_".join(d.replace("=", "-") for d in defines) or "plain")
 
 
 def build_variant(work: str, defines, log) -> str:
@@ -62,7 +76,8 @@ def build_variant(work: str, defines, log) -> str:
 def worker(build: str) -> int:
     """Serve the parent's requests, one JSON line each on stdin, with ``build`` as the cuda backend's
     module: about (versions, copy bandwidth), bytes, digest (SHA-256 of one forward's output), time."""
-    import hashlib
+    answers = os.fdopen(os.dup(1), "w")  # the answers alone on the pipe: anything else printed goes to stderr
+    os.dup2(2, 1)
 
     import torch
 
@@ -81,8 +96,6 @@ def worker(build: str) -> int:
     pf.set_id_check(False)  # as in the benchmark's timed rows: the kernels alone
     device = torch.device("cuda")
     inputs = {}
-    answers = os.fdopen(os.dup(1), "w")  # the answers alone on the pipe: anything else printed goes to stderr
-    os.dup2(2, 1)
 
     def case_inputs(name):
         """Random ids and table (never zeros; the same in every worker) and the forward's arguments."""
@@ -131,6 +144,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--json", default=None)
     parser.add_argument("--ncu", action="store_true")
+    parser.add_argument("--ncu-seconds", type=float, default=40, help="time limit of each build's ncu run")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # a build's path, or "installed"
     args = parser.parse_args(argv)
     variants = [tuple(v.split(",")) for v in (args.define or ["POSENC_FORWARD_MIN_BLOCKS=1"])]
@@ -186,24 +200,33 @@ def main(argv=None) -> int:
     for process in workers.values():
         process.stdin.close()
         process.wait(timeout=60)
+    write_report(args.json, report)  # before ncu, which a caller's time limit may cut
     if args.ncu and shutil.which("ncu"):
         for name, path in builds.items():
             cmd = ["ncu", "--clock-control", "none", "-k", "regex:forward_kernel", "-c", "1",
                    "--section", "Occupancy", "--section", "SpeedOfLight", "--section", "LaunchStats",
                    sys.executable, os.path.abspath(__file__), "--work", args.work,
                    *[f"--define={','.join(d)}" for d in variants], "--worker", path]
-            out = subprocess.run(cmd, input=json.dumps(dict(op="digest", case=cases[0])) + "\n",
-                                 capture_output=True, text=True, timeout=120)
+            try:
+                out = subprocess.run(cmd, input=json.dumps(dict(op="digest", case=cases[0])) + "\n",
+                                     capture_output=True, text=True, timeout=args.ncu_seconds)
+            except subprocess.TimeoutExpired:
+                print(f"ncu, {name}: did not finish in {args.ncu_seconds} s")
+                continue
             keep = [line.strip() for line in out.stdout.splitlines()
                     if any(k in line for k in ("Registers Per Thread", "Achieved Occupancy", "Theoretical Occupancy",
                                                "Memory Throughput", "DRAM Throughput", "Duration", "Block Limit"))]
             print(f"ncu, {name}, {cases[0]}:\n  " + "\n  ".join(
                 keep or out.stdout.splitlines()[-15:] + out.stderr.splitlines()[-5:]))
             report.setdefault("ncu", {})[name] = keep
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+            write_report(args.json, report)
     return 0
+
+
+def write_report(path, report) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1)
 
 
 if __name__ == "__main__":

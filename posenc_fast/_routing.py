@@ -34,8 +34,9 @@ def eager_call(ids, weight) -> bool:
     call, most of the host time of a decoding step, and its custom-op autograd wrapper about 150
     us more in training (``ops.EmbeddingFunction``).  Same implementation, same checks.  A tensor kept
     from a finished torch.func transform is a functorch wrapper of type ``torch.Tensor`` (``plain``):
-    such a call takes the op, whose dispatcher unwraps it; so does a legacy-vmap batched tensor.  (Module-level names for torch's predicates:
-    every prepared launch asks this, and each attribute lookup is a tenth of a microsecond.)
+    such a call takes the op, whose dispatcher unwraps it; so does a legacy-vmap batched tensor.
+    (Module-level names for torch's predicates: every prepared launch asks this, and each attribute
+    lookup is a tenth of a microsecond.)
     """
     return (type(ids) is _TENSOR and (type(weight) is _PARAMETER or type(weight) is _TENSOR)
             and not _is_compiling() and not _is_tracing() and not _functorch_transforms_active()

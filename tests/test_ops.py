@@ -44,3 +44,40 @@ def test_opcheck_backward(backend, device, dropout):
     dropout_seed, dropout_p = (_dropout_seed(device), 0.3) if dropout else (None, 0.0)
     torch.library.opcheck(ops.sinusoidal_embedding_backward_op,
                           (grad_out, ids, 20, 10, 1.5, 3, torch.float32, dropout_seed, dropout_p, backend))
+
+
+def test_weight_gradient_skips_the_op_only_where_nothing_records_or_transforms(monkeypatch):
+    """The weight gradient calls its implementation without torch.library's op in a plain eager backward,
+    keeps a recorded graph's node (create_graph), and takes the op under the legacy vmap of gradcheck's
+    batched gradients (whose tensors are neither functorch wrappers nor seen as an active transform);
+    the gradients are the same on every path."""
+    import posenc_fast as pf
+
+    calls = []
+    real = ops.sinusoidal_embedding_backward_op
+    monkeypatch.setattr(ops, "sinusoidal_embedding_backward_op", lambda *args: calls.append(1) or real(*args))
+    g = torch.Generator().manual_seed(7)
+    weight = torch.randn(10, 8, dtype=torch.float64, generator=g).requires_grad_()
+    ids = torch.randint(0, 10, (2, 3), generator=g)
+    grad_out = torch.randn(2, 3, 8, dtype=torch.float64, generator=g)
+
+    def embed(w):
+        return pf.sinusoidal_embedding(ids, w, embed_scale=2.0, backend="torch")
+
+    (plain,) = torch.autograd.grad(embed(weight), weight, grad_out)
+    assert calls == []
+    expected = torch.zeros_like(weight).index_add_(0, ids.reshape(-1), 2.0 * grad_out.reshape(-1, 8))
+    torch.testing.assert_close(plain, expected)
+
+    (recorded,) = torch.autograd.grad(embed(weight), weight, grad_out.clone().requires_grad_(), create_graph=True)
+    assert recorded.requires_grad and recorded.grad_fn is not None  # WeightGradient's node: a double backward
+    torch.testing.assert_close(recorded.detach(), expected)
+
+    (batched,) = torch.autograd.grad(embed(weight), weight, torch.stack([grad_out, 3 * grad_out]), is_grads_batched=True)
+    assert calls, "the legacy vmap's batched tensors must take the op"
+    torch.testing.assert_close(batched, torch.stack([expected, 3 * expected]))
+
+    # torch.func runs an autograd.Function's forward on unwrapped tensors, one level down: WeightGradient's
+    # forward may call the implementation there, as the op would after unwrapping (test_transforms has the rest).
+    functorch_grad = torch.func.grad(lambda w: (embed(w) * grad_out).sum())(weight.detach())
+    torch.testing.assert_close(functorch_grad, expected)
