@@ -3,8 +3,9 @@
 // The 2-core VMs this project is developed on vary by up to 2x from one process to the next, which hides a
 // 5-10% kernel change in any comparison of separate runs.  Here both builds are linked into one program (in
 // namespaces isa_a and isa_b, the way the package links its ISA variants), called alternately on the same
-// table, ids and output, so that a noisy second hits both alike.  With --cold, a 96 MiB buffer is written
-// (by the same threads) before every call, so that the table rows come from memory, as after other layers.
+// table, ids and output, so that a noisy second hits both alike.  Cold (1), a 96 MiB buffer is written
+// (by the same threads) before every call, so that the table rows come from memory, as after other layers;
+// fresh (2), the output cycles through three buffers (below).
 //
 // Timing only: the turns are approximate (long double), nothing is checked.  Each build is compiled with its
 // own revision's cpu_kernels.h, and this file with the working tree's: the driver refuses a base revision
@@ -72,7 +73,7 @@ double quantile(std::vector<double> v, double q) {
 
 int main(int argc, char** argv) {
   if (argc < 8) {
-    std::fprintf(stderr, "usage: %s vocab d batch length threads repeats cold(0|1)\n", argv[0]);
+    std::fprintf(stderr, "usage: %s vocab d batch length threads repeats cold(0 warm|1 cold|2 fresh outputs)\n", argv[0]);
     return 2;
   }
   const int64_t vocab = atoll(argv[1]), d = atoll(argv[2]), batch = atoll(argv[3]), length = atoll(argv[4]);
@@ -93,8 +94,12 @@ int main(int argc, char** argv) {
     const long double turns_per_position = powl(10000.0L, -2.0L * i / d) / (2.0L * 3.14159265358979323846L);
     turns[i] = static_cast<int64_t>(static_cast<uint64_t>(llroundl(turns_per_position * 0x1p64L)));
   }
-  std::vector<float> out(static_cast<size_t>(tokens * d), 0.0f);
-  std::vector<float> flush(cold ? (size_t{24} << 20) : 0, 0.0f);
+  // cold 2 ("fresh"): warm tables, but the output cycles through three buffers, as a module's newly
+  // allocated outputs do (the allocator hands out two or three addresses in turn): 24 MiB of outputs that
+  // do not all stay in the last-level cache, so the write pattern's cost shows.
+  const int num_outputs = cold == 2 ? 3 : 1;
+  std::vector<std::vector<float>> outputs(num_outputs, std::vector<float>(static_cast<size_t>(tokens * d), 0.0f));
+  std::vector<float> flush(cold == 1 ? (size_t{24} << 20) : 0, 0.0f);
 
   ForwardArgs a{};
   a.ids = ids.data();
@@ -102,7 +107,7 @@ int main(int argc, char** argv) {
   a.weight = table.data();
   a.weight_row_stride = d;
   a.dtype = DType::kFloat32;
-  a.out = out.data();
+  a.out = outputs[0].data();
   a.turns = turns.data();
   a.num_turns = d / 2;
   a.seq_len = length;
@@ -122,7 +127,8 @@ int main(int argc, char** argv) {
   for (int r = 0; r < repeats + warmup; ++r) {
     for (int k = 0; k < 2; ++k) {
       const int which = (r + k) & 1;  // alternate which build goes first
-      if (cold) {
+      a.out = outputs[static_cast<size_t>(2 * r + k) % outputs.size()].data();
+      if (cold == 1) {
 #pragma omp parallel for num_threads(threads)
         for (size_t i = 0; i < flush.size(); i += 16) flush[i] += 1.0f;
       }

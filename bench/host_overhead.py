@@ -104,6 +104,15 @@ def per_call_us(fn, calls: int, repeats: int = 7, warmup: int = 200, sync=lambda
     return best
 
 
+def inference_and_training_us(call, calls: int, sync=lambda: None) -> dict:
+    """{"inference": us, "training": us} per call of ``call``, id check off: under ``no_grad``, then with
+    grad enabled (where ``call`` has a trainable input, each call makes an autograd node)."""
+    with pf.id_check(False):
+        with torch.no_grad():
+            inference = per_call_us(call, calls, sync=sync)
+        return {"inference": inference, "training": per_call_us(call, calls, sync=sync)}
+
+
 def real_device_table(device: torch.device, calls: int, num_sequences: int, d_model: int, vocab: int) -> dict:
     """{implementation: {"inference": us, "training": us}}: host time per decode call on ``device`` with
     real launches, id check off, bf16 on a GPU (the benchmark's decode case), fp32 on the CPU."""
@@ -120,18 +129,11 @@ def real_device_table(device: torch.device, calls: int, num_sequences: int, d_mo
         except Exception as error:  # a backend this machine cannot run: said, not timed
             table[backend] = {"unavailable": f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"}
             continue
-        with pf.id_check(False):
-            with torch.no_grad():
-                inference = per_call_us(lambda: layer(ids, offset=17), calls, sync=sync)
-            training = per_call_us(lambda: layer(ids, offset=17), calls, sync=sync)
-        table[backend] = {"inference": inference, "training": training}
+        table[backend] = inference_and_training_us(lambda: layer(ids, offset=17), calls, sync=sync)
         del layer
     eager = baselines.EagerSinusoidalEmbedding(vocab, d_model, max_len=64, embed_scale=d_model ** 0.5,
                                                device=device, dtype=dtype)
-    with torch.no_grad():
-        inference = per_call_us(lambda: eager(ids), calls, sync=sync)
-    table["eager (nn.Embedding + scale + add)"] = {"inference": inference,
-                                                   "training": per_call_us(lambda: eager(ids), calls, sync=sync)}
+    table["eager (nn.Embedding + scale + add)"] = inference_and_training_us(lambda: eager(ids), calls, sync=sync)
     return table
 
 
@@ -216,21 +218,15 @@ def entry_point_table(calls: int) -> dict:
             rows = table[f"{backend} (d {width})"] = {}
             for name, make in _entry_points(backend, width, vocab).items():
                 call, trainable = make()
-                with pf.id_check(False):
-                    with torch.no_grad():
-                        inference = per_call_us(call, calls)
-                    training = per_call_us(call, calls)  # grad enabled, a trainable input: an autograd node per call
-                rows[name] = {"inference": inference, "training": training}
+                rows[name] = inference_and_training_us(call, calls)
                 del trainable
         finally:
             if restore_triton is not None:
                 restore_triton()  # launches prepared on the stubs are no longer current (their kernel module)
     eager = baselines.EagerSinusoidalEmbedding(TABLE_VOCAB, TABLE_WIDTH, max_len=32, embed_scale=TABLE_WIDTH ** 0.5)
     ids = torch.randint(0, TABLE_VOCAB, (TABLE_TOKENS, 1))
-    with torch.no_grad():
-        inference = per_call_us(lambda: eager(ids), calls)
     table[f"eager (nn.Embedding + scale + add, d {TABLE_WIDTH})"] = {
-        "nn.Module": {"inference": inference, "training": per_call_us(lambda: eager(ids), calls)}}
+        "nn.Module": inference_and_training_us(lambda: eager(ids), calls)}
     return table
 
 

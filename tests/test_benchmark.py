@@ -394,7 +394,7 @@ def test_cpu_kernel_ab_script_smoke():
                             capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [line.split() for line in result.stdout.splitlines() if line.split()[:1] in (["3x5"], ["7x1"])]
-    assert [(row[0], row[1]) for row in rows] == [(s, c) for s in ("3x5", "7x1") for c in ("warm", "cold")]
+    assert [(row[0], row[1]) for row in rows] == [(s, c) for s in ("3x5", "7x1") for c in ("warm", "cold", "fresh")]
     assert all(float(x) > 0 for row in rows for x in row[2:6]), rows  # p10 and median of each version, in ms
 
 

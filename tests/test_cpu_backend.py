@@ -75,10 +75,11 @@ def _run(ids, weight, grad_out, threads, **kwargs):
 
 
 # Shapes whose position-major work is cut differently with the thread count: long sequences (chunks of
-# positions), and few or one position per sequence (chunks that also split the sequences into groups of
-# unequal sizes, here 4, 8 and 11 groups of 1200 one-token sequences on 1, 2 and 5 threads: groups hold at
-# least 32768 output elements, csrc/cpu_kernels.cpp position_work).
-THREAD_SHAPES = [(3, 150), (1200, 1), (300, 3)]
+# positions; at 3 x 1500 chunks of several PE blocks of 54 positions, the last one partial), and few or one
+# position per sequence (chunks that also split the sequences into groups of unequal sizes, here 4, 8 and 11
+# groups of 1200 one-token sequences on 1, 2 and 5 threads: groups hold at least 32768 output elements,
+# csrc/cpu_kernels.cpp position_work).
+THREAD_SHAPES = [(3, 150), (3, 1500), (1200, 1), (300, 3)]
 
 
 @pytest.mark.parametrize("shape", THREAD_SHAPES, ids=lambda s: "x".join(map(str, s)))
@@ -103,8 +104,9 @@ def test_results_do_not_depend_on_thread_count(dropout_p, shape, seed):
             assert torch.equal(grad, first[1]), f"weight gradient differs on {threads} threads"
 
 
-# The last two split their sequences into groups (of unequal sizes) on two threads or more.
-@pytest.mark.parametrize("shape", [(4, 33), (5000, 1), (2000, 3)], ids=lambda s: "x".join(map(str, s)))
+# 3 x 700: chunks of more than one PE block (64 positions at this width).  The last two split their
+# sequences into groups (of unequal sizes) on two threads or more.
+@pytest.mark.parametrize("shape", [(4, 33), (3, 700), (5000, 1), (2000, 3)], ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("mode", ["add", "concat"])
 @pytest.mark.parametrize("dropout_p", [0.0, 0.25])
 def test_position_major_equals_token_major(mode, dropout_p, shape, seed):
