@@ -488,6 +488,30 @@ void parallel_for(int64_t num_items, int64_t grain, int num_threads, void (*fn)(
   t.openmp.parallel(&OpenMPJob::run, &job, static_cast<unsigned>(team), 0);
 }
 
+// The smallest and largest of num_ids contiguous ids (int32 or int64), for the id range check of a
+// prepared launch: one pass on the calling thread and no tensor allocated, where torch.aminmax allocates two
+// small tensors per call, enough to move the allocator off the 8 MiB output it just freed (bench/NOTES.md).
+py::tuple id_range(uintptr_t ids, int ids_dtype, int64_t num_ids) {
+  if (num_ids < 1) throw py::value_error("id_range: num_ids must be >= 1");
+  int64_t low = 0, high = 0;
+  const auto scan = [&](auto* values) {
+    low = high = static_cast<int64_t>(values[0]);
+    for (int64_t i = 1; i < num_ids; ++i) {
+      const int64_t v = static_cast<int64_t>(values[i]);
+      low = v < low ? v : low;
+      high = v > high ? v : high;
+    }
+  };
+  if (ids_dtype == static_cast<int>(DType::kInt64)) {
+    scan(reinterpret_cast<const int64_t*>(ids));
+  } else if (ids_dtype == static_cast<int>(DType::kInt32)) {
+    scan(reinterpret_cast<const int32_t*>(ids));
+  } else {
+    throw py::value_error("id_range: ids_dtype is not INT32 or INT64");
+  }
+  return py::make_tuple(low, high);
+}
+
 std::string threading_name() {
   const Threading& t = threading();
   return t.use_openmp && t.owner == getpid() ? "openmp:" + t.openmp.path : std::string("pool");
@@ -541,6 +565,8 @@ PYBIND11_MODULE(_cpu, m) {
         py::arg("num_tokens"), py::arg("num_embeddings"), py::arg("token_width"), py::arg("padding_idx"),
         py::arg("embed_scale"), py::arg("dropout_seed"), py::arg("dropout_threshold"), py::arg("dropout_scale"),
         py::arg("num_threads"));
+  m.def("id_range", &cpu::id_range, py::arg("ids"), py::arg("ids_dtype"), py::arg("num_ids"),
+        "(smallest, largest) of num_ids >= 1 contiguous ids, allocating no tensor.");
   m.def("threading", &cpu::threading_name,
         "Where the kernels' threads come from: 'openmp:<library>' (the process's OpenMP runtime, torch's "
         "threads) or 'pool' (posenc_fast's own).");

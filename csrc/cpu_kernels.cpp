@@ -177,8 +177,6 @@ struct Element<Float16> {
 template <typename V>
 struct Scratch {
   V* data = nullptr;
-  // Cache-line aligned: the PE rows are read with full-width vector loads beside 64-byte-aligned weight
-  // and output rows; at new[]'s 16 bytes every load of them would straddle two lines.
   explicit Scratch(int64_t n) : data(n > 0 ? new (std::nothrow) V[n] : nullptr) {}
   ~Scratch() { delete[] data; }
   Scratch(const Scratch&) = delete;
@@ -219,8 +217,7 @@ POSENC_INLINE void apply_dropout(const DropoutMask& mask, int64_t token, int64_t
 // How the position-major path cuts its work (ForwardPositions, position_work): item i is chunk i / groups
 // of positions and group i % groups of sequences.
 struct PositionWork {
-  int64_t chunk;  // positions per chunk: a multiple of kMinPositionBlock
-  int64_t block;  // positions per PE block: position_block_rows, at most a chunk
+  int64_t chunk;  // positions per chunk: whole blocks of kPositionBlock
   int64_t groups;  // sequence groups per chunk
   int64_t num_sequences;
   int64_t num_items;  // chunks x groups
@@ -432,23 +429,13 @@ struct ForwardTokens {
 //
 // A work item is a range of consecutive positions (a chunk; position_work) in a range of sequences
 // (all of them, unless the sequences are too short to give every thread work: then a group of them),
-// taken a block of positions at a time: the block's PE rows are made first (L2-resident scratch),
-// then each sequence's rows of that block are written one after another.  So every thread writes
-// runs of contiguous output rows, which the hardware prefetchers follow; position by position, two
-// threads would interleave their rows page by page in every sequence and each would see only short,
+// taken kPositionBlock positions at a time: the block's PE
+// rows are made first (L1/L2-resident scratch), then each sequence's rows of that block are
+// written one after another.  So every thread writes runs of contiguous output rows, which the
+// hardware prefetchers and write-combining follow; position by position, two threads would
+// interleave their rows page by page in every sequence and each would see only short,
 // broken streams (measured: 1.35x from 1 to 2 threads, against 1.74x for the token-major path).
-// A block is about kPositionBlockBytes of PE rows (32 rows at d 512 in fp32), at least 8 and at most a
-// chunk: runs of 8 rows (16 KiB) cost 5-10% more at 8 x 512 and 2 x 2048 where the output is not
-// already in cache, as a module's freshly allocated output is not (bench/cpu_kernel_ab.py's "fresh"
-// case, bench/NOTES.md).  The scratch stays under glibc's 128 KiB mmap threshold, which would map and
-// fault it in per item.
-constexpr int64_t kPositionBlockBytes = int64_t(64) << 10;
-constexpr int64_t kMinPositionBlock = 8;
-constexpr int64_t kMaxPositionBlock = 64;
-
-POSENC_INLINE int64_t position_block_rows(int64_t row_bytes) {
-  return max_of(kMinPositionBlock, min_of(kMaxPositionBlock, kPositionBlockBytes / max_of(row_bytes, 1)));
-}
+constexpr int64_t kPositionBlock = 8;
 
 template <typename T, typename Math, typename IdT>
 struct ForwardPositions {
@@ -456,10 +443,9 @@ struct ForwardPositions {
     const ForwardPlan<Math>& p = *static_cast<const ForwardPlan<Math>*>(context);
     const ForwardArgs& a = *p.args;
     const PositionWork& w = p.positions;
-    const int64_t block_rows = w.block;  // a local: read from w in the loops, it cost decode shapes 2-8%
-    Scratch<Math> scratch((block_rows + 1) * p.width + 2 * p.slots);
+    Scratch<Math> scratch((kPositionBlock + 1) * p.width + 2 * p.slots);
     Math* __restrict__ pe_rows = scratch.data;  // the block's PEs at pe_scale, one row per position
-    Math* __restrict__ row = pe_rows + block_rows * p.width;  // a token's working row (dropout, or no PE)
+    Math* __restrict__ row = pe_rows + kPositionBlock * p.width;  // a token's working row (dropout, or no PE)
     Math* __restrict__ sins = row + p.width;
     Math* __restrict__ coses = sins + p.slots;
     for (int64_t item = begin; item < end; ++item) {
@@ -469,8 +455,8 @@ struct ForwardPositions {
       const int64_t seq_end = w.num_sequences * (group + 1) / w.groups;
       const int64_t tokens_end = min_of(seq_end * a.seq_len, a.num_tokens);
       const int64_t chunk_end = min_of((chunk + 1) * w.chunk, a.seq_len);
-      for (int64_t first = chunk * w.chunk; first < chunk_end; first += block_rows) {
-        const int64_t count = min_of(block_rows, chunk_end - first);
+      for (int64_t first = chunk * w.chunk; first < chunk_end; first += kPositionBlock) {
+        const int64_t count = min_of(kPositionBlock, chunk_end - first);
         for (int64_t j = 0; j < count; ++j) {
           for (int64_t t = seq_begin * a.seq_len + first + j; t < tokens_end; t += a.seq_len) {
             prefetch_row_start<T>(a, token_id<IdT>(a, t));
@@ -517,16 +503,12 @@ constexpr int64_t kGroupElements = 32768;
 // The cut of position-major work (ForwardPositions): about four items per thread.  Items are chunks of
 // whole position blocks; where a sequence has too few positions for that many chunks (short sequences, a
 // one-token decoding step over a large batch), each chunk's sequences are split into groups too, and each
-// group computes its chunk's sins and coses again (a few rows).  `width`: of an output row;
-// `math_bytes`: of an element of the PE rows.
-POSENC_INLINE PositionWork position_work(const ForwardArgs& a, int64_t width, int64_t math_bytes) {
+// group computes its chunk's sins and coses again (a few rows).  `width`: of an output row.
+POSENC_INLINE PositionWork position_work(const ForwardArgs& a, int64_t width) {
   PositionWork w;
   const int64_t items = 4 * static_cast<int64_t>(a.num_threads > 0 ? a.num_threads : 1);
   const int64_t grain = (a.seq_len + items - 1) / items;
-  w.chunk = (grain + kMinPositionBlock - 1) / kMinPositionBlock * kMinPositionBlock;
-  // Longer blocks only inside a chunk: the cut into items stays the one that balances the threads, and an
-  // item never computes PE rows it does not write.
-  w.block = min_of(position_block_rows(width * math_bytes), w.chunk);
+  w.chunk = (grain + kPositionBlock - 1) / kPositionBlock * kPositionBlock;
   const int64_t num_chunks = (a.seq_len + w.chunk - 1) / w.chunk;
   w.num_sequences = (a.num_tokens + a.seq_len - 1) / a.seq_len;
   // Groups of at least kGroupElements output elements: a smaller split costs more to hand to another thread
@@ -562,7 +544,7 @@ const char* forward_typed(const ForwardArgs& a) {
   }
   const bool shared_positions = a.positions == nullptr && a.offsets == nullptr;
   if (shared_positions && a.num_tokens >= 2 * a.seq_len) {  // seq_len >= 1: forward() checked
-    p.positions = position_work(a, p.width, static_cast<int64_t>(sizeof(Math)));
+    p.positions = position_work(a, p.width);
     parallel_for(p.positions.num_items, 1, a.num_threads, &ForwardPositions<T, Math, IdT>::run, &p);
   } else {
     parallel_for(a.num_tokens, kTokenGrain, a.num_threads, &ForwardTokens<T, Math, IdT>::run, &p);

@@ -38,8 +38,10 @@ from typing import Optional
 import torch
 
 from . import backends as _backends
+from . import config
 from ._dispatch import get_backend, resolve_backend
 from ._routing import eager_call
+from ._validate import check_id_bounds
 from .backends import kernel_params
 from .ops import LaunchedAdditionFunction, LaunchedEmbeddingFunction, check_ids_if_enabled
 
@@ -72,7 +74,7 @@ class PreparedForward:
     """The embedding's prepared launch for one spec, backend and kind of table (module docstring)."""
 
     __slots__ = ("spec", "backend", "dropout", "dtype", "shape", "device", "width", "launch", "id_dtypes",
-                 "last_argument", "is_current", "keep_alive", "gradient")
+                 "last_argument", "is_current", "keep_alive", "gradient", "id_range")
 
     def __init__(self, spec, backend: str, dropout: float, weight: torch.Tensor, name: str,
                  launch: _backends.PreparedLaunch):
@@ -81,6 +83,7 @@ class PreparedForward:
         self.launch, self.id_dtypes, self.last_argument = launch.launch, launch.id_dtypes, launch.last_argument
         self.is_current = launch.is_current
         self.keep_alive = launch.turns
+        self.id_range = launch.id_range
         # What the weight gradient needs (LaunchedEmbeddingFunction), after the call's ``sparse``.
         padding_idx = -1 if spec.padding_idx is None else spec.padding_idx
         self.gradient = (weight.shape[0], weight.shape[1], spec.embed_scale, padding_idx, weight.dtype, name)
@@ -126,7 +129,12 @@ class PreparedForward:
 
     def _output(self, weight, ids, offset) -> torch.Tensor:
         shape = ids.shape
-        check_ids_if_enabled(ids, self.shape[0])
+        if config.id_check_enabled():
+            bounds = None if self.id_range is None else self.id_range(ids)
+            if bounds is None:
+                check_ids_if_enabled(ids, self.shape[0])
+            else:
+                check_id_bounds(*bounds, self.shape[0])
         # Same dtype and device as the table; new_empty with the sizes unpacked is the cheapest allocation
         # call (about 1 us against 2 for torch.empty with a shape tuple and keywords).  Not a view, as
         # nn.Embedding's output: under no_grad a view could not later be modified in place with grad on.

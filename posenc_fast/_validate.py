@@ -385,9 +385,15 @@ def check_id_range(ids: torch.Tensor, num_embeddings: int, vocab_start: int = 0)
     if ids.numel() == 0 or ids.is_meta:  # a meta tensor has no values to check
         return
     low, high = torch.aminmax(ids)
+    check_id_bounds(int(low), int(high), num_embeddings, vocab_start)
+
+
+def check_id_bounds(low: int, high: int, num_embeddings: int, vocab_start: int = 0) -> None:
+    """``check_id_range`` on the ids' smallest and largest values, found by the caller (a prepared launch
+    on CPU scans them without allocating: ``backends.PreparedLaunch.id_range``)."""
     # Local ids are global ids minus vocab_start in int64, which wraps for a global id within
     # vocab_start of -2**63; wrapping back recovers the global id to name it.
-    low, high = (_wrap_int64(int(v) + vocab_start) for v in (low, high))
+    low, high = (_wrap_int64(v + vocab_start) for v in (low, high))
     for bad in (low, high):
         if not 0 <= bad < num_embeddings:
             valid = f"valid: 0..{num_embeddings - 1}" if num_embeddings else "the table has no rows"

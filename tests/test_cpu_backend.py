@@ -13,7 +13,8 @@ import torch
 import posenc_fast as pf
 from posenc_fast import reference
 from posenc_fast._dispatch import resolve_backend
-from posenc_fast.backends import cpu_backend
+from posenc_fast._spec import PEColumns
+from posenc_fast.backends import KernelParams, cpu_backend
 
 from cases import CASES, assert_within, cpu_extension_problem, make_inputs, output_bound, ulp
 
@@ -75,11 +76,10 @@ def _run(ids, weight, grad_out, threads, **kwargs):
 
 
 # Shapes whose position-major work is cut differently with the thread count: long sequences (chunks of
-# positions; at 3 x 1500 chunks of several PE blocks of 54 positions, the last one partial), and few or one
-# position per sequence (chunks that also split the sequences into groups of unequal sizes, here 4, 8 and 11
-# groups of 1200 one-token sequences on 1, 2 and 5 threads: groups hold at least 32768 output elements,
-# csrc/cpu_kernels.cpp position_work).
-THREAD_SHAPES = [(3, 150), (3, 1500), (1200, 1), (300, 3)]
+# positions), and few or one position per sequence (chunks that also split the sequences into groups of
+# unequal sizes, here 4, 8 and 11 groups of 1200 one-token sequences on 1, 2 and 5 threads: groups hold at
+# least 32768 output elements, csrc/cpu_kernels.cpp position_work).
+THREAD_SHAPES = [(3, 150), (1200, 1), (300, 3)]
 
 
 @pytest.mark.parametrize("shape", THREAD_SHAPES, ids=lambda s: "x".join(map(str, s)))
@@ -104,9 +104,8 @@ def test_results_do_not_depend_on_thread_count(dropout_p, shape, seed):
             assert torch.equal(grad, first[1]), f"weight gradient differs on {threads} threads"
 
 
-# 3 x 700: chunks of more than one PE block (64 positions at this width).  The last two split their
-# sequences into groups (of unequal sizes) on two threads or more.
-@pytest.mark.parametrize("shape", [(4, 33), (3, 700), (5000, 1), (2000, 3)], ids=lambda s: "x".join(map(str, s)))
+# The last two split their sequences into groups (of unequal sizes) on two threads or more.
+@pytest.mark.parametrize("shape", [(4, 33), (5000, 1), (2000, 3)], ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("mode", ["add", "concat"])
 @pytest.mark.parametrize("dropout_p", [0.0, 0.25])
 def test_position_major_equals_token_major(mode, dropout_p, shape, seed):
@@ -220,3 +219,25 @@ def test_results_do_not_depend_on_where_threads_come_from(threading, threads, se
     many = _run(ids, weight, grad_out, threads, offset=offset, embed_scale=2.0)
     assert torch.equal(many[0], one[0]) and torch.equal(many[1], one[1])
 
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64], ids=str)
+def test_prepared_launch_finds_the_id_range_without_torch(dtype, seed):
+    """A prepared launch's id range scan (the binding's one pass, no tensor allocated) agrees with
+    torch.aminmax, extreme values included; above its size it leaves the check to torch."""
+    g = torch.Generator().manual_seed(seed)
+    info = torch.iinfo(dtype)
+    params = KernelParams(False, 4, 4, PEColumns(True, 0, 2, 1, 2), 1.0, 1.0, -1)
+    launch = cpu_backend.prepare_forward(torch.float32, 10, torch.device("cpu"), torch.zeros(2, dtype=torch.int64),
+                                         params)
+    assert launch.id_range is not None
+    for numel in (1, 2, 7, 4096):
+        ids = torch.randint(-1000, 1000, (numel,), generator=g, dtype=dtype)
+        for position, value in ((0, info.min), (numel - 1, info.max), (numel // 2, 0)):
+            ids_case = ids.clone()
+            ids_case[position] = value
+            low, high = torch.aminmax(ids_case)
+            assert launch.id_range(ids_case) == (int(low), int(high))
+    too_many = torch.zeros(cpu_backend.ID_RANGE_SERIAL_MAX + 1, dtype=dtype)
+    assert launch.id_range(too_many) is None
+    assert launch.id_range(torch.zeros(0, dtype=dtype)) is None

@@ -19,7 +19,7 @@ lives in ``posenc_fast._dispatch``.
 from __future__ import annotations
 
 import functools
-from typing import Callable, NamedTuple, Tuple
+from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -117,6 +117,9 @@ class PreparedLaunch(NamedTuple):
     last_argument: Callable[[], int]  # asked per call: the CUDA stream handle, or the CPU thread count
     is_current: Callable[[], bool]
     turns: torch.Tensor  # the int64 frequencies the launch reads: kept alive with it
+    # (smallest, largest) of contiguous ids for the id range check, allocating no tensor; None: the check's
+    # own torch.aminmax (CPU: a module's freshly freed output stays where the next call allocates it).
+    id_range: Optional[Callable[[torch.Tensor], Tuple[int, int]]] = None
 
 
 ID_DTYPES = (torch.int32, torch.int64)  # the id dtypes every kernel reads

@@ -165,7 +165,26 @@ def prepare_forward(dtype, num_rows: int, device, turns, params: KernelParams) -
         columns.cos_base, columns.num_cos, int(params.pe_zero_id), float(params.embed_scale),
         float(params.pe_scale), bool(params.float64_math))
     return PreparedLaunch(pointer_launch(launch, module, "cpu", ID_DTYPES), ID_DTYPES, torch.get_num_threads,
-                          lambda: _state is state, turns)
+                          lambda: _state is state, turns, _id_range_function(module))
+
+
+# Above this many ids the range check's own (multithreaded) torch.aminmax is the faster one, and its two
+# small allocations are nothing beside the output's.
+ID_RANGE_SERIAL_MAX = 1 << 16
+
+
+def _id_range_function(module):
+    """``PreparedLaunch.id_range`` for ``module``: the binding's one-pass scan up to ID_RANGE_SERIAL_MAX ids,
+    else None from the call (the caller then checks with torch); None where the binding has no scan."""
+    scan = getattr(module, "id_range", None)
+    if scan is None:
+        return None
+    codes = {dtype: dtype_code(module, dtype, "cpu") for dtype in ID_DTYPES}
+
+    def id_range(ids):
+        count = ids.numel()
+        return scan(ids.data_ptr(), codes[ids.dtype], count) if 0 < count <= ID_RANGE_SERIAL_MAX else None
+    return id_range
 
 
 def forward(ids, weight, turns, positions, offsets, offset, seq_len, params: KernelParams,
