@@ -9,8 +9,8 @@ so that a noisy second hits all of them alike):
 - ``forward``: the forward inside the round-robin, after the other implementations ran (cold caches,
   other work's threads: what a layer inside a model meets);
 - ``forward after a GEMM``: a 512 x 512 ``torch.mm`` right before each forward, as between layers
-  (torch's intra-op threads are still busy or spinning when the layer starts); the GEMM's own time,
-  measured alone in the same run, is subtracted;
+  (torch's intra-op threads are still busy or spinning when the layer starts); only the forward is
+  timed, the GEMM's own time is measured apart in the same run;
 - ``training step``: forward, ``out.sum().backward()``, gradient set to None (what
   ``optimizer.zero_grad()`` does), so every step allocates its V x d gradient, as in training.
 

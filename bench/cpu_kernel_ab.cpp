@@ -78,6 +78,10 @@ int main(int argc, char** argv) {
   }
   const int64_t vocab = atoll(argv[1]), d = atoll(argv[2]), batch = atoll(argv[3]), length = atoll(argv[4]);
   const int threads = atoi(argv[5]), repeats = atoi(argv[6]), cold = atoi(argv[7]);
+  if (cold < 0 || cold > 2) {
+    std::fprintf(stderr, "cold must be 0 (warm), 1 (cold) or 2 (fresh outputs)\n");
+    return 2;
+  }
   if (vocab < 1 || d < 2 || batch < 1 || length < 1 || threads < 1 || repeats < 1) {
     std::fprintf(stderr, "vocab, batch, length, threads and repeats must be >= 1, d >= 2\n");
     return 2;

@@ -493,6 +493,7 @@ void parallel_for(int64_t num_items, int64_t grain, int num_threads, void (*fn)(
 // small tensors per call, enough to move the allocator off the 8 MiB output it just freed (bench/NOTES.md).
 py::tuple id_range(uintptr_t ids, int ids_dtype, int64_t num_ids) {
   if (num_ids < 1) throw py::value_error("id_range: num_ids must be >= 1");
+  if (ids == 0) throw py::value_error("id_range: ids is a null pointer");
   int64_t low = 0, high = 0;
   const auto scan = [&](auto* values) {
     low = high = static_cast<int64_t>(values[0]);

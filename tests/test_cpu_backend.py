@@ -220,7 +220,6 @@ def test_results_do_not_depend_on_where_threads_come_from(threading, threads, se
     assert torch.equal(many[0], one[0]) and torch.equal(many[1], one[1])
 
 
-
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64], ids=str)
 def test_prepared_launch_finds_the_id_range_without_torch(dtype, seed):
     """A prepared launch's id range scan (the binding's one pass, no tensor allocated) agrees with

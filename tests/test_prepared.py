@@ -215,6 +215,10 @@ def test_bad_calls_after_prepared_ones_still_raise(backend, device):
                 layer(*args, **kwargs)
 
     bad_call(IndexError, "id 50 is out of range", torch.full_like(ids, 50))
+    one_bad = ids.clone()
+    one_bad.view(-1)[-1] = -3  # one id, the last one: the CPU launch's own scan must see it
+    bad_call(IndexError, "id -3 is out of range", one_bad)
+    bad_call(IndexError, "id -3 is out of range", one_bad.to(torch.int32))
     bad_call(TypeError, "int32 or int64", ids.float())
     bad_call(TypeError, "dense", ids.to_sparse())
     bad_call(ValueError, "meta", ids.to("meta"))

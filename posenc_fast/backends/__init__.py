@@ -117,9 +117,10 @@ class PreparedLaunch(NamedTuple):
     last_argument: Callable[[], int]  # asked per call: the CUDA stream handle, or the CPU thread count
     is_current: Callable[[], bool]
     turns: torch.Tensor  # the int64 frequencies the launch reads: kept alive with it
-    # (smallest, largest) of contiguous ids for the id range check, allocating no tensor; None: the check's
-    # own torch.aminmax (CPU: a module's freshly freed output stays where the next call allocates it).
-    id_range: Optional[Callable[[torch.Tensor], Tuple[int, int]]] = None
+    # (smallest, largest) of contiguous ids for the id range check, allocating no tensor (CPU: so that a
+    # module's freshly freed output stays where the next call allocates it), or None from the call where
+    # the caller should use torch.aminmax (no ids, or more than the backend scans); the field None: always.
+    id_range: Optional[Callable[[torch.Tensor], Optional[Tuple[int, int]]]] = None
 
 
 ID_DTYPES = (torch.int32, torch.int64)  # the id dtypes every kernel reads

@@ -168,8 +168,8 @@ def prepare_forward(dtype, num_rows: int, device, turns, params: KernelParams) -
                           lambda: _state is state, turns, _id_range_function(module))
 
 
-# Above this many ids the range check's own (multithreaded) torch.aminmax is the faster one, and its two
-# small allocations are nothing beside the output's.
+# Above this many ids the range check goes back to torch.aminmax (multithreaded): the scan runs on the
+# calling thread, and is for the batches where two small allocations beside the output matter.
 ID_RANGE_SERIAL_MAX = 1 << 16
 
 
