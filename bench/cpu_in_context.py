@@ -4,8 +4,9 @@ Case: V 32000, d 512, 8 x 512 tokens, fp32, embed scale sqrt(d), loss = out.sum(
 all timed round-robin in one process (each repetition runs every implementation once, in a rotating order,
 so that a noisy second hits all of them alike):
 
-- ``back_to_back``: one implementation's forward repeated (its table rows stay in cache: the best case,
-  what a micro-benchmark of the layer alone shows);
+- ``back_to_back``: one implementation's forward right after its own (its table rows stay in cache: the
+  best case, what a micro-benchmark of the layer alone shows), the timed pairs interleaved across
+  implementations like the rest;
 - ``forward``: the forward inside the round-robin, after the other implementations ran (cold caches,
   other work's threads: what a layer inside a model meets);
 - ``forward after a GEMM``: a 512 x 512 ``torch.mm`` right before each forward, as between layers
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import resource
 import statistics
 import time
 
@@ -36,6 +38,9 @@ from posenc_fast.baselines import EagerSinusoidalEmbedding
 from posenc_fast.benchmark.results import cpu_model, device_slug
 
 V, D, BATCH, LENGTH = 32000, 512, 8, 512
+# Back to back, per repetition and implementation: calls that restore its own cache state after the others
+# ran, then the timed calls.
+BACK_TO_BACK_WARMUP, BACK_TO_BACK_TIMED = 2, 3
 
 
 def _timed(fn) -> float:
@@ -90,23 +95,40 @@ def main() -> None:
     samples = {f"{kind}/{name}": [] for kind in ("back_to_back", "forward", "after_gemm", "step") for name in names}
     samples.update({"back_to_back/gather": [], "forward/gather": [], "after_gemm/gather": [], "gemm": [],
                     "step/fresh_gradient_scatter": []})
-    for name in names + ["gather"]:
-        run = gather if name == "gather" else (lambda: forward(name))
-        samples[f"back_to_back/{name}"] = [_timed(run) for _ in range(args.repeats)]
+    # Minor page faults per timed call: where the allocator hands a call fresh pages (an output or gradient
+    # just returned to the OS), the first touch of each 4 KiB page costs more than the kernel (bench/NOTES.md).
+    faults = {key: [] for key in samples}
+
+    def record(key, fn):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        samples[key].append(_timed(fn))
+        faults[key].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    # Back to back: each implementation's forward right after its own, the repetitions interleaved like the
+    # round-robin below (a block of one implementation's calls, then the next's, let a slow minute of this
+    # shared VM land on one of them: 0.83-1.16x fused/compile between runs).
+    alone = names + ["gather"]
+    for repeat in range(args.repeats):
+        for name in alone[repeat % len(alone):] + alone[:repeat % len(alone)]:
+            run = gather if name == "gather" else (lambda: forward(name))
+            for _ in range(BACK_TO_BACK_WARMUP):
+                run()
+            for _ in range(BACK_TO_BACK_TIMED):
+                record(f"back_to_back/{name}", run)
     for repeat in range(args.repeats):
         order = names[repeat % len(names):] + names[:repeat % len(names)]
-        samples["gemm"].append(_timed(lambda: torch.mm(a, b)))
+        record("gemm", lambda: torch.mm(a, b))
         for name in order:
-            samples[f"forward/{name}"].append(_timed(lambda: forward(name)))
+            record(f"forward/{name}", lambda: forward(name))
             torch.mm(a, b)
-            samples[f"after_gemm/{name}"].append(_timed(lambda: forward(name)))
-            samples[f"step/{name}"].append(_timed(lambda: step(name)))
-        samples["forward/gather"].append(_timed(gather))
+            record(f"after_gemm/{name}", lambda: forward(name))
+            record(f"step/{name}", lambda: step(name))
+        record("forward/gather", gather)
         torch.mm(a, b)
-        samples["after_gemm/gather"].append(_timed(gather))
-        samples["step/fresh_gradient_scatter"].append(_timed(fresh_gradient_scatter))
+        record("after_gemm/gather", gather)
+        record("step/fresh_gradient_scatter", fresh_gradient_scatter)
 
     median = {key: statistics.median(values) for key, values in samples.items()}
+    mean_faults = {key: statistics.fmean(values) for key, values in faults.items()}
     print(f"CPU: {cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}; "
           f"V {V}, d {D}, {BATCH} x {LENGTH} tokens, fp32; {args.repeats} round-robin repeats; "
           f"fused vs eager max |diff| {difference:.2e}")
@@ -118,11 +140,17 @@ def main() -> None:
         print(f"{kind:<28}" + "".join(f"{value:9.3f}" for value in row) + f"{median[floor]:9.3f}"
               f"   {row[1] / row[0]:.2f}x / {row[2] / row[0]:.2f}x")
     print(f"(the GEMM alone: {median['gemm']:.3f} ms; 'after_gemm' times the forward only)")
+    print(f"{'minor page faults per call':<28}{'fused':>9}{'compile':>9}{'eager':>9}{'floor':>9}")
+    for kind, floor in (("back_to_back", "back_to_back/gather"), ("forward", "forward/gather"),
+                        ("after_gemm", "after_gemm/gather"), ("step", "step/fresh_gradient_scatter")):
+        row = [mean_faults[f"{kind}/{name}"] for name in names] + [mean_faults[floor]]
+        print(f"{kind:<28}" + "".join(f"{value:9.0f}" for value in row))
     if args.json:
         document = {"cpu": cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__,
                     "case": {"vocab": V, "d": D, "batch": BATCH, "length": LENGTH, "dtype": "float32"},
                     "repeats": args.repeats, "date": time.strftime("%Y-%m-%d"),
-                    "median_ms": median, "fused_vs_eager_max_abs_diff": difference}
+                    "median_ms": median, "mean_minor_page_faults_per_call": mean_faults,
+                    "fused_vs_eager_max_abs_diff": difference}
         path = args.json.replace("<cpu>", device_slug(cpu_model()))
         with open(path, "w") as handle:
             json.dump(document, handle, indent=1)

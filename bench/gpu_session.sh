@@ -468,7 +468,7 @@ run_cpu_in_context() {
     t=$(allow 120 60)  # two torch.compile warm-ups come first; the table is printed at the end
     if ((t < 45)); then note "cpu in context: skipped (stage time used up)"; return; fi
     echo "== bench/cpu_in_context.py on the host CPU, $(nproc) cores (timeout ${t}s)"
-    timeout "$t" "$PY" bench/cpu_in_context.py --repeats 20 2>&1 | tail -n 8
+    timeout "$t" "$PY" bench/cpu_in_context.py --repeats 20 2>&1 | tail -n 13  # the table and its page faults
     rc=${PIPESTATUS[0]}
     note "cpu in context (host CPU): $(result_of "$rc")"
 }

@@ -234,7 +234,17 @@ struct ForwardPlan {
   Math embed_scale, pe_scale, dropout_scale;
   DropoutMask mask;
   PositionWork positions;  // the position-major path's cut (position_work)
+  int* scratch_failed;  // set to 1 (atomically) by a work item whose scratch could not be allocated
 };
+
+// A work item's scratch is allocated in the worker; where that fails, the item is skipped and the forward
+// returns an error instead of writing through a null pointer.
+template <typename Math>
+POSENC_INLINE bool scratch_missing(const ForwardPlan<Math>& p, const void* scratch) {
+  if (scratch != nullptr) return false;
+  __atomic_store_n(p.scratch_failed, 1, __ATOMIC_RELAXED);
+  return true;
+}
 
 #if defined(__AVX2__) && !defined(__AVX512DQ__)
 // AVX2 has no int64-to-float conversion, so the compiler would not vectorise sin_cos_of_turns'
@@ -269,8 +279,13 @@ POSENC_INLINE float int64_to_math<float>(int64_t r) {
   const double sum = int64_to_double_parts(r, error);
   uint64_t bits;
   std::memcpy(&bits, &sum, sizeof bits);
-  const bool toward_larger_magnitude = (error > 0) == (sum > 0);
-  const uint64_t odd = (error != 0 && (bits & 1u) == 0) ? (toward_larger_magnitude ? bits + 1 : bits - 1) : bits;
+  // Rounded to odd: truncate toward zero (one step down in magnitude where the sum rounded away from r),
+  // then set the last bit where inexact.  Written as 0/1 integers: GCC did not vectorise this loop when the
+  // same select was spelled with a short-circuit or a bool mask of a double compare, and the scalar loop
+  // made the AVX2 forward slower than the SSE2 baseline, twice its vectorised time (bench/NOTES.md).
+  const uint64_t inexact = error != 0 ? uint64_t(1) : uint64_t(0);
+  const uint64_t rounded_away = ((error > 0) == (sum > 0)) ? uint64_t(0) : inexact;
+  const uint64_t odd = (bits - rounded_away) | inexact;
   double rounded_to_odd;
   std::memcpy(&rounded_to_odd, &odd, sizeof odd);
   return static_cast<float>(rounded_to_odd);
@@ -410,6 +425,7 @@ struct ForwardTokens {
     const ForwardPlan<Math>& p = *static_cast<const ForwardPlan<Math>*>(context);
     const ForwardArgs& a = *p.args;
     Scratch<Math> scratch(p.width + 2 * p.slots);
+    if (scratch_missing(p, scratch.data)) return;
     Math* __restrict__ row = scratch.data;
     Math* __restrict__ sins = row + p.width;
     Math* __restrict__ coses = sins + p.slots;
@@ -444,6 +460,7 @@ struct ForwardPositions {
     const ForwardArgs& a = *p.args;
     const PositionWork& w = p.positions;
     Scratch<Math> scratch((kPositionBlock + 1) * p.width + 2 * p.slots);
+    if (scratch_missing(p, scratch.data)) return;
     Math* __restrict__ pe_rows = scratch.data;  // the block's PEs at pe_scale, one row per position
     Math* __restrict__ row = pe_rows + kPositionBlock * p.width;  // a token's working row (dropout, or no PE)
     Math* __restrict__ sins = row + p.width;
@@ -542,6 +559,8 @@ const char* forward_typed(const ForwardArgs& a) {
     const uint64_t seed = static_cast<uint64_t>(*a.dropout_seed);
     p.mask = DropoutMask{{static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)}, a.dropout_threshold};
   }
+  int scratch_failed = 0;
+  p.scratch_failed = &scratch_failed;
   const bool shared_positions = a.positions == nullptr && a.offsets == nullptr;
   if (shared_positions && a.num_tokens >= 2 * a.seq_len) {  // seq_len >= 1: forward() checked
     p.positions = position_work(a, p.width);
@@ -549,7 +568,7 @@ const char* forward_typed(const ForwardArgs& a) {
   } else {
     parallel_for(a.num_tokens, kTokenGrain, a.num_threads, &ForwardTokens<T, Math, IdT>::run, &p);
   }
-  return nullptr;
+  return __atomic_load_n(&scratch_failed, __ATOMIC_RELAXED) ? "out of memory (a work item's scratch)" : nullptr;
 }
 
 template <typename T, typename Math>
