@@ -177,7 +177,8 @@ struct Element<Float16> {
 template <typename V>
 struct Scratch {
   V* data = nullptr;
-  explicit Scratch(int64_t n) : data(n > 0 ? new (std::nothrow) V[n] : nullptr) {}
+  bool failed = false;  // n > 0 elements were asked for and none were given
+  explicit Scratch(int64_t n) : data(n > 0 ? new (std::nothrow) V[n] : nullptr), failed(n > 0 && data == nullptr) {}
   ~Scratch() { delete[] data; }
   Scratch(const Scratch&) = delete;
   Scratch& operator=(const Scratch&) = delete;
@@ -239,9 +240,9 @@ struct ForwardPlan {
 
 // A work item's scratch is allocated in the worker; where that fails, the item is skipped and the forward
 // returns an error instead of writing through a null pointer.
-template <typename Math>
-POSENC_INLINE bool scratch_missing(const ForwardPlan<Math>& p, const void* scratch) {
-  if (scratch != nullptr) return false;
+template <typename Math, typename V>
+POSENC_INLINE bool scratch_missing(const ForwardPlan<Math>& p, const Scratch<V>& scratch) {
+  if (!scratch.failed) return false;
   __atomic_store_n(p.scratch_failed, 1, __ATOMIC_RELAXED);
   return true;
 }
@@ -425,7 +426,7 @@ struct ForwardTokens {
     const ForwardPlan<Math>& p = *static_cast<const ForwardPlan<Math>*>(context);
     const ForwardArgs& a = *p.args;
     Scratch<Math> scratch(p.width + 2 * p.slots);
-    if (scratch_missing(p, scratch.data)) return;
+    if (scratch_missing(p, scratch)) return;
     Math* __restrict__ row = scratch.data;
     Math* __restrict__ sins = row + p.width;
     Math* __restrict__ coses = sins + p.slots;
@@ -460,7 +461,7 @@ struct ForwardPositions {
     const ForwardArgs& a = *p.args;
     const PositionWork& w = p.positions;
     Scratch<Math> scratch((kPositionBlock + 1) * p.width + 2 * p.slots);
-    if (scratch_missing(p, scratch.data)) return;
+    if (scratch_missing(p, scratch)) return;
     Math* __restrict__ pe_rows = scratch.data;  // the block's PEs at pe_scale, one row per position
     Math* __restrict__ row = pe_rows + kPositionBlock * p.width;  // a token's working row (dropout, or no PE)
     Math* __restrict__ sins = row + p.width;

@@ -62,12 +62,18 @@ int main() {
     }
   }
   std::mt19937_64 rng(20261126);
-  for (int i = 0; i < 2000000; ++i) add(static_cast<int64_t>(rng() >> (3 + rng() % 61)));
+  for (int i = 0; i < 2000000; ++i) {
+    const uint64_t word = rng();  // one draw per statement: the same values whatever the compiler's order
+    const uint64_t shift = 3 + rng() % 61;
+    add(static_cast<int64_t>(word >> shift));
+  }
   for (int i = 0; i < 2000000; ++i) {  // near a tie, at a random magnitude past 2^53
     const int e = 53 + static_cast<int>(rng() % 8);
     const int64_t p = int64_t(1) << e, half_ulp = p >> 24;
     const int64_t tie = p + static_cast<int64_t>(rng() % (uint64_t(1) << 23)) * 2 * half_ulp + half_ulp;
-    add(tie + (static_cast<int64_t>(rng() % 33) - 16) * (int64_t(1) << (e - 53)) + static_cast<int64_t>(rng() % 3) - 1);
+    const int64_t double_ulps = static_cast<int64_t>(rng() % 33) - 16;
+    const int64_t units = static_cast<int64_t>(rng() % 3) - 1;
+    add(tie + double_ulps * (int64_t(1) << (e - 53)) + units);
   }
   const int64_t bad = mismatches<float>(values, "float") + mismatches<double>(values, "double");
   std::printf("%zu values, %lld mismatches\n", values.size(), static_cast<long long>(bad));

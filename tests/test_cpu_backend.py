@@ -177,18 +177,9 @@ def test_avx2_and_avx512_variants_agree_bitwise(precision, seed):
     assert torch.equal(outputs[0], outputs[1])
 
 
-def _cpu_has_avx2() -> bool:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as info:
-            flags = next((line.split() for line in info if line.startswith("flags")), [])
-    except OSError:
-        return False
-    return {"avx2", "fma"} <= set(flags)
-
-
 @pytest.mark.slow  # compiles csrc/cpu_kernels.cpp once more: ~30 s on 2 cores
-@pytest.mark.skipif(not (_build._x86() and _cpu_has_avx2()) or _build.find_cxx() is None,
-                    reason="needs an x86 CPU with AVX2 and a C++ compiler")
+@pytest.mark.skipif("avx2" not in _isas() or _build.find_cxx() is None,
+                    reason="needs a CPU that runs the AVX2 variant (the binding's own test of its flags) and a C++ compiler")
 def test_avx2_angle_conversion_rounds_once(tmp_path):
     """The AVX2 variant's int64 -> float conversion (two exact halves, their sum rounded to odd, then to
     float) equals the hardware's one rounding on every magnitude and at fp32 ties past 2^53, where random
