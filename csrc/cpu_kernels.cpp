@@ -28,9 +28,10 @@
 // Weight gradient: the caller sorts the ids; here the runs of equal ids are found, and each work
 // item (a run and a block of 128 columns) sums its tokens' gradient rows in fp32 in sorted order,
 // scales once and stores.  No atomics, no order that depends on threads: bitwise reproducible.
-// The whole buffer is zeroed here first, by all threads, instead of by a serial torch.zeros: the dense
-// [V, d] gradient is the largest buffer of a step, and its first touch (page faults) is most of
-// its cost (the binding also advises the kernel to back it with huge pages).
+// Every row is written once: the rows no run writes are zeroed here first, by all threads, instead of
+// the whole buffer by a serial torch.zeros (the dense [V, d] gradient is the largest buffer of a step,
+// and its first touch, page faults, is most of its cost: the binding also advises the kernel to back it
+// with huge pages); the sparse gradient's [U, d] values, one run per row, are not zeroed at all.
 //
 // This file is compiled once per instruction set (POSENC_CPU_ISA: isa_baseline, isa_avx2, isa_avx512;
 // flags in posenc_fast/_build.py: CPU_X86_VARIANTS), each into its own namespace; everything
@@ -410,13 +411,17 @@ POSENC_INLINE Math pe_scale_of(const ForwardPlan<Math>& p, int64_t id) {
 constexpr int64_t kPrefetchLines = 8;
 constexpr int64_t kCacheLine = 64;
 
+// A read of the first min(bytes, kPrefetchLines lines) at `start` requested ahead of its use.
+POSENC_INLINE void prefetch_lines(const void* start, int64_t bytes) {
+  const char* first = static_cast<const char*>(start);
+  const int64_t lines = min_of(kPrefetchLines, (bytes + kCacheLine - 1) / kCacheLine);
+  for (int64_t line = 0; line < lines; ++line) __builtin_prefetch(first + line * kCacheLine, 0, 3);
+}
+
 template <typename T>
 POSENC_INLINE void prefetch_row_start(const ForwardArgs& a, int64_t id) {
   if (id < 0 || id >= a.num_embeddings) return;
-  const char* row = static_cast<const char*>(a.weight) + id * a.weight_row_stride * static_cast<int64_t>(sizeof(T));
-  const int64_t row_bytes = a.token_width * static_cast<int64_t>(sizeof(T));
-  const int64_t lines = min_of(kPrefetchLines, (row_bytes + kCacheLine - 1) / kCacheLine);
-  for (int64_t line = 0; line < lines; ++line) __builtin_prefetch(row + line * kCacheLine, 0, 3);
+  prefetch_lines(static_cast<const T*>(a.weight) + id * a.weight_row_stride, a.token_width * static_cast<int64_t>(sizeof(T)));
 }
 
 // Token-major: any positions (a positions tensor, per-sequence offsets): one sin/cos row per token.
@@ -543,7 +548,7 @@ template <typename T, typename Math, typename IdT>
 const char* forward_typed(const ForwardArgs& a) {
   const int64_t slots = a.pe_width - a.pe_width / 2;
   Scratch<int64_t> rates(slots);
-  if (slots > 0 && rates.data == nullptr) return "out of memory (rates)";
+  if (rates.failed) return "out of memory (rates)";
   for (int64_t i = 0; i < slots; ++i) rates.data[i] = i < a.num_turns ? a.turns[i] : 0;
   ForwardPlan<Math> p;
   p.args = &a;
@@ -602,46 +607,113 @@ POSENC_INLINE int64_t sorted_id(const WeightGradArgs& a, int64_t i) {
   return static_cast<int64_t>(static_cast<const KeyT*>(a.sorted_ids)[i]);
 }
 
+// Rows [begin, end) of grad_weight set to zero (+0.0 is all-zero bits in every float format).
+template <typename W>
+POSENC_INLINE void zero_rows(const WeightGradArgs& a, int64_t begin, int64_t end) {
+  if (end <= begin) return;
+  W* rows = static_cast<W*>(a.grad_weight) + begin * a.token_width;
+  std::memset(static_cast<void*>(rows), 0, static_cast<size_t>((end - begin) * a.token_width) * sizeof(W));
+}
+
+// One work item's sum: the run's tokens' gradient columns [col0, col0 + count) in sorted order, in fp32,
+// started from its first token (no zeroed accumulator), scaled once and stored.  kColumns is kGradColumns
+// for a full block (count == kGradColumns: constant trip counts let the compiler keep the sum in vector
+// registers) or 0 for a row's narrower last block.  The next token's columns are requested while this
+// one's are added: the tokens of a run are rows far apart in grad_out, which no hardware prefetcher predicts.
+template <typename G, typename W, int64_t kColumns>
+POSENC_INLINE void sum_run(const GradPlan& p, int64_t first, int64_t last, int64_t col0, int64_t count,
+                           W* __restrict__ out) {
+  const WeightGradArgs& a = *p.args;
+  const int64_t n = kColumns > 0 ? kColumns : count;
+  const G* __restrict__ grad_out = static_cast<const G*>(a.grad_out) + col0;
+  float sum[kGradColumns];
+  float row[kGradColumns];
+  for (int64_t i = first; i < last; ++i) {
+    const int64_t token = a.order[i];
+    const G* __restrict__ g = grad_out + token * a.grad_out_row_stride;
+    if (i + 1 < last) prefetch_lines(grad_out + a.order[i + 1] * a.grad_out_row_stride, n * sizeof(G));
+    if (a.dropout_seed != nullptr) {
+      for (int64_t k = 0; k < n; ++k) row[k] = Element<G>::widen(g[k]);
+      // A dropped element adds 0, even if its gradient is not finite (a select, as in the reference).
+      apply_dropout(p.mask, token, col0, n, 1.0f, row);
+      if (i == first) {
+        for (int64_t k = 0; k < n; ++k) sum[k] = row[k];
+      } else {
+        for (int64_t k = 0; k < n; ++k) sum[k] += row[k];
+      }
+    } else if (i == first) {
+      for (int64_t k = 0; k < n; ++k) sum[k] = Element<G>::widen(g[k]);
+    } else {
+      for (int64_t k = 0; k < n; ++k) sum[k] += Element<G>::widen(g[k]);
+    }
+  }
+  for (int64_t k = 0; k < n; ++k) out[k] = Element<W>::narrow(sum[k] * p.scale);
+}
+
+// Items ahead whose first token's columns are requested: a run's first row is at a random place in grad_out
+// (tokens in id order), so without the request each run started with a miss to memory (the sparse gradient's
+// kernel, 4096 tokens, d 512: 2-3x slower on one thread).  A few items: inside the thread's own chunk.
+constexpr int64_t kGradPrefetchItems = 4;
+
+template <typename G>
+POSENC_INLINE void prefetch_item_start(const GradPlan& p, int64_t item) {
+  const int64_t run = item / p.column_blocks;
+  if (run >= p.num_runs) return;
+  const int64_t col0 = (item - run * p.column_blocks) * kGradColumns;
+  const WeightGradArgs& a = *p.args;
+  prefetch_lines(static_cast<const G*>(a.grad_out) + a.order[p.run_starts[run]] * a.grad_out_row_stride + col0,
+                 min_of(kGradColumns, a.token_width - col0) * static_cast<int64_t>(sizeof(G)));
+}
+
 template <typename G, typename W, typename KeyT>
 struct GradItems {
   static void run(void* context, int64_t begin, int64_t end) {
     const GradPlan& p = *static_cast<const GradPlan*>(context);
     const WeightGradArgs& a = *p.args;
-    float sum[kGradColumns];
-    float row[kGradColumns];
     for (int64_t item = begin; item < end; ++item) {
       const int64_t run = item / p.column_blocks;
       const int64_t col0 = (item - run * p.column_blocks) * kGradColumns;
       const int64_t count = min_of(kGradColumns, a.token_width - col0);
       const int64_t first = p.run_starts[run], last = p.run_starts[run + 1];
+      prefetch_item_start<G>(p, item + kGradPrefetchItems);
       const int64_t id = sorted_id<KeyT>(a, first);
       if (id >= a.num_embeddings || id == a.padding_idx) continue;  // the sentinel, or no gradient
-      for (int64_t k = 0; k < count; ++k) sum[k] = 0.0f;
-      for (int64_t i = first; i < last; ++i) {
-        const int64_t token = a.order[i];
-        const G* __restrict__ g = static_cast<const G*>(a.grad_out) + token * a.grad_out_row_stride + col0;
-        if (a.dropout_seed != nullptr) {
-          for (int64_t k = 0; k < count; ++k) row[k] = Element<G>::widen(g[k]);
-          // A dropped element adds 0, even if its gradient is not finite (a select, as in the reference).
-          apply_dropout(p.mask, token, col0, count, 1.0f, row);
-          for (int64_t k = 0; k < count; ++k) sum[k] += row[k];
-        } else {
-          for (int64_t k = 0; k < count; ++k) sum[k] += Element<G>::widen(g[k]);
-        }
+      W* out = static_cast<W*>(a.grad_weight) + id * a.token_width + col0;
+      if (count == kGradColumns) {
+        sum_run<G, W, kGradColumns>(p, first, last, col0, count, out);
+      } else {
+        sum_run<G, W, 0>(p, first, last, col0, count, out);
       }
-      W* __restrict__ out = static_cast<W*>(a.grad_weight) + id * a.token_width + col0;
-      for (int64_t k = 0; k < count; ++k) out[k] = Element<W>::narrow(sum[k] * p.scale);
     }
   }
 };
 
-// Rows [begin, end) of grad_weight set to zero (+0.0 is all-zero bits in every float format).
-template <typename W>
-struct ZeroRows {
+// The rows of grad_weight in [begin, end) that no run's sums write (ids no token has, padding_idx's) set to
+// zero, so that each row is written once.  The runs' ids are sorted: those in [begin, end) are found by a
+// binary search.
+template <typename W, typename KeyT>
+struct ZeroUnwrittenRows {
   static void run(void* context, int64_t begin, int64_t end) {
-    const WeightGradArgs& a = *static_cast<const GradPlan*>(context)->args;
-    W* rows = static_cast<W*>(a.grad_weight) + begin * a.token_width;
-    std::memset(static_cast<void*>(rows), 0, static_cast<size_t>((end - begin) * a.token_width) * sizeof(W));
+    const GradPlan& p = *static_cast<const GradPlan*>(context);
+    const WeightGradArgs& a = *p.args;
+    int64_t low = 0, high = p.num_runs;  // the first run whose id is >= begin
+    while (low < high) {
+      const int64_t middle = low + (high - low) / 2;
+      if (sorted_id<KeyT>(a, p.run_starts[middle]) < begin) {
+        low = middle + 1;
+      } else {
+        high = middle;
+      }
+    }
+    int64_t row = begin;  // rows [begin, row) are zeroed or left to a run
+    for (int64_t run = low; run < p.num_runs; ++run) {
+      const int64_t id = sorted_id<KeyT>(a, p.run_starts[run]);
+      if (id >= end) break;
+      if (id == a.padding_idx) continue;  // its run writes nothing: zeroed with the gap around it
+      zero_rows<W>(a, row, id);
+      row = id + 1;
+    }
+    zero_rows<W>(a, row, end);
   }
 };
 
@@ -650,7 +722,7 @@ const char* weight_grad_typed(const WeightGradArgs& a) {
   const bool keys64 = a.sorted_ids_dtype == DType::kInt64;
   if (!keys64 && a.sorted_ids_dtype != DType::kInt32) return "sorted_ids: dtype code is not INT32 or INT64";
   Scratch<int64_t> starts(a.num_tokens + 1);
-  if (starts.data == nullptr) return "out of memory (runs)";
+  if (starts.failed) return "out of memory (runs)";
   int64_t num_runs = 0;
   int64_t previous = -1;
   for (int64_t i = 0; i < a.num_tokens; ++i) {
@@ -671,11 +743,16 @@ const char* weight_grad_typed(const WeightGradArgs& a) {
     const uint64_t seed = static_cast<uint64_t>(*a.dropout_seed);
     p.mask = DropoutMask{{static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)}, a.dropout_threshold};
   }
-  // Zero the rows no run writes (padding_idx's too), in parallel, before the sums.
-  parallel_for(a.num_embeddings, max_of(1, (int64_t(1) << 18) / max_of(1, a.token_width)), a.num_threads,
-               &ZeroRows<W>::run, &p);
+  // Zero the rows no run writes (padding_idx's too), in parallel, before the sums write the others.
+  const int64_t zero_grain = max_of(1, (int64_t(1) << 18) / max_of(1, a.token_width));
+  if (keys64) {
+    parallel_for(a.num_embeddings, zero_grain, a.num_threads, &ZeroUnwrittenRows<W, int64_t>::run, &p);
+  } else {
+    parallel_for(a.num_embeddings, zero_grain, a.num_threads, &ZeroUnwrittenRows<W, int32_t>::run, &p);
+  }
   const int64_t items = num_runs * p.column_blocks;
-  const int64_t grain = max_of(1, 4096 / max_of(1, a.token_width));  // ~4k columns of rows per chunk
+  // ~16k columns of rows per chunk: 32 items at d 512, so the items requested ahead are mostly this thread's.
+  const int64_t grain = max_of(1, 16384 / max_of(1, a.token_width));
   if (keys64) {
     parallel_for(items, grain, a.num_threads, &GradItems<G, W, int64_t>::run, &p);
   } else {

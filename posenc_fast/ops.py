@@ -124,9 +124,10 @@ def sinusoidal_embedding_backward_op(
 
 
 def weight_gradient(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype,
-                    dropout_seed, dropout_p, backend) -> Tensor:
+                    dropout_seed, dropout_p, backend, sorted_ids=None) -> Tensor:
     """The backward op's implementation, which eager calls run without torch.library's wrapper
-    (``weight_gradient_op``)."""
+    (``weight_gradient_op``).  ``sorted_ids``: ``backends.sort_ids_for_gradient(ids, num_embeddings)``
+    where the caller has it (``sparse_weight_gradient``), passed to the backend instead of sorting again."""
     if (grad_out.dim() != 2 or ids.dim() != 1 or grad_out.shape[0] != ids.shape[0]
             or grad_out.shape[1] < token_width or num_embeddings < 0 or token_width < 0):
         raise ValueError(f"grad_out of shape {list(grad_out.shape)} and ids of shape {list(ids.shape)} do not fit a "
@@ -137,7 +138,7 @@ def weight_gradient(grad_out, ids, num_embeddings, token_width, embed_scale, pad
                          f"(dtype {ids.dtype} on {ids.device}) int32 or int64 on the same device")
     return get_backend(backend).backward(
         grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype,
-        dropout_for(dropout_seed, dropout_p),
+        dropout_for(dropout_seed, dropout_p), sorted_ids=sorted_ids,
     )
 
 
@@ -147,22 +148,23 @@ def _(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weig
     return grad_out.new_empty((num_embeddings, token_width), dtype=weight_dtype)
 
 
-def weight_gradient_op(grad_out, ids, *rest) -> Tensor:
+def weight_gradient_op(grad_out, ids, *rest, sorted_ids=None) -> Tensor:
     """The backward op, or its implementation directly where the call is eager on plain tensors
     (``_routing.eager_call``) and records no graph (the op's own autograd gives a double backward):
     torch.library's wrapper costs as much host time as the rest of the gradient of a small batch
-    (30 of 60 us for 64 tokens on a 2-core VM; bench/NOTES.md)."""
+    (30 of 60 us for 64 tokens on a 2-core VM; bench/NOTES.md).  ``sorted_ids`` as ``weight_gradient``
+    takes it (the op sorts the ids itself: the same order, so the same bits)."""
     if not (torch.is_grad_enabled() and grad_out.requires_grad) and eager_call(ids, grad_out):
-        return _direct_weight_gradient(grad_out, ids, *rest)
+        return _direct_weight_gradient(grad_out, ids, *rest, sorted_ids=sorted_ids)
     return sinusoidal_embedding_backward_op(grad_out, ids, *rest)
 
 
-def _direct_weight_gradient(grad_out, ids, *rest) -> Tensor:
+def _direct_weight_gradient(grad_out, ids, *rest, sorted_ids=None) -> Tensor:
     """``weight_gradient`` under the op's name in a profile (the op would show as a row of its own)."""
     if _profiler_enabled():
         with torch.profiler.record_function("posenc_fast::sinusoidal_embedding_backward"):
-            return weight_gradient(grad_out, ids, *rest)
-    return weight_gradient(grad_out, ids, *rest)
+            return weight_gradient(grad_out, ids, *rest, sorted_ids=sorted_ids)
+    return weight_gradient(grad_out, ids, *rest, sorted_ids=sorted_ids)
 
 
 _profiler_enabled = torch.autograd._profiler_enabled
@@ -345,21 +347,30 @@ def sparse_weight_gradient(grad_out, ids, num_embeddings, token_width, embed_sca
     """The weight gradient as a sparse COO tensor of the rows the ids touch (``sparse=True``, as
     ``nn.Embedding`` has it; coalesced here: one row per distinct id, in id order).
 
-    The same deterministic weight-gradient op, on the ids renumbered 0..U-1 in id order (a sorted
-    ``unique``): the dense ``[U, token_width]`` it returns is the gradient's values, so the cost tracks
-    the tokens, never the vocabulary.  The padding row and out-of-range ids (id check off) are left out.
-    The dropout mask is a function of the token's place, not its id: the renumbering keeps it."""
-    # Left-out tokens take the sentinel id num_embeddings, which sorts last: its row is dropped below.
+    The same deterministic weight-gradient op, on the ids renumbered 0..U-1 in id order: the dense
+    ``[U, token_width]`` it returns is the gradient's values, so the cost tracks the tokens, never the
+    vocabulary.  The padding row and out-of-range ids (id check off) are left out.  One stable sort of the
+    ids serves both the renumbering and the backend's kernel (``sorted_ids``): sorting the renumbered ids
+    again would give the same order, since the renumbering keeps the ids' order.  The dropout mask is a
+    function of the token's place, not its id: the renumbering keeps it."""
+    # Left-out tokens take the sentinel id num_embeddings, which sorts last.
     # (Out-of-range ids by a clamp to [-1, V] and -1 -> V, as backends.sort_ids_for_gradient: fewer ops.)
     keys = torch.remainder(ids.to(torch.int64).clamp(-1, num_embeddings), num_embeddings + 1)
     if padding_idx >= 0:
         keys = keys.masked_fill(keys == padding_idx, num_embeddings)
-    rows, renumbered = torch.unique(keys, sorted=True, return_inverse=True)
-    values = weight_gradient_op(grad_out, renumbered, rows.shape[0], token_width, embed_scale, -1,
-                                weight_dtype, dropout_seed, dropout_p, backend)
-    kept = rows.shape[0] - int(bool(rows.numel()) and bool(rows[-1] == num_embeddings))
+    sorted_keys, order = torch.sort(keys, stable=True)
+    # The distinct keys, and each sorted token's run numbered 0, 1, ... in id order: the renumbered ids,
+    # already sorted.  The left-out tokens' run (the sentinel's, last) gets the number `kept`, the row count,
+    # which the kernels drop.
+    rows, renumbered_sorted = torch.unique_consecutive(sorted_keys, return_inverse=True)
+    kept = rows.shape[0] - int(bool(sorted_keys.numel()) and bool(sorted_keys[-1] == num_embeddings))
+    if kept < 2**31 - 1:  # the key dtype sort_ids_for_gradient gives `kept` rows
+        renumbered_sorted = renumbered_sorted.to(torch.int32)
+    renumbered = torch.empty_like(renumbered_sorted).index_put_((order,), renumbered_sorted)  # token order
+    values = weight_gradient_op(grad_out, renumbered, kept, token_width, embed_scale, -1, weight_dtype,
+                                dropout_seed, dropout_p, backend, sorted_ids=(renumbered_sorted, order))
     # Sorted, distinct, in-range rows by construction: coalesced, and nothing for an invariant check to find.
-    return torch.sparse_coo_tensor(rows[:kept].unsqueeze(0), values[:kept], (num_embeddings, token_width),
+    return torch.sparse_coo_tensor(rows[:kept].unsqueeze(0), values, (num_embeddings, token_width),
                                    is_coalesced=True, check_invariants=False)
 
 

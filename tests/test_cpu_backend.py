@@ -107,6 +107,43 @@ def test_results_do_not_depend_on_thread_count(dropout_p, shape, seed):
             assert torch.equal(grad, first[1]), f"weight gradient differs on {threads} threads"
 
 
+def _int64_keys(ids, num_embeddings):
+    """backends.sort_ids_for_gradient with int64 keys, which it uses only past 2^31 - 1 rows."""
+    return torch.sort(torch.remainder(ids.to(torch.int64).clamp(-1, num_embeddings), num_embeddings + 1), stable=True)
+
+
+@pytest.mark.parametrize("key_dtype", [torch.int32, torch.int64], ids=str)
+def test_weight_gradient_writes_every_row_once(monkeypatch, key_dtype, seed):
+    """The kernel zeroes only the rows no token's sum writes (csrc/cpu_kernels.cpp, ZeroUnwrittenRows), each
+    chunk of rows finding its runs by a binary search: with 160 columns a chunk is 1638 rows, so the rows
+    around 1638 are at a chunk's edge, padding_idx (1637, with tokens) its last row.  Out-of-range ids (check
+    off) get nothing; the output is poisoned before the kernel (tests/conftest.py), so a row left unwritten
+    fails; a wider grad_out row (row stride > width) and any thread count give the same bits."""
+    vocab, width, padding_idx, embed_scale = 3000, 160, 1637, 3.0
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (400,), generator=g)
+    ids[:12] = torch.tensor([0, 1637, 1637, 1638, 1638, vocab - 1, -5, vocab + 3, 1636, 5, 5, 1637])
+    ids = ids[torch.randperm(ids.numel(), generator=g)]
+    grad_out = torch.randn(ids.numel(), width + 24, generator=g)
+    if key_dtype == torch.int64:
+        monkeypatch.setattr(cpu_backend, "sort_ids_for_gradient", _int64_keys)
+    counted = (ids >= 0) & (ids < vocab) & (ids != padding_idx)
+    exact = torch.zeros(vocab, width, dtype=torch.float64)
+    exact.index_add_(0, ids[counted], grad_out[counted, :width].double() * embed_scale)
+    bound = torch.zeros(vocab, width, dtype=torch.float64)
+    bound.index_add_(0, ids[counted], grad_out[counted, :width].double().abs() * embed_scale * 1e-6)
+    previous = torch.get_num_threads()
+    grads = []
+    try:
+        for threads in (1, 2, 5):
+            torch.set_num_threads(threads)
+            grads.append(cpu_backend.backward(grad_out, ids, vocab, width, embed_scale, padding_idx, torch.float32, None))
+    finally:
+        torch.set_num_threads(previous)
+    assert_within(grads[0], exact, bound, f"weight gradient, {key_dtype} keys")
+    assert all(torch.equal(grad, grads[0]) for grad in grads[1:])
+
+
 # The last two split their sequences into groups (of unequal sizes) on two threads or more.
 @pytest.mark.parametrize("shape", [(4, 33), (5000, 1), (2000, 3)], ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("mode", ["add", "concat"])
@@ -177,6 +214,19 @@ def test_avx2_and_avx512_variants_agree_bitwise(precision, seed):
     assert torch.equal(outputs[0], outputs[1])
 
 
+def _is_gcc(cxx: str) -> bool:
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    return "Free Software Foundation" in version and "clang" not in version.lower()
+
+
+def _sin_cos_loop_line(kernels_source: str) -> int:
+    """The line of ``sin_cos_row``'s loop over pair slots in csrc/cpu_kernels.cpp (1-based)."""
+    with open(kernels_source, encoding="utf-8") as source:
+        lines = source.read().splitlines()
+    start = next(i for i, line in enumerate(lines) if "void sin_cos_row(" in line)
+    return next(i for i in range(start, len(lines)) if lines[i].lstrip().startswith("for (")) + 1
+
+
 @pytest.mark.slow  # compiles csrc/cpu_kernels.cpp once more: ~30 s on 2 cores
 @pytest.mark.skipif("avx2" not in _isas() or _build.find_cxx() is None,
                     reason="needs a CPU that runs the AVX2 variant (the binding's own test of its flags) and a C++ compiler")
@@ -184,15 +234,28 @@ def test_avx2_angle_conversion_rounds_once(tmp_path):
     """The AVX2 variant's int64 -> float conversion (two exact halves, their sum rounded to odd, then to
     float) equals the hardware's one rounding on every magnitude and at fp32 ties past 2^53, where random
     positions almost never land (tests/cpu_conversion_check.cpp), so the bitwise test above cannot
-    see a wrong tie.  It is written to vectorise: a version that did not made the AVX2 forward 2x slower."""
+    see a wrong tie.  It is written to vectorise: a version that did not made the AVX2 forward 2x slower
+    with the same bits, so with GCC the same compile also reports its vectorisation of the sin/cos loop
+    (docs/cpu_backend.md, "Checking the vectorisation"): every instantiation must say "vectorized"."""
     csrc = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
     source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_conversion_check.cpp")
     program = str(tmp_path / "cpu_conversion_check")
+    cxx = _build.find_cxx()
+    report = tmp_path / "vectorisation.txt"
+    gcc = _is_gcc(cxx)
     flags = dict(_build.CPU_X86_VARIANTS)["isa_avx2"]
-    subprocess.run([_build.find_cxx(), "-std=c++17", "-O3", *flags, "-DPOSENC_CPU_ISA=isa_avx2", f"-I{csrc}",
-                    source, "-o", program], check=True)
+    subprocess.run([cxx, "-std=c++17", "-O3", *flags, "-DPOSENC_CPU_ISA=isa_avx2", f"-I{csrc}", source,
+                    "-o", program] + ([f"-fopt-info-vec-all={report}"] if gcc else []), check=True)
     result = subprocess.run([program], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+    if not gcc:
+        return  # the conversion is checked; the report's wording is GCC's
+    loop = f"cpu_kernels.cpp:{_sin_cos_loop_line(os.path.join(csrc, 'cpu_kernels.cpp'))}:"
+    messages = [line for line in report.read_text().splitlines() if loop in line]
+    vectorised = [line for line in messages if "optimized: loop vectorized using 32 byte vectors" in line]
+    refused = [line for line in messages if "couldn't vectorize loop" in line]
+    # 36 instantiations: element type (3) x math (2) x id type (2) x forward path (token- or position-major).
+    assert len(vectorised) >= 36 and not refused, (len(vectorised), refused[:3])
 
 
 @pytest.fixture(params=["openmp", "pool"])

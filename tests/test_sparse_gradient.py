@@ -78,11 +78,17 @@ def test_sparse_gradient_is_deterministic_and_equals_the_dense_one(backend, devi
 def test_out_of_range_ids_with_the_check_off_get_nothing(backend, device):
     ids, weight, grad_out = _inputs(0, device)
     ids[2, 0], ids[2, 1] = VOCAB + 3, -1
-    leaf = weight.clone().requires_grad_(True)
-    with pf.id_check(False):
-        pf.sinusoidal_embedding(ids, leaf, sparse=True, backend=backend).backward(grad_out)
-    rows = leaf.grad.coalesce().indices()[0]
+
+    def gradient(sparse):
+        leaf = weight.clone().requires_grad_(True)
+        with pf.id_check(False):
+            pf.sinusoidal_embedding(ids, leaf, sparse=sparse, backend=backend).backward(grad_out)
+        return leaf.grad
+
+    sparse_grad = gradient(True)
+    rows = sparse_grad.coalesce().indices()[0]
     assert bool(((rows >= 0) & (rows < VOCAB)).all())
+    assert torch.equal(sparse_grad.to_dense(), gradient(False))  # the left-out tokens' run dropped, the rest the same
 
 
 @pytest.mark.parametrize("optimizer", ["SparseAdam", "SGD"])

@@ -216,7 +216,7 @@ def forward(ids, weight, turns, positions, offsets, offset, seq_len, params: Ker
 
 
 def backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype,
-             dropout: Optional[Dropout]):
+             dropout: Optional[Dropout], sorted_ids=None):
     num_tokens = ids.numel()
     if num_tokens == 0 or num_embeddings == 0 or token_width == 0:
         return torch.zeros((num_embeddings, token_width), dtype=weight_dtype, device=grad_out.device)
@@ -225,7 +225,7 @@ def backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_id
     module = _require()
     # The kernel takes the gradient in the weight's dtype or in fp32.
     grad_out = gradient_rows(grad_out, weight_dtype if grad_out.dtype == weight_dtype else torch.float32)
-    sorted_ids, order = sort_ids_for_gradient(ids, num_embeddings)
+    sorted_ids, order = sorted_ids or sort_ids_for_gradient(ids, num_embeddings)
     if dropout is not None:
         dropout = dropout._replace(seed=dropout.seed.contiguous())
     dropout_seed, dropout_threshold, dropout_scale = _dropout_arguments(dropout)
