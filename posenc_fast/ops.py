@@ -26,7 +26,7 @@ from ._spec import PEColumns
 from ._validate import check_id_range, check_op_inputs
 from . import reference
 from .reference import dropout_keep
-from .backends import KernelParams
+from .backends import KernelParams, sort_ids_for_gradient
 
 
 def _capturing(t: Tensor) -> bool:
@@ -136,6 +136,10 @@ def weight_gradient(grad_out, ids, num_embeddings, token_width, embed_scale, pad
     if ids.device != grad_out.device or not grad_out.is_floating_point() or ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"grad_out (dtype {grad_out.dtype} on {grad_out.device}) must be floating point and ids "
                          f"(dtype {ids.dtype} on {ids.device}) int32 or int64 on the same device")
+    if sorted_ids is not None and (sorted_ids[0].shape != ids.shape or sorted_ids[1].shape != ids.shape
+                                   or sorted_ids[1].dtype != torch.int64):
+        raise ValueError(f"sorted_ids must be the sorted ids and their int64 order, each of the ids' shape "
+                         f"{list(ids.shape)}")
     return get_backend(backend).backward(
         grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype,
         dropout_for(dropout_seed, dropout_p), sorted_ids=sorted_ids,
@@ -353,24 +357,23 @@ def sparse_weight_gradient(grad_out, ids, num_embeddings, token_width, embed_sca
     ids serves both the renumbering and the backend's kernel (``sorted_ids``): sorting the renumbered ids
     again would give the same order, since the renumbering keeps the ids' order.  The dropout mask is a
     function of the token's place, not its id: the renumbering keeps it."""
-    # Left-out tokens take the sentinel id num_embeddings, which sorts last.
-    # (Out-of-range ids by a clamp to [-1, V] and -1 -> V, as backends.sort_ids_for_gradient: fewer ops.)
-    keys = torch.remainder(ids.to(torch.int64).clamp(-1, num_embeddings), num_embeddings + 1)
+    # Left-out tokens take the sentinel id num_embeddings, which sorts last: sort_ids_for_gradient gives it to
+    # out-of-range ids, so the padding tokens become one (-1, which fits any id dtype).
     if padding_idx >= 0:
-        keys = keys.masked_fill(keys == padding_idx, num_embeddings)
-    sorted_keys, order = torch.sort(keys, stable=True)
+        ids = ids.masked_fill(ids == padding_idx, -1)
+    sorted_keys, order = sort_ids_for_gradient(ids, num_embeddings)
     # The distinct keys, and each sorted token's run numbered 0, 1, ... in id order: the renumbered ids,
     # already sorted.  The left-out tokens' run (the sentinel's, last) gets the number `kept`, the row count,
     # which the kernels drop.
     rows, renumbered_sorted = torch.unique_consecutive(sorted_keys, return_inverse=True)
     kept = rows.shape[0] - int(bool(sorted_keys.numel()) and bool(sorted_keys[-1] == num_embeddings))
-    if kept < 2**31 - 1:  # the key dtype sort_ids_for_gradient gives `kept` rows
-        renumbered_sorted = renumbered_sorted.to(torch.int32)
-    renumbered = torch.empty_like(renumbered_sorted).index_put_((order,), renumbered_sorted)  # token order
+    # The key dtype sort_ids_for_gradient gives `kept` rows, so that the op path's own sort is the same.
+    renumbered_sorted = renumbered_sorted.to(torch.int32 if kept < 2**31 - 1 else torch.int64)
+    renumbered = torch.empty_like(renumbered_sorted).scatter_(0, order, renumbered_sorted)  # in token order
     values = weight_gradient_op(grad_out, renumbered, kept, token_width, embed_scale, -1, weight_dtype,
                                 dropout_seed, dropout_p, backend, sorted_ids=(renumbered_sorted, order))
     # Sorted, distinct, in-range rows by construction: coalesced, and nothing for an invariant check to find.
-    return torch.sparse_coo_tensor(rows[:kept].unsqueeze(0), values, (num_embeddings, token_width),
+    return torch.sparse_coo_tensor(rows[:kept].to(torch.int64).unsqueeze(0), values, (num_embeddings, token_width),
                                    is_coalesced=True, check_invariants=False)
 
 

@@ -115,10 +115,11 @@ def _int64_keys(ids, num_embeddings):
 @pytest.mark.parametrize("key_dtype", [torch.int32, torch.int64], ids=str)
 def test_weight_gradient_writes_every_row_once(monkeypatch, key_dtype, seed):
     """The kernel zeroes only the rows no token's sum writes (csrc/cpu_kernels.cpp, ZeroUnwrittenRows), each
-    chunk of rows finding its runs by a binary search: with 160 columns a chunk is 1638 rows, so the rows
-    around 1638 are at a chunk's edge, padding_idx (1637, with tokens) its last row.  Out-of-range ids (check
-    off) get nothing; the output is poisoned before the kernel (tests/conftest.py), so a row left unwritten
-    fails; a wider grad_out row (row stride > width) and any thread count give the same bits."""
+    chunk of rows finding its runs by a binary search: with 160 columns a chunk is 1638 rows, so on 2 and 5
+    threads the rows around 1638 are at a chunk's edge, padding_idx (1637, with tokens) its last row.  The
+    output is poisoned before the kernel (tests/conftest.py), so a row left neither zeroed nor summed fails
+    (zeroing a row that a sum then writes cannot show: it costs time only).  Out-of-range ids (check off)
+    get nothing; a wider grad_out row (row stride > width) and any thread count give the same bits."""
     vocab, width, padding_idx, embed_scale = 3000, 160, 1637, 3.0
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (400,), generator=g)
@@ -254,7 +255,7 @@ def test_avx2_angle_conversion_rounds_once(tmp_path):
     messages = [line for line in report.read_text().splitlines() if loop in line]
     vectorised = [line for line in messages if "optimized: loop vectorized using 32 byte vectors" in line]
     refused = [line for line in messages if "couldn't vectorize loop" in line]
-    # 36 instantiations: element type (3) x math (2) x id type (2) x forward path (token- or position-major).
+    # 36 instantiations: element type (3) x math (2) x id type (2) x sin_cos_row's three call sites.
     assert len(vectorised) >= 36 and not refused, (len(vectorised), refused[:3])
 
 

@@ -225,7 +225,7 @@ def backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_id
     module = _require()
     # The kernel takes the gradient in the weight's dtype or in fp32.
     grad_out = gradient_rows(grad_out, weight_dtype if grad_out.dtype == weight_dtype else torch.float32)
-    sorted_ids, order = sorted_ids or sort_ids_for_gradient(ids, num_embeddings)
+    sorted_ids, order = sort_ids_for_gradient(ids, num_embeddings) if sorted_ids is None else sorted_ids
     if dropout is not None:
         dropout = dropout._replace(seed=dropout.seed.contiguous())
     dropout_seed, dropout_threshold, dropout_scale = _dropout_arguments(dropout)

@@ -311,7 +311,7 @@ def backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_id
     module = _require()
     # The kernels take the gradient in the weight's dtype or in fp32.
     grad_out = gradient_rows(grad_out, weight_dtype if grad_out.dtype == weight_dtype else torch.float32)
-    sorted_ids, order = sorted_ids or sort_ids_for_gradient(ids, num_embeddings)
+    sorted_ids, order = sort_ids_for_gradient(ids, num_embeddings) if sorted_ids is None else sorted_ids
     chunk = max(int(GRAD_CHUNK), 1)
     partials = new_buffer(((num_tokens + chunk - 1) // chunk, 2, token_width), torch.float32, grad_out.device)
     stream, device = _stream_and_device(grad_out)

@@ -302,7 +302,7 @@ def _backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_i
         return grad_weight
     kernels = _load_kernels()
     grad_out = gradient_rows(grad_out, grad_out.dtype)
-    sorted_ids, order = sorted_ids or sort_ids_for_gradient(ids, num_embeddings)
+    sorted_ids, order = sort_ids_for_gradient(ids, num_embeddings) if sorted_ids is None else sorted_ids
     num_chunks = triton.cdiv(num_tokens, GRAD_CHUNK)
     partials = new_buffer((num_chunks, 2, token_width), torch.float32, grad_out.device)
     # At least 4 columns: the dropout mask is made four columns (one Philox call) at a time.
