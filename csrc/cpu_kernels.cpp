@@ -617,8 +617,7 @@ POSENC_INLINE void zero_rows(const WeightGradArgs& a, int64_t begin, int64_t end
 
 // One work item's sum: the run's tokens' gradient columns [col0, col0 + count) in sorted order, in fp32,
 // started from its first token (no zeroed accumulator), scaled once and stored.  kColumns is kGradColumns
-// for a full block (count == kGradColumns: constant loop bounds, unrolled, no remainder loops) or 0 for a
-// row's narrower last block.  The next token's columns are requested while this one's are added: the
+// for a full block (count == kGradColumns: constant loop bounds) or 0 for a row's narrower last block.  The next token's columns are requested while this one's are added: the
 // tokens of a run are rows far apart in grad_out, which no hardware prefetcher predicts.
 template <typename G, typename W, int64_t kColumns>
 POSENC_INLINE void sum_run(const GradPlan& p, int64_t first, int64_t last, int64_t col0, int64_t count,
@@ -652,11 +651,11 @@ POSENC_INLINE void sum_run(const GradPlan& p, int64_t first, int64_t last, int64
 
 // Items ahead whose first token's columns are requested: a run's first row is at a random place in grad_out
 // (tokens in id order), so without the request each run started with a miss to memory (bench/NOTES.md: the
-// sparse gradient's kernel, 4096 tokens, d 512).  A few items: inside the thread's own chunk (kGradChunkItems).
+// sparse gradient's kernel, 4096 tokens, d 512).  A few items: inside the thread's own chunk (kGradChunkColumns).
 constexpr int64_t kGradPrefetchItems = 4;
-// Items per chunk of work at least: with a chunk of 8 items, the request 8 ahead went to the next chunk, often
-// the other thread's, and two threads were hardly faster than one.
-constexpr int64_t kGradChunkItems = 32;
+// Columns per chunk of work: 32 full items.  (A build with chunks of 8 items and requests 8 ahead sent every
+// request to the next chunk, often the other thread's: two threads were hardly faster than one.)
+constexpr int64_t kGradChunkColumns = 32 * kGradColumns;
 
 template <typename G>
 POSENC_INLINE void prefetch_item_start(const GradPlan& p, int64_t item) {
@@ -754,8 +753,7 @@ const char* weight_grad_typed(const WeightGradArgs& a) {
     parallel_for(a.num_embeddings, zero_grain, a.num_threads, &ZeroUnwrittenRows<W, int32_t>::run, &p);
   }
   const int64_t items = num_runs * p.column_blocks;
-  // Chunks of about 4096 columns (items of up to 128), at least kGradChunkItems items.
-  const int64_t grain = max_of(kGradChunkItems, 4096 / min_of(a.token_width, kGradColumns));
+  const int64_t grain = kGradChunkColumns / min_of(a.token_width, kGradColumns);  // items (token_width >= 1 here)
   if (keys64) {
     parallel_for(items, grain, a.num_threads, &GradItems<G, W, int64_t>::run, &p);
   } else {

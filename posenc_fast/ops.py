@@ -136,10 +136,12 @@ def weight_gradient(grad_out, ids, num_embeddings, token_width, embed_scale, pad
     if ids.device != grad_out.device or not grad_out.is_floating_point() or ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"grad_out (dtype {grad_out.dtype} on {grad_out.device}) must be floating point and ids "
                          f"(dtype {ids.dtype} on {ids.device}) int32 or int64 on the same device")
-    if sorted_ids is not None and (sorted_ids[0].shape != ids.shape or sorted_ids[1].shape != ids.shape
-                                   or sorted_ids[1].dtype != torch.int64):
-        raise ValueError(f"sorted_ids must be the sorted ids and their int64 order, each of the ids' shape "
-                         f"{list(ids.shape)}")
+    if sorted_ids is not None and (
+            sorted_ids[0].shape != ids.shape or sorted_ids[1].shape != ids.shape or sorted_ids[0].device != ids.device
+            or sorted_ids[1].device != ids.device or sorted_ids[0].dtype not in (torch.int32, torch.int64)
+            or sorted_ids[1].dtype != torch.int64):
+        raise ValueError(f"sorted_ids must be the sorted ids (int32 or int64) and their int64 order, each of the "
+                         f"ids' shape {list(ids.shape)} and on their device {ids.device}")
     return get_backend(backend).backward(
         grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype,
         dropout_for(dropout_seed, dropout_p), sorted_ids=sorted_ids,
@@ -359,7 +361,7 @@ def sparse_weight_gradient(grad_out, ids, num_embeddings, token_width, embed_sca
     function of the token's place, not its id: the renumbering keeps it."""
     # Left-out tokens take the sentinel id num_embeddings, which sorts last: sort_ids_for_gradient gives it to
     # out-of-range ids, so the padding tokens become one (-1, which fits any id dtype).
-    if padding_idx >= 0:
+    if 0 <= padding_idx <= torch.iinfo(ids.dtype).max:  # a larger one is no id of this dtype (and would wrap)
         ids = ids.masked_fill(ids == padding_idx, -1)
     sorted_keys, order = sort_ids_for_gradient(ids, num_embeddings)
     # The distinct keys, and each sorted token's run numbered 0, 1, ... in id order: the renumbered ids,

@@ -110,6 +110,34 @@ def test_optimizer_steps_like_nn_embedding(optimizer, seed):
     torch.testing.assert_close(layer.weight.detach(), embedding.weight.detach(), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64], ids=str)
+def test_padding_past_the_id_dtype_leaves_every_id_its_row(ids_dtype, seed):
+    """A padding_idx that int32 ids cannot hold (a vocabulary past 2^32) pads nothing: compared as an int32 it
+    would wrap onto a small id (2^32 + 7 onto 7) and drop that id's row.  The gradient op is called directly:
+    the sparse tensor's vocabulary is only a size, and its values are U rows."""
+    from posenc_fast import ops
+
+    vocab = 2**32 + 100
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.tensor([7, 3, 7, 9, 2**31 - 1], dtype=ids_dtype)
+    grad_out = torch.randn(ids.numel(), WIDTH, generator=g)
+    grad = ops.sparse_weight_gradient(grad_out, ids, vocab, WIDTH, 2.0, 2**32 + 7, torch.float32, None, 0.0, "cpu")
+    assert grad.indices()[0].tolist() == [3, 7, 9, 2**31 - 1]
+    assert torch.equal(grad.values()[1], (grad_out[0] + grad_out[2]) * 2.0)
+
+
+def test_weight_gradient_refuses_a_sorted_pair_that_does_not_fit_the_ids():
+    from posenc_fast import ops
+    from posenc_fast.backends import sort_ids_for_gradient
+
+    ids = torch.tensor([3, 1, 3])
+    keys, order = sort_ids_for_gradient(ids, 5)
+    for pair in ((keys[:2], order[:2]), (keys, order.to(torch.int32)), (keys.float(), order)):
+        with pytest.raises(ValueError, match="sorted_ids must be"):
+            ops.weight_gradient(torch.randn(3, 4), ids, 5, 4, 1.0, -1, torch.float32, None, 0.0, "cpu",
+                                sorted_ids=pair)
+
+
 def test_sparse_is_refused_where_it_cannot_be_computed():
     weight = torch.randn(VOCAB, WIDTH, requires_grad=True)
     with pytest.raises(TypeError, match="sparse must be a bool"):
