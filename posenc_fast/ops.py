@@ -295,8 +295,9 @@ class EmbeddingFunction(_DirectApply, torch.autograd.Function):
         tangent = EmbeddingFunction.apply(weight_tangent, ids, turns, positions, offsets, offset, seq_len,
                                           token_params, padding_idx, vocab_start, vocab_size, dropout_seed, dropout_p,
                                           backend, False)
-        if padding_idx >= 0:
-            tangent = torch.where((ids == padding_idx).unsqueeze(-1), 0.0, tangent)
+        padding = _padding_mask(ids, padding_idx)
+        if padding is not None:
+            tangent = torch.where(padding.unsqueeze(-1), 0.0, tangent)
         return tangent
 
 
@@ -348,6 +349,12 @@ def _backward_backward(ctx, grad_grad_weight):
 sinusoidal_embedding_backward_op.register_autograd(_backward_backward, setup_context=_backward_setup_context)
 
 
+def _padding_mask(ids: Tensor, padding_idx: int) -> Optional[Tensor]:
+    """``ids == padding_idx``, or None where no id can be the padding one (none, or past the ids' dtype: an
+    int32 tensor compared with 2^32 + 7 would wrap it onto 7)."""
+    return ids == padding_idx if 0 <= padding_idx <= torch.iinfo(ids.dtype).max else None
+
+
 def sparse_weight_gradient(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype,
                            dropout_seed, dropout_p, backend) -> Tensor:
     """The weight gradient as a sparse COO tensor of the rows the ids touch (``sparse=True``, as
@@ -361,8 +368,9 @@ def sparse_weight_gradient(grad_out, ids, num_embeddings, token_width, embed_sca
     function of the token's place, not its id: the renumbering keeps it."""
     # Left-out tokens take the sentinel id num_embeddings, which sorts last: sort_ids_for_gradient gives it to
     # out-of-range ids, so the padding tokens become one (-1, which fits any id dtype).
-    if 0 <= padding_idx <= torch.iinfo(ids.dtype).max:  # a larger one is no id of this dtype (and would wrap)
-        ids = ids.masked_fill(ids == padding_idx, -1)
+    padding = _padding_mask(ids, padding_idx)
+    if padding is not None:
+        ids = ids.masked_fill(padding, -1)
     sorted_keys, order = sort_ids_for_gradient(ids, num_embeddings)
     # The distinct keys, and each sorted token's run numbered 0, 1, ... in id order: the renumbered ids,
     # already sorted.  The left-out tokens' run (the sentinel's, last) gets the number `kept`, the row count,
