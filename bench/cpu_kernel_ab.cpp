@@ -73,11 +73,13 @@ double quantile(std::vector<double> v, double q) {
 
 int main(int argc, char** argv) {
   if (argc < 8) {
-    std::fprintf(stderr, "usage: %s vocab d batch length threads repeats cold(0 warm|1 cold|2 fresh outputs)\n", argv[0]);
+    std::fprintf(stderr, "usage: %s vocab d batch length threads repeats cold(0 warm|1 cold|2 fresh outputs) "
+                 "[token_major (0 a scalar offset|1 per-sequence offsets)]\n", argv[0]);
     return 2;
   }
   const int64_t vocab = atoll(argv[1]), d = atoll(argv[2]), batch = atoll(argv[3]), length = atoll(argv[4]);
   const int threads = atoi(argv[5]), repeats = atoi(argv[6]), cold = atoi(argv[7]);
+  const bool token_major = argc > 8 && atoi(argv[8]) != 0;
   if (cold < 0 || cold > 2) {
     std::fprintf(stderr, "cold must be 0 (warm), 1 (cold) or 2 (fresh outputs)\n");
     return 2;
@@ -126,6 +128,9 @@ int main(int argc, char** argv) {
   a.pe_scale = 1.0;
   a.dropout_scale = 1.0;
   a.num_threads = threads;
+  // Per-sequence offsets (all 0: the same positions) take the token-major path instead of the position-major one.
+  std::vector<int64_t> offsets(static_cast<size_t>(batch), 0);
+  if (token_major) a.offsets = offsets.data();
 
   std::vector<double> times[2];
   const int warmup = 10;

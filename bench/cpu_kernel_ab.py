@@ -1,6 +1,7 @@
 """Same-process A/B of the CPU forward kernel: a git revision's csrc/cpu_kernels.cpp against the working tree's.
 
     python bench/cpu_kernel_ab.py [--base HEAD] [--shapes 8x512,64x64,4096x1,1x4096] [--repeats 200]
+                                  [--isa isa_avx2] [--token-major]
 
 Separate runs on a small shared VM differ by up to 2x (bench/NOTES.md), so a kernel change of a few percent
 cannot be seen by timing the package before and after.  This builds both versions of the kernel file into one
@@ -27,18 +28,21 @@ from posenc_fast import _build  # noqa: E402
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def isa_flags() -> list:
-    """The package's flags for the best variant this CPU runs (CPU_X86_VARIANTS is ordered best first)."""
+def isa_flags(requested: str = "best") -> list:
+    """The package's flags for the requested variant (isa_avx512, isa_avx2, isa_baseline), or for the best one
+    this CPU runs (CPU_X86_VARIANTS is ordered best first)."""
     with open("/proc/cpuinfo") as f:
         flags = set(next(line for line in f if line.startswith("flags")).split())
-    needs = {"isa_avx512": {"avx512f", "avx512dq", "avx512bw", "avx512vl"}, "isa_avx2": {"avx2", "fma"}}
+    needs = {"isa_avx512": {"avx512f", "avx512dq", "avx512bw", "avx512vl"}, "isa_avx2": {"avx2", "fma", "bmi2", "f16c"}}
     for name, variant_flags in _build.CPU_X86_VARIANTS:
-        if needs.get(name, set()) <= flags:
+        if requested in ("best", name) and needs.get(name, set()) <= flags:
             return variant_flags
+    if requested != "best":
+        sys.exit(f"--isa {requested}: not a variant this CPU runs")
     return []
 
 
-def build(base: str, workdir: str) -> str:
+def build(base: str, workdir: str, isa: str = "best") -> str:
     cxx = _build.find_cxx()
     if cxx is None:
         sys.exit("no C++ compiler found")
@@ -50,7 +54,7 @@ def build(base: str, workdir: str) -> str:
     os.makedirs(base_dir)
     archive = subprocess.run(["git", "-C", REPO, "archive", base, "csrc"], check=True, capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", base_dir], input=archive, check=True)
-    common = [cxx, "-std=c++17", "-O3", "-fopenmp", "-pthread"] + isa_flags()
+    common = [cxx, "-std=c++17", "-O3", "-fopenmp", "-pthread"] + isa_flags(isa)
     sources = {"isa_a": os.path.join(base_dir, "csrc", "cpu_kernels.cpp"),
                "isa_b": os.path.join(REPO, "csrc", "cpu_kernels.cpp")}
     objects = [os.path.join(workdir, namespace + ".o") for namespace in sources]
@@ -73,19 +77,25 @@ def main() -> None:
     parser.add_argument("--d", type=int, default=512)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--token-major", action="store_true",
+                        help="per-sequence offsets (the token-major path) instead of a scalar offset")
+    parser.add_argument("--isa", default="best", choices=["best"] + [name for name, _ in _build.CPU_X86_VARIANTS],
+                        help="the instruction-set variant's flags to build both versions with (default: the best this "
+                             "CPU runs)")
     args = parser.parse_args()
     if args.repeats < 1 or args.threads < 1:
         parser.error("--repeats and --threads must be >= 1")
     with tempfile.TemporaryDirectory() as workdir:
-        program = build(args.base, workdir)
-        print(f"V {args.vocab}, d {args.d}, fp32, {args.threads} threads, {args.repeats} alternating calls each; "
+        program = build(args.base, workdir, args.isa)
+        print(f"V {args.vocab}, d {args.d}, fp32, {args.isa} ISA, "
+              f"{'per-sequence offsets' if args.token_major else 'a scalar offset'}, {args.threads} threads, {args.repeats} alternating calls each; "
               f"base {args.base} vs working tree; ms")
         print(f"{'shape':>8} {'cache':>5} {'base p10':>9} {'base med':>9} {'new p10':>9} {'new med':>9} {'new/base':>9}")
         for shape in args.shapes.split(","):
             batch, length = (int(n) for n in shape.split("x"))
             for cold in (0, 1, 2):
                 line = subprocess.run([program, str(args.vocab), str(args.d), str(batch), str(length), str(args.threads),
-                                       str(args.repeats), str(cold)], check=True, capture_output=True, text=True).stdout
+                                       str(args.repeats), str(cold), str(int(args.token_major))], check=True, capture_output=True, text=True).stdout
                 a10, a50, b10, b50 = (float(x) for x in line.split())
                 ratio = b50 / a50 if a50 > 0 else float("nan")
                 print(f"{shape:>8} {('warm', 'cold', 'fresh')[cold]:>5} {a10:9.4f} {a50:9.4f} {b10:9.4f} {b50:9.4f} "

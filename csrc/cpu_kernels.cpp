@@ -4,8 +4,9 @@
 // Forward, one token row at a time (rows are split across threads):
 //   1. the sin and cos of every pair slot at the token's position, into two scratch arrays: a
 //      loop over pairs whose body is sin_cos_of_turns, which the compiler vectorises (one SIMD
-//      lane per pair: 64-bit phase products, the quarter-turn reduction, the polynomials and the
-//      quadrant selects), 16 fp32 pairs per AVX-512 instruction, 8 per AVX2 one;
+//      lane per pair: the 64-bit phase, the quarter-turn reduction, the polynomials and the
+//      quadrant selects), 16 fp32 pairs per AVX-512 instruction, 8 per AVX2 one; the phase is a
+//      product, or, without a 64-bit vector multiply, the previous position's plus the rate;
 //   2. the PE row, in the layout's columns, times pe_scale (zero at pe_zero_id);
 //   3. the token row times embed_scale, added (fused multiply-add where the ISA has one) or
 //      placed before the PE (concat);
@@ -251,46 +252,42 @@ POSENC_INLINE bool scratch_missing(const ForwardPlan<Math>& p, const Scratch<V>&
 #if defined(__AVX2__) && !defined(__AVX512DQ__)
 // AVX2 has no int64-to-float conversion, so the compiler would not vectorise sin_cos_of_turns'
 // static_cast<Math>(remainder).  This is the same reduction (exact_angle.cuh: reduced_angle) with
-// that one conversion done in vectorisable steps, and the same result, bit for bit:
-//   - the int64 remainder (|r| < 2^61) as its two 32-bit halves, each exact in double;
-//   - their sum in double (rounded to nearest), and its exact rounding error (Fast2Sum: the high
-//     part is 0 or larger than the low one);
-//   - where inexact, the sum rounded to odd instead (its last bit set toward r), so that the one
-//     further rounding to fp32 equals rounding r directly (53 >= 24 + 2 bits); for float64 math
-//     the nearest-even sum is already the direct rounding.
-POSENC_INLINE double int64_to_double_parts(int64_t r, double& error) {
-  const double high = static_cast<double>(static_cast<int32_t>(static_cast<uint64_t>(r) >> 32)) * 4294967296.0;
-  const double low = static_cast<double>(static_cast<int32_t>(static_cast<uint32_t>(r) ^ 0x80000000u)) + 2147483648.0;
-  const double sum = high + low;
-  error = low - (sum - high);
-  return sum;
+// that one conversion done in vectorisable steps, and the same result, bit for bit.  The int64
+// remainder (|r| < 2^61) is split into its two 32-bit words, each exact in double; their sum is
+// exact wherever r has at most 53 significant bits.
+POSENC_INLINE double words_to_double(int32_t high_word, uint32_t low_word) {
+  const double high = static_cast<double>(high_word) * 4294967296.0;
+  const double low = static_cast<double>(static_cast<int32_t>(low_word ^ 0x80000000u)) + 2147483648.0;
+  return high + low;
 }
 
 template <typename Math>
 POSENC_INLINE Math int64_to_math(int64_t r);
 
+// float64 math: the sum of the two words, rounded to nearest even once, is the direct rounding of r.
 template <>
 POSENC_INLINE double int64_to_math<double>(int64_t r) {
-  double error;
-  return int64_to_double_parts(r, error);
+  const uint64_t bits = static_cast<uint64_t>(r);
+  return words_to_double(static_cast<int32_t>(bits >> 32), static_cast<uint32_t>(bits));
 }
 
+// float32 math: where |r| >= 2^34 (the high word outside [-4, 3]), fp32's ulp is 2^11 or more, so its
+// rounding point (half an ulp) and every representable value are multiples of 2^10, and the bits below
+// 2^9 only tell whether r lies exactly on the 2^9 grid.  They are folded into bit 9 (set where any was:
+// r rounded to odd at 2^9), which keeps r in the same open interval between multiples of 2^10, so the
+// fp32 rounding is unchanged, and leaves at most 52 significant bits: the words' sum is exact in double,
+// and the one rounding is double -> float.  Below 2^34, r itself is exact in double.  Written as 0/1 masks
+// of integers so that GCC vectorises the loop (it refused a short-circuit or a bool mask of a double
+// compare: the scalar loop made the AVX2 forward slower than the SSE2 baseline, bench/NOTES.md).
 template <>
 POSENC_INLINE float int64_to_math<float>(int64_t r) {
-  double error;
-  const double sum = int64_to_double_parts(r, error);
-  uint64_t bits;
-  std::memcpy(&bits, &sum, sizeof bits);
-  // Rounded to odd: truncate toward zero (one step down in magnitude where the sum rounded away from r),
-  // then set the last bit where inexact.  Written as 0/1 integers: GCC did not vectorise this loop when the
-  // same select was spelled with a short-circuit or a bool mask of a double compare, and the scalar loop
-  // made the AVX2 forward slower than the SSE2 baseline, twice its vectorised time (bench/NOTES.md).
-  const uint64_t inexact = error != 0 ? uint64_t(1) : uint64_t(0);
-  const uint64_t rounded_away = ((error > 0) == (sum > 0)) ? uint64_t(0) : inexact;
-  const uint64_t odd = (bits - rounded_away) | inexact;
-  double rounded_to_odd;
-  std::memcpy(&rounded_to_odd, &odd, sizeof odd);
-  return static_cast<float>(rounded_to_odd);
+  const uint64_t bits = static_cast<uint64_t>(r);
+  const int32_t high_word = static_cast<int32_t>(bits >> 32);
+  const uint32_t low_word = static_cast<uint32_t>(bits);
+  const uint32_t past_2_34 = static_cast<uint32_t>(high_word) + 4u > 7u ? 0xFFFFFFFFu : 0u;
+  const uint32_t sticky = (low_word & 0x1FFu) != 0 ? 0x200u : 0u;
+  const uint32_t folded = (low_word & ~0x1FFu) | sticky;
+  return static_cast<float>(words_to_double(high_word, (folded & past_2_34) | (low_word & ~past_2_34)));
 }
 
 template <typename Math>
@@ -317,14 +314,38 @@ POSENC_INLINE void sin_cos_of_turns_cpu(uint64_t turn_units, Math& sin_out, Math
 }
 #endif
 
+// Phases: position * rate per slot, mod 2^64 (exact_angle.cuh: phase_of).  Those of position + 1 are those
+// of position plus the rates, exactly (mod 2^64), so a run of consecutive positions (the position-major
+// path; a sequence's tokens on the token-major one) can add instead of multiplying.  That pays where the
+// vectorised loop has no 64-bit multiply: AVX2 emulates it by three 32-bit ones (the AVX2 forward at
+// 2 x 512 on one thread, 0.32 -> 0.29 ms); the baseline's sin/cos loop is scalar, with a native multiply
+// (about 2%).  With AVX-512DQ's vpmullq, the multiply in the loop is cheaper than storing the phases
+// back (adding was 1.12-1.16x slower at 1 x 2048; bench/NOTES.md).
+#if defined(__AVX512DQ__)
+constexpr bool kPhasesByAddition = false;
+#else
+constexpr bool kPhasesByAddition = true;
+#endif
+
+// The phases of `position`, for sin_cos_row (nothing to do where the loop multiplies).
+POSENC_INLINE void phases_at(int64_t position, const int64_t* __restrict__ rates, int64_t slots,
+                             uint64_t* __restrict__ phases) {
+  if (!kPhasesByAddition) return;
+  for (int64_t i = 0; i < slots; ++i) phases[i] = phase_of(position, rates[i]);
+}
+
+// The sin and cos of every slot at `position`.  Where kPhasesByAddition, `phases` holds its phases
+// (phases_at, or the previous call's at position - 1) and is advanced to position + 1's.
 template <typename Math>
-POSENC_INLINE void sin_cos_row(int64_t position, const int64_t* __restrict__ rates, int64_t slots,
-                               Math* __restrict__ sins, Math* __restrict__ coses) {
+POSENC_INLINE void sin_cos_row(int64_t position, uint64_t* __restrict__ phases, const int64_t* __restrict__ rates,
+                               int64_t slots, Math* __restrict__ sins, Math* __restrict__ coses) {
   for (int64_t i = 0; i < slots; ++i) {
+    const uint64_t phase = kPhasesByAddition ? phases[i] : phase_of(position, rates[i]);
     Math s, c;
-    sin_cos_of_turns_cpu<Math>(phase_of(position, rates[i]), s, c);
+    sin_cos_of_turns_cpu<Math>(phase, s, c);
     sins[i] = s;
     coses[i] = c;
+    if (kPhasesByAddition) phases[i] = phase + static_cast<uint64_t>(rates[i]);
   }
 }
 
@@ -431,14 +452,24 @@ struct ForwardTokens {
     const ForwardPlan<Math>& p = *static_cast<const ForwardPlan<Math>*>(context);
     const ForwardArgs& a = *p.args;
     Scratch<Math> scratch(p.width + 2 * p.slots);
-    if (scratch_missing(p, scratch)) return;
+    Scratch<uint64_t> phases(p.slots);
+    if (scratch_missing(p, scratch) || scratch_missing(p, phases)) return;
     Math* __restrict__ row = scratch.data;
     Math* __restrict__ sins = row + p.width;
     Math* __restrict__ coses = sins + p.slots;
+    bool have_phases = false;  // whether phases.data holds those of next_position (after a sin_cos_row)
+    uint64_t next_position = 0;
     for (int64_t t = begin; t < end; ++t) {
       if (t + 1 < end) prefetch_row_start<T>(a, token_id<IdT>(a, t + 1));
       const int64_t id = token_id<IdT>(a, t);
-      sin_cos_row(token_position(a, t), p.rates, p.slots, sins, coses);
+      const int64_t position = token_position(a, t);
+      // A sequence's next token (position + 1, as packed or offset sequences have) continues from them.
+      if (!have_phases || static_cast<uint64_t>(position) != next_position) {
+        phases_at(position, p.rates, p.slots, phases.data);
+      }
+      sin_cos_row(position, phases.data, p.rates, p.slots, sins, coses);
+      have_phases = true;
+      next_position = static_cast<uint64_t>(position) + 1;
       place_pe(p, sins, coses, pe_scale_of(p, id), row + p.pe_col0);
       emit_row<T>(p, t, id, row);
     }
@@ -466,7 +497,10 @@ struct ForwardPositions {
     const ForwardArgs& a = *p.args;
     const PositionWork& w = p.positions;
     Scratch<Math> scratch((kPositionBlock + 1) * p.width + 2 * p.slots);
-    if (scratch_missing(p, scratch)) return;
+    Scratch<uint64_t> phases(2 * p.slots);  // the chunk's next position's, then a pe_zero_id token's
+    if (scratch_missing(p, scratch) || scratch_missing(p, phases)) return;
+    uint64_t* __restrict__ next_phases = phases.data;
+    uint64_t* __restrict__ token_phases = next_phases + p.slots;
     Math* __restrict__ pe_rows = scratch.data;  // the block's PEs at pe_scale, one row per position
     Math* __restrict__ row = pe_rows + kPositionBlock * p.width;  // a token's working row (dropout, or no PE)
     Math* __restrict__ sins = row + p.width;
@@ -478,13 +512,14 @@ struct ForwardPositions {
       const int64_t seq_end = w.num_sequences * (group + 1) / w.groups;
       const int64_t tokens_end = min_of(seq_end * a.seq_len, a.num_tokens);
       const int64_t chunk_end = min_of((chunk + 1) * w.chunk, a.seq_len);
+      phases_at(position_at(a, chunk * w.chunk), p.rates, p.slots, next_phases);  // then advanced row by row
       for (int64_t first = chunk * w.chunk; first < chunk_end; first += kPositionBlock) {
         const int64_t count = min_of(kPositionBlock, chunk_end - first);
         for (int64_t j = 0; j < count; ++j) {
           for (int64_t t = seq_begin * a.seq_len + first + j; t < tokens_end; t += a.seq_len) {
             prefetch_row_start<T>(a, token_id<IdT>(a, t));
           }
-          sin_cos_row(position_at(a, first + j), p.rates, p.slots, sins, coses);
+          sin_cos_row(position_at(a, first + j), next_phases, p.rates, p.slots, sins, coses);
           place_pe(p, sins, coses, p.pe_scale, pe_rows + j * p.width + p.pe_col0);
         }
         for (int64_t start = seq_begin * a.seq_len + first; start < tokens_end; start += a.seq_len) {
@@ -494,7 +529,9 @@ struct ForwardPositions {
             Math* __restrict__ pe_row = pe_rows + (t - start) * p.width;
             const Math scale = pe_scale_of(p, id);
             if (scale != p.pe_scale) {  // pe_zero_id: this token's own (zero) PE
-              sin_cos_row(position_at(a, first + (t - start)), p.rates, p.slots, sins, coses);
+              const int64_t position = position_at(a, first + (t - start));
+              phases_at(position, p.rates, p.slots, token_phases);
+              sin_cos_row(position, token_phases, p.rates, p.slots, sins, coses);
               place_pe(p, sins, coses, scale, row + p.pe_col0);
               emit_row<T>(p, t, id, row);
             } else if (a.dropout_seed != nullptr) {  // emit_row works in place: keep pe_row intact

@@ -30,6 +30,8 @@ def make_positions(ids: torch.Tensor, padding_idx: int, past_length: Union[int, 
         raise TypeError(f"ids must be an int32 or int64 tensor, got {getattr(ids, 'dtype', type(ids).__name__)}")
     if isinstance(padding_idx, bool) or not isinstance(padding_idx, int):
         raise TypeError(f"padding_idx must be an int, got {padding_idx!r}")
+    if not -(1 << 63) <= padding_idx < (1 << 63):
+        raise ValueError(f"padding_idx={padding_idx} does not fit in int64")
     if isinstance(past_length, torch.Tensor):
         if past_length.is_floating_point() or past_length.dtype == torch.bool:
             raise TypeError(f"past_length must be integer, got dtype {past_length.dtype}")
@@ -43,7 +45,11 @@ def make_positions(ids: torch.Tensor, padding_idx: int, past_length: Union[int, 
         raise TypeError(f"past_length must be an int or an integer tensor, got {past_length!r}")
     elif not -(1 << 63) <= past_length < (1 << 63):
         raise ValueError(f"past_length={past_length} does not fit in int64")
-    real = (ids != padding_idx).to(torch.int64)
+    info = torch.iinfo(ids.dtype)
+    if info.min <= padding_idx <= info.max:
+        real = (ids != padding_idx).to(torch.int64)
+    else:  # no id can be the padding one; compared, an int32 tensor would wrap 2^32 + 7 onto 7
+        real = torch.ones_like(ids, dtype=torch.int64)
     if shift_padding:
         return torch.cumsum(real, dim=-1) * real + past_length + padding_idx
     return (torch.cumsum(real, dim=-1) + past_length) * real + padding_idx

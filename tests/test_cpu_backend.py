@@ -193,26 +193,74 @@ def test_cuda_backend_on_cpu_tensors_names_the_cpu_backend(monkeypatch):
     assert "\n" not in str(raised.value) and "use backend='cpu' (or 'auto') for cpu tensors" in str(raised.value)
 
 
+def _offset_places(g, shape):
+    """Scalar offsets for the position-major path: one anywhere, one whose positions pass 2^63 - 1
+    mid-sequence (they wrap, as torch's int64 addition does)."""
+    return [int(torch.randint(-(2**40), 2**40, (), generator=g)), 2**63 - int(torch.randint(1, shape[1], (), generator=g))]
+
+
 @pytest.mark.skipif(not {"avx512", "avx2"} <= set(_isas()), reason="needs a CPU with both AVX-512 and AVX2")
 @pytest.mark.parametrize("precision", ["float32", "float64"])
-def test_avx2_and_avx512_variants_agree_bitwise(precision, seed):
-    """The AVX2 variant converts the reduced angle to float in vectorisable steps (rounding to odd
-    through double); the AVX-512 one converts directly.  Same rounding, so the same bits."""
+@pytest.mark.parametrize("where", ["positions", "offset"])
+def test_avx2_and_avx512_variants_agree_bitwise(where, precision, seed):
+    """The AVX2 variant converts the reduced angle to float in vectorisable steps (its two 32-bit words,
+    the low one's last bits folded where they cannot change the rounding) and, on the position-major
+    path (a scalar offset), adds the rates to the previous position's phases; the AVX-512 one multiplies
+    and converts directly.  Same integers, same rounding, so the same bits: at random positions (the
+    token-major path) and from scalar offsets (150 positions: several blocks and chunks on 2 threads)."""
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 50, (3, 64), generator=g)
+    shape = (3, 150)
+    ids = torch.randint(0, 50, shape, generator=g)
     weight = torch.randn(50, 96, generator=g)
-    positions = torch.randint(-(2**40), 2**40, (3, 64), generator=g)
+    if where == "positions":
+        places = [dict(positions=torch.randint(-(2**40), 2**40, shape, generator=g))]
+    else:
+        places = [dict(offset=offset) for offset in _offset_places(g, shape)]
     rates = ((torch.rand(48, generator=g, dtype=torch.float64) - 0.5) * 16).tolist()
     module = cpu_backend.extension()
-    outputs = []
+    previous_threads = torch.get_num_threads()
     try:
-        for name in ("avx512", "avx2"):
-            module.set_isa(name)
-            outputs.append(pf.sinusoidal_embedding(ids, weight, positions=positions, frequencies=rates,
-                                                   precision=precision, backend="cpu"))
+        torch.set_num_threads(2)
+        for place in places:
+            outputs = []
+            for name in ("avx512", "avx2"):
+                module.set_isa(name)
+                outputs.append(pf.sinusoidal_embedding(ids, weight, frequencies=rates, precision=precision,
+                                                       backend="cpu", **place))
+            assert torch.equal(outputs[0], outputs[1]), place
     finally:
         module.set_isa("")
-    assert torch.equal(outputs[0], outputs[1])
+        torch.set_num_threads(previous_threads)
+
+
+@pytest.mark.parametrize("isa", _isas(), indirect=True)
+@pytest.mark.parametrize("precision", ["float32", "float64"])
+def test_phases_by_addition_match_multiplied_phases(isa, precision, seed):
+    """Where the ISA has no 64-bit vector multiply (AVX2, SSE2), a run of consecutive positions adds the
+    rates to the previous position's phases: the position-major path (a scalar offset), across its
+    blocks, chunks and threads, and the token-major path (a positions tensor, per-sequence offsets)
+    within a work item.  Descending positions give no such run: each phase is a product.  The same
+    integers mod 2^64, so the same bits, wrapping past 2^63 - 1 included.  (The variants differ from
+    each other where one has FMA: each is compared with itself.)"""
+    g = torch.Generator().manual_seed(seed)
+    shape = (3, 150)
+    ids = torch.randint(0, 50, shape, generator=g)
+    weight = torch.randn(50, 96, generator=g)
+    rates = ((torch.rand(48, generator=g, dtype=torch.float64) - 0.5) * 16).tolist()
+    kwargs = dict(frequencies=rates, precision=precision, backend="cpu")
+    previous_threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        for offset in _offset_places(g, shape):
+            positions = torch.arange(shape[1]).expand(shape) + offset  # int64 wraps as the kernel's does
+            multiplied = pf.sinusoidal_embedding(ids.flip(-1), weight, positions=positions.flip(-1), **kwargs).flip(-2)
+            added = {"offset": pf.sinusoidal_embedding(ids, weight, offset=offset, **kwargs),
+                     "positions": pf.sinusoidal_embedding(ids, weight, positions=positions, **kwargs),
+                     "offsets": pf.sinusoidal_embedding(ids, weight, offset=torch.full(shape[:1], offset), **kwargs)}
+            for name, out in added.items():
+                assert torch.equal(out, multiplied), (name, offset)
+    finally:
+        torch.set_num_threads(previous_threads)
 
 
 def _is_gcc(cxx: str) -> bool:
@@ -232,8 +280,8 @@ def _sin_cos_loop_line(kernels_source: str) -> int:
 @pytest.mark.skipif("avx2" not in _isas() or _build.find_cxx() is None,
                     reason="needs a CPU that runs the AVX2 variant (the binding's own test of its flags) and a C++ compiler")
 def test_avx2_angle_conversion_rounds_once(tmp_path):
-    """The AVX2 variant's int64 -> float conversion (two exact halves, their sum rounded to odd, then to
-    float) equals the hardware's one rounding on every magnitude and at fp32 ties past 2^53, where random
+    """The AVX2 variant's int64 -> float conversion (two exact 32-bit words; for fp32, past 2^34 the bits
+    below 2^9 folded into a sticky bit, so that their sum is exact in double; then one rounding) equals the hardware's one rounding on every magnitude and at fp32 ties past 2^53, where random
     positions almost never land (tests/cpu_conversion_check.cpp), so the bitwise test above cannot
     see a wrong tie.  It is written to vectorise: a version that did not made the AVX2 forward 2x slower
     with the same bits, so with GCC the same compile also reports its vectorisation of the sin/cos loop

@@ -40,9 +40,20 @@ def test_make_positions_padding_layouts(padding_idx):
     assert pf.make_positions(ids.int(), padding_idx).dtype == torch.int64
 
 
+def test_make_positions_padding_past_the_id_dtype():
+    """A padding_idx that no int32 id can equal pads nothing: compared with the tensor as it is, 2^32 + 7
+    would wrap onto 7 and that token would take the padding position."""
+    ids = torch.tensor([[7, 8, 0, 7]], dtype=torch.int32)
+    for padding_idx in (2**32 + 7, -(2**32) + 7, 2**31):
+        got = pf.make_positions(ids, padding_idx, past_length=3)
+        torch.testing.assert_close(got, fairseq_positions_loop(ids.long(), padding_idx, 3), rtol=0, atol=0)
+
+
 def test_make_positions_errors():
     with pytest.raises(TypeError, match="float32"):
         pf.make_positions(torch.zeros(2, 3), 1)
+    with pytest.raises(ValueError, match="padding_idx=18446744073709551616 does not fit in int64"):
+        pf.make_positions(torch.zeros(2, 3, dtype=torch.int64), 2**64)
     with pytest.raises(ValueError, match=r"\[3\]"):
         pf.make_positions(torch.zeros(2, 3, dtype=torch.int64), 1, past_length=torch.zeros(3, dtype=torch.int64))
 
