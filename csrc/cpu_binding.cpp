@@ -49,7 +49,8 @@ namespace {
 // is left, and report back.  One job at a time; a call that finds the pool busy (another Python
 // thread, the GIL being released) runs on its own thread instead of waiting.
 //
-// Waiting spins for a few tens of microseconds before it blocks on a condition variable: waking a
+// Waiting spins (20000 pauses: about 0.5 ms on an AMD EPYC, longer where a pause is, as on recent Intel
+// cores) before it blocks on a condition variable: waking a
 // blocked thread costs about as much again (more in a VM), a large share of a sub-millisecond
 // call, and back-to-back calls (a model's layers, a benchmark) find the workers still spinning.
 // After that the workers sleep and take nothing from torch's own threads.
@@ -91,7 +92,7 @@ class ThreadPool {
   }
 
  private:
-  // Spins (about 50 us) while `busy()` holds; returns early when it stops holding.
+  // Spins (up to 20000 pauses) while `busy()` holds; returns early when it stops holding.
   template <typename Condition>
   static void spin_while(Condition busy) {
     for (int i = 0; i < 20000 && busy(); ++i) {

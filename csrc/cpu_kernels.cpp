@@ -253,7 +253,7 @@ POSENC_INLINE bool scratch_missing(const ForwardPlan<Math>& p, const Scratch<V>&
 // AVX2 has no int64-to-float conversion, so the compiler would not vectorise sin_cos_of_turns'
 // static_cast<Math>(remainder).  This is the same reduction (exact_angle.cuh: reduced_angle) with
 // that one conversion done in vectorisable steps, and the same result, bit for bit.  The int64
-// remainder (|r| < 2^61) is split into its two 32-bit words, each exact in double; their sum is
+// remainder (-2^61 <= r < 2^61) is split into its two 32-bit words, each exact in double; their sum is
 // exact wherever r has at most 53 significant bits.
 POSENC_INLINE double words_to_double(int32_t high_word, uint32_t low_word) {
   const double high = static_cast<double>(high_word) * 4294967296.0;
@@ -271,12 +271,12 @@ POSENC_INLINE double int64_to_math<double>(int64_t r) {
   return words_to_double(static_cast<int32_t>(bits >> 32), static_cast<uint32_t>(bits));
 }
 
-// float32 math: where |r| >= 2^34 (the high word outside [-4, 3]), fp32's ulp is 2^11 or more, so its
+// float32 math: where r >= 2^34 or r < -2^34 (the high word outside [-4, 3]), fp32's ulp is 2^11 or more, so its
 // rounding point (half an ulp) and every representable value are multiples of 2^10, and the bits below
 // 2^9 only tell whether r lies exactly on the 2^9 grid.  They are folded into bit 9 (set where any was:
 // r rounded to odd at 2^9), which keeps r in the same open interval between multiples of 2^10, so the
 // fp32 rounding is unchanged, and leaves at most 52 significant bits: the words' sum is exact in double,
-// and the one rounding is double -> float.  Below 2^34, r itself is exact in double.  Written as 0/1 masks
+// and the one rounding is double -> float.  Otherwise r itself is exact in double.  Written as 0/1 masks
 // of integers so that GCC vectorises the loop (it refused a short-circuit or a bool mask of a double
 // compare: the scalar loop made the AVX2 forward slower than the SSE2 baseline, bench/NOTES.md).
 template <>
@@ -318,7 +318,7 @@ POSENC_INLINE void sin_cos_of_turns_cpu(uint64_t turn_units, Math& sin_out, Math
 // of position plus the rates, exactly (mod 2^64), so a run of consecutive positions (the position-major
 // path; a sequence's tokens on the token-major one) can add instead of multiplying.  That pays where the
 // vectorised loop has no 64-bit multiply: AVX2 emulates it by three 32-bit ones (the AVX2 forward at
-// 2 x 512 on one thread, 0.32 -> 0.29 ms); the baseline's sin/cos loop is scalar, with a native multiply
+// 2 x 512 on one thread, 0.32 -> 0.30 ms); the baseline's sin/cos loop is scalar, with a native multiply
 // (about 2%).  With AVX-512DQ's vpmullq, the multiply in the loop is cheaper than storing the phases
 // back (adding was 1.12-1.16x slower at 1 x 2048; bench/NOTES.md).
 #if defined(__AVX512DQ__)
@@ -452,7 +452,7 @@ struct ForwardTokens {
     const ForwardPlan<Math>& p = *static_cast<const ForwardPlan<Math>*>(context);
     const ForwardArgs& a = *p.args;
     Scratch<Math> scratch(p.width + 2 * p.slots);
-    Scratch<uint64_t> phases(p.slots);
+    Scratch<uint64_t> phases(kPhasesByAddition ? p.slots : 0);  // none where the loop multiplies
     if (scratch_missing(p, scratch) || scratch_missing(p, phases)) return;
     Math* __restrict__ row = scratch.data;
     Math* __restrict__ sins = row + p.width;
@@ -497,7 +497,8 @@ struct ForwardPositions {
     const ForwardArgs& a = *p.args;
     const PositionWork& w = p.positions;
     Scratch<Math> scratch((kPositionBlock + 1) * p.width + 2 * p.slots);
-    Scratch<uint64_t> phases(2 * p.slots);  // the chunk's next position's, then a pe_zero_id token's
+    // The chunk's next position's phases, then a pe_zero_id token's own; none where the loop multiplies.
+    Scratch<uint64_t> phases(kPhasesByAddition ? 2 * p.slots : 0);
     if (scratch_missing(p, scratch) || scratch_missing(p, phases)) return;
     uint64_t* __restrict__ next_phases = phases.data;
     uint64_t* __restrict__ token_phases = next_phases + p.slots;

@@ -41,7 +41,7 @@ int64_t mismatches(const std::vector<int64_t>& values, const char* name) {
 }
 
 int main() {
-  const int64_t limit = int64_t(1) << 61;  // |remainder| < 2^61 (an eighth of a turn)
+  const int64_t limit = int64_t(1) << 61;  // -2^61 <= remainder < 2^61 (an eighth of a turn)
   std::vector<int64_t> values;
   auto add = [&](int64_t v) {
     if (v > -limit && v < limit) {
@@ -49,6 +49,7 @@ int main() {
       values.push_back(-v);
     }
   };
+  values.push_back(-limit);  // a phase of an eighth of a turn (2^61 units): the one r whose negation is out of range
   for (int e = 0; e < 61; ++e) {
     const int64_t p = int64_t(1) << e;
     const int64_t half_ulp = p >> 24;  // half an fp32 ulp at p: a tie

@@ -194,8 +194,8 @@ def test_cuda_backend_on_cpu_tensors_names_the_cpu_backend(monkeypatch):
 
 
 def _offset_places(g, shape):
-    """Scalar offsets for the position-major path: one anywhere, one whose positions pass 2^63 - 1
-    mid-sequence (they wrap, as torch's int64 addition does)."""
+    """Two starting positions: one anywhere, one from which the positions pass 2^63 - 1 mid-sequence (they
+    wrap, as torch's int64 addition does)."""
     return [int(torch.randint(-(2**40), 2**40, (), generator=g)), 2**63 - int(torch.randint(1, shape[1], (), generator=g))]
 
 
@@ -239,15 +239,17 @@ def test_phases_by_addition_match_multiplied_phases(isa, precision, seed):
     """Where the ISA has no 64-bit vector multiply (AVX2, SSE2), a run of consecutive positions adds the
     rates to the previous position's phases: the position-major path (a scalar offset), across its
     blocks, chunks and threads, and the token-major path (a positions tensor, per-sequence offsets)
-    within a work item.  Descending positions give no such run: each phase is a product.  The same
+    within a work item.  A padding token with no PE (zero_pe_at_padding) in a position-major block takes
+    phases of its own, leaving the run's.  Descending positions give no such run: each phase is a product.  The same
     integers mod 2^64, so the same bits, wrapping past 2^63 - 1 included.  (The variants differ from
     each other where one has FMA: each is compared with itself.)"""
     g = torch.Generator().manual_seed(seed)
     shape = (3, 150)
     ids = torch.randint(0, 50, shape, generator=g)
+    ids.view(-1)[::5] = 1  # padding, zero PE: the position-major path's own phases for these tokens
     weight = torch.randn(50, 96, generator=g)
     rates = ((torch.rand(48, generator=g, dtype=torch.float64) - 0.5) * 16).tolist()
-    kwargs = dict(frequencies=rates, precision=precision, backend="cpu")
+    kwargs = dict(frequencies=rates, precision=precision, padding_idx=1, zero_pe_at_padding=True, backend="cpu")
     previous_threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
