@@ -74,12 +74,17 @@ double quantile(std::vector<double> v, double q) {
 int main(int argc, char** argv) {
   if (argc < 8) {
     std::fprintf(stderr, "usage: %s vocab d batch length threads repeats cold(0 warm|1 cold|2 fresh outputs) "
-                 "[token_major (0 a scalar offset|1 per-sequence offsets)]\n", argv[0]);
+                 "[offsets (0 a scalar offset|1 per-sequence offsets, equal|2 per-sequence offsets, distinct)]\n",
+                 argv[0]);
     return 2;
   }
   const int64_t vocab = atoll(argv[1]), d = atoll(argv[2]), batch = atoll(argv[3]), length = atoll(argv[4]);
   const int threads = atoi(argv[5]), repeats = atoi(argv[6]), cold = atoi(argv[7]);
-  const bool token_major = argc > 8 && atoi(argv[8]) != 0;
+  const int offsets_kind = argc > 8 ? atoi(argv[8]) : 0;
+  if (offsets_kind < 0 || offsets_kind > 2) {
+    std::fprintf(stderr, "offsets must be 0 (a scalar offset), 1 (per-sequence, equal) or 2 (per-sequence, distinct)\n");
+    return 2;
+  }
   if (cold < 0 || cold > 2) {
     std::fprintf(stderr, "cold must be 0 (warm), 1 (cold) or 2 (fresh outputs)\n");
     return 2;
@@ -128,9 +133,11 @@ int main(int argc, char** argv) {
   a.pe_scale = 1.0;
   a.dropout_scale = 1.0;
   a.num_threads = threads;
-  // Per-sequence offsets (all 0: the same positions) take the token-major path instead of the position-major one.
+  // Per-sequence offsets: all 0 (the scalar offset's positions, through the per-token path), or each
+  // sequence 1000 positions past the previous one (no two tokens of a column at one position).
   std::vector<int64_t> offsets(static_cast<size_t>(batch), 0);
-  if (token_major) a.offsets = offsets.data();
+  for (int64_t b = 0; offsets_kind == 2 && b < batch; ++b) offsets[static_cast<size_t>(b)] = 1000 * b;
+  if (offsets_kind != 0) a.offsets = offsets.data();
 
   std::vector<double> times[2];
   const int warmup = 10;

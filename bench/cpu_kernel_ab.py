@@ -1,7 +1,7 @@
 """Same-process A/B of the CPU forward kernel: a git revision's csrc/cpu_kernels.cpp against the working tree's.
 
     python bench/cpu_kernel_ab.py [--base HEAD] [--shapes 8x512,64x64,4096x1,1x4096] [--repeats 200]
-                                  [--isa isa_avx2] [--token-major]
+                                  [--isa isa_avx2] [--offsets scalar|equal|distinct]
 
 Separate runs on a small shared VM differ by up to 2x (bench/NOTES.md), so a kernel change of a few percent
 cannot be seen by timing the package before and after.  This builds both versions of the kernel file into one
@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from posenc_fast import _build  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OFFSETS = ("scalar", "equal", "distinct")  # bench/cpu_kernel_ab.cpp's codes 0, 1, 2
 
 
 def isa_flags(requested: str = "best") -> list:
@@ -77,8 +78,10 @@ def main() -> None:
     parser.add_argument("--d", type=int, default=512)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--repeats", type=int, default=200)
-    parser.add_argument("--token-major", action="store_true",
-                        help="per-sequence offsets (the token-major path) instead of a scalar offset")
+    parser.add_argument("--offsets", default="scalar", choices=OFFSETS,
+                        help="the positions: a scalar offset 0 (default), per-sequence offsets all 0 (the same "
+                             "positions, given per sequence), or per-sequence offsets 1000 apart (every token of a "
+                             "column at its own position)")
     parser.add_argument("--isa", default="best", choices=["best"] + [name for name, _ in _build.CPU_X86_VARIANTS],
                         help="the instruction-set variant's flags to build both versions with (default: the best this "
                              "CPU runs)")
@@ -87,15 +90,17 @@ def main() -> None:
         parser.error("--repeats and --threads must be >= 1")
     with tempfile.TemporaryDirectory() as workdir:
         program = build(args.base, workdir, args.isa)
-        print(f"V {args.vocab}, d {args.d}, fp32, {args.isa} ISA, "
-              f"{'per-sequence offsets' if args.token_major else 'a scalar offset'}, {args.threads} threads, {args.repeats} alternating calls each; "
-              f"base {args.base} vs working tree; ms")
+        where = {"scalar": "a scalar offset", "equal": "equal per-sequence offsets",
+                 "distinct": "distinct per-sequence offsets"}[args.offsets]
+        print(f"V {args.vocab}, d {args.d}, fp32, {args.isa} ISA, {where}, {args.threads} threads, "
+              f"{args.repeats} alternating calls each; base {args.base} vs working tree; ms")
         print(f"{'shape':>8} {'cache':>5} {'base p10':>9} {'base med':>9} {'new p10':>9} {'new med':>9} {'new/base':>9}")
         for shape in args.shapes.split(","):
             batch, length = (int(n) for n in shape.split("x"))
             for cold in (0, 1, 2):
                 line = subprocess.run([program, str(args.vocab), str(args.d), str(batch), str(length), str(args.threads),
-                                       str(args.repeats), str(cold), str(int(args.token_major))], check=True, capture_output=True, text=True).stdout
+                                       str(args.repeats), str(cold), str(OFFSETS.index(args.offsets))],
+                                      check=True, capture_output=True, text=True).stdout
                 a10, a50, b10, b50 = (float(x) for x in line.split())
                 ratio = b50 / a50 if a50 > 0 else float("nan")
                 print(f"{shape:>8} {('warm', 'cold', 'fresh')[cold]:>5} {a10:9.4f} {a50:9.4f} {b10:9.4f} {b50:9.4f} "

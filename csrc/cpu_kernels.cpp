@@ -14,10 +14,11 @@
 //      calls), then select-or-scale;
 //   5. one rounding to the output dtype (nearest even), one contiguous store.
 // Steps 2 to 5 work on one row in L1 (a few KiB); only the weight row and the output row touch
-// memory.  When the batch repeats positions (B sequences sharing a scalar offset), the work is
-// split by position instead of by token: steps 1 and 2 run once per distinct position (once per group
-// of sequences, where short sequences are split into groups), for all the tokens at it (the same values
-// whichever token asks, so the results do not change).
+// memory.  When the batch is likely to repeat positions (B sequences sharing a scalar offset, or
+// sequences of a block or more with per-token positions or offsets), the work is split by position
+// column instead of by token: steps 1 and 2 run once per column (once per group of sequences, where
+// short sequences are split into groups), for all the column's tokens at that position, and again for
+// a token at another one (the same values whichever token asks, so the results do not change).
 // Software prefetch of the first 8 lines of weight rows (prefetch_row_start): the hardware prefetchers
 // follow a row once it is touched; what they cannot know is which row comes next.  Position-major, while a
 // block's sins and coses are computed (no memory traffic of their own), the rows that block will read;
@@ -349,6 +350,21 @@ POSENC_INLINE void sin_cos_row(int64_t position, uint64_t* __restrict__ phases, 
   }
 }
 
+// A phases buffer and the position whose phases it holds after a sin_cos_row (that position + 1).
+struct PhaseRun {
+  uint64_t* phases;  // [slots]; null where the loop multiplies (kPhasesByAddition false)
+  bool valid = false;
+  uint64_t next = 0;
+
+  // Readies `phases` for sin_cos_row at `position`: kept where they are position's (the position after
+  // the previous call's), a product otherwise.
+  POSENC_INLINE void start(int64_t position, const int64_t* __restrict__ rates, int64_t slots) {
+    if (!valid || static_cast<uint64_t>(position) != next) phases_at(position, rates, slots, phases);
+    valid = true;
+    next = static_cast<uint64_t>(position) + 1;
+  }
+};
+
 POSENC_INLINE int64_t token_position(const ForwardArgs& a, int64_t token) {
   if (a.positions != nullptr) return a.positions[token];
   const int64_t sequence = token / a.seq_len, within = token - sequence * a.seq_len;
@@ -457,32 +473,29 @@ struct ForwardTokens {
     Math* __restrict__ row = scratch.data;
     Math* __restrict__ sins = row + p.width;
     Math* __restrict__ coses = sins + p.slots;
-    bool have_phases = false;  // whether phases.data holds those of next_position (after a sin_cos_row)
-    uint64_t next_position = 0;
+    PhaseRun phase_run{phases.data};  // a sequence's next token (position + 1) continues from the last phases
     for (int64_t t = begin; t < end; ++t) {
       if (t + 1 < end) prefetch_row_start<T>(a, token_id<IdT>(a, t + 1));
       const int64_t id = token_id<IdT>(a, t);
       const int64_t position = token_position(a, t);
-      // A sequence's next token (position + 1, as packed or offset sequences have) continues from them.
-      if (!have_phases || static_cast<uint64_t>(position) != next_position) {
-        phases_at(position, p.rates, p.slots, phases.data);
-      }
-      sin_cos_row(position, phases.data, p.rates, p.slots, sins, coses);
-      have_phases = true;
-      next_position = static_cast<uint64_t>(position) + 1;
+      phase_run.start(position, p.rates, p.slots);
+      sin_cos_row(position, phase_run.phases, p.rates, p.slots, sins, coses);
       place_pe(p, sins, coses, pe_scale_of(p, id), row + p.pe_col0);
       emit_row<T>(p, t, id, row);
     }
   }
 };
 
-// Position-major, when every sequence starts at the same scalar offset: the sin/cos row of position j
-// (offset + j) is computed once and serves tokens j, S + j, 2S + j, ... of the item's sequences.
+// Position-major, when the batch's sequences are likely to share their positions: a scalar offset (they
+// do), or per-sequence offsets or a positions tensor over sequences of kPositionBlock tokens or more (a
+// training batch: the same offsets, or the same positions but for padding).  The sin/cos row of column j
+// is made once, at the position of the item's first sequence there, and serves every token of column j
+// (j, S + j, 2S + j, ...) at that position; a token at another position makes the row again, at its own.
 // The same function of the same position: results are those of the token-major path.
 //
-// A work item is a range of consecutive positions (a chunk; position_work) in a range of sequences
+// A work item is a range of consecutive columns (a chunk; position_work) in a range of sequences
 // (all of them, unless the sequences are too short to give every thread work: then a group of them),
-// taken kPositionBlock positions at a time: the block's PE
+// taken kPositionBlock columns at a time: the block's PE
 // rows are made first (L1/L2-resident scratch), then each sequence's rows of that block are
 // written one after another.  So every thread writes runs of contiguous output rows, which the
 // hardware prefetchers and write-combining follow; position by position, two threads would
@@ -496,46 +509,60 @@ struct ForwardPositions {
     const ForwardPlan<Math>& p = *static_cast<const ForwardPlan<Math>*>(context);
     const ForwardArgs& a = *p.args;
     const PositionWork& w = p.positions;
+    const bool shared = a.positions == nullptr && a.offsets == nullptr;  // every token of a column at one position
     Scratch<Math> scratch((kPositionBlock + 1) * p.width + 2 * p.slots);
-    // The chunk's next position's phases, then a pe_zero_id token's own; none where the loop multiplies.
+    // The block rows' phases, then a token's own; none where the loop multiplies.
     Scratch<uint64_t> phases(kPhasesByAddition ? 2 * p.slots : 0);
     if (scratch_missing(p, scratch) || scratch_missing(p, phases)) return;
-    uint64_t* __restrict__ next_phases = phases.data;
-    uint64_t* __restrict__ token_phases = next_phases + p.slots;
-    Math* __restrict__ pe_rows = scratch.data;  // the block's PEs at pe_scale, one row per position
+    Math* __restrict__ pe_rows = scratch.data;  // the block's PEs at pe_scale, one row per column
     Math* __restrict__ row = pe_rows + kPositionBlock * p.width;  // a token's working row (dropout, or no PE)
     Math* __restrict__ sins = row + p.width;
     Math* __restrict__ coses = sins + p.slots;
+    int64_t row_position[kPositionBlock];  // the position each of pe_rows is at
     for (int64_t item = begin; item < end; ++item) {
       const int64_t chunk = item / w.groups, group = item - chunk * w.groups;
-      // This item's tokens: positions [chunk_begin, chunk_end) of sequences [seq_begin, seq_end).
+      // This item's tokens: columns [chunk_begin, chunk_end) of sequences [seq_begin, seq_end).
       const int64_t seq_begin = w.num_sequences * group / w.groups;
       const int64_t seq_end = w.num_sequences * (group + 1) / w.groups;
       const int64_t tokens_end = min_of(seq_end * a.seq_len, a.num_tokens);
       const int64_t chunk_end = min_of((chunk + 1) * w.chunk, a.seq_len);
-      phases_at(position_at(a, chunk * w.chunk), p.rates, p.slots, next_phases);  // then advanced row by row
+      PhaseRun block_run{phases.data};  // the first sequence's columns: consecutive positions, as a rule
+      PhaseRun token_run{phases.data == nullptr ? nullptr : phases.data + p.slots};
       for (int64_t first = chunk * w.chunk; first < chunk_end; first += kPositionBlock) {
         const int64_t count = min_of(kPositionBlock, chunk_end - first);
+        const int64_t first_token = seq_begin * a.seq_len + first;
         for (int64_t j = 0; j < count; ++j) {
-          for (int64_t t = seq_begin * a.seq_len + first + j; t < tokens_end; t += a.seq_len) {
+          for (int64_t t = first_token + j; t < tokens_end; t += a.seq_len) {
             prefetch_row_start<T>(a, token_id<IdT>(a, t));
           }
-          sin_cos_row(position_at(a, first + j), next_phases, p.rates, p.slots, sins, coses);
+          const int64_t position = token_position(a, first_token + j);
+          block_run.start(position, p.rates, p.slots);
+          sin_cos_row(position, block_run.phases, p.rates, p.slots, sins, coses);
           place_pe(p, sins, coses, p.pe_scale, pe_rows + j * p.width + p.pe_col0);
+          row_position[j] = position;
         }
-        for (int64_t start = seq_begin * a.seq_len + first; start < tokens_end; start += a.seq_len) {
+        for (int64_t start = first_token; start < tokens_end; start += a.seq_len) {
           const int64_t stop = min_of(start + count, tokens_end);
           for (int64_t t = start; t < stop; ++t) {
             const int64_t id = token_id<IdT>(a, t);
-            Math* __restrict__ pe_row = pe_rows + (t - start) * p.width;
+            const int64_t j = t - start;
+            Math* __restrict__ pe_row = pe_rows + j * p.width;
             const Math scale = pe_scale_of(p, id);
+            const int64_t position = shared ? row_position[j] : token_position(a, t);
             if (scale != p.pe_scale) {  // pe_zero_id: this token's own (zero) PE
-              const int64_t position = position_at(a, first + (t - start));
-              phases_at(position, p.rates, p.slots, token_phases);
-              sin_cos_row(position, token_phases, p.rates, p.slots, sins, coses);
+              token_run.start(position, p.rates, p.slots);
+              sin_cos_row(position, token_run.phases, p.rates, p.slots, sins, coses);
               place_pe(p, sins, coses, scale, row + p.pe_col0);
               emit_row<T>(p, t, id, row);
-            } else if (a.dropout_seed != nullptr) {  // emit_row works in place: keep pe_row intact
+              continue;
+            }
+            if (position != row_position[j]) {  // not the column's position: its row made again, at this one
+              token_run.start(position, p.rates, p.slots);
+              sin_cos_row(position, token_run.phases, p.rates, p.slots, sins, coses);
+              place_pe(p, sins, coses, p.pe_scale, pe_row + p.pe_col0);
+              row_position[j] = position;
+            }
+            if (a.dropout_seed != nullptr) {  // emit_row works in place: keep pe_row intact
               for (int64_t k = p.pe_col0; k < p.width; ++k) row[k] = pe_row[k];
               emit_row<T>(p, t, id, row);
             } else {
@@ -545,11 +572,6 @@ struct ForwardPositions {
         }
       }
     }
-  }
-
-  // Position offset + j, wrapping like torch's int64 addition.
-  static POSENC_INLINE int64_t position_at(const ForwardArgs& a, int64_t j) {
-    return static_cast<int64_t>(static_cast<uint64_t>(a.offset) + static_cast<uint64_t>(j));
   }
 };
 
@@ -605,8 +627,12 @@ const char* forward_typed(const ForwardArgs& a) {
   }
   int scratch_failed = 0;
   p.scratch_failed = &scratch_failed;
+  // Position-major where a column's tokens are likely to share a position (ForwardPositions): a scalar
+  // offset, or per-token positions over sequences of a block or more; otherwise (a decoding step over
+  // per-sequence offsets, short sequences, one sequence or packed ones) one sin/cos row per token.
   const bool shared_positions = a.positions == nullptr && a.offsets == nullptr;
-  if (shared_positions && a.num_tokens >= 2 * a.seq_len) {  // seq_len >= 1: forward() checked
+  const bool position_major = shared_positions || a.seq_len >= kPositionBlock;
+  if (position_major && a.num_tokens >= 2 * a.seq_len) {  // seq_len >= 1: forward() checked
     p.positions = position_work(a, p.width);
     parallel_for(p.positions.num_items, 1, a.num_threads, &ForwardPositions<T, Math, IdT>::run, &p);
   } else {

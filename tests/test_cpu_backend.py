@@ -145,26 +145,60 @@ def test_weight_gradient_writes_every_row_once(monkeypatch, key_dtype, seed):
     assert all(torch.equal(grad, grads[0]) for grad in grads[1:])
 
 
+def _per_token_positions(kind, shape, g):
+    """Positions [B, S] for a batch, and the keyword arguments that give them to the op.
+
+    ``offset``: one scalar offset (every column at one position).  ``offsets``: per-sequence offsets, some
+    equal to the first sequence's, some not.  ``positions``: a tensor whose columns mostly agree, with a
+    sequence shifted (left padding), one at random positions, and padding tokens at ``padding_idx`` 1
+    (``make_positions``' rule), the first sequence's included."""
+    batch, length = shape
+    columns = torch.arange(length)
+    if kind == "offset":
+        return columns.expand(shape) + 12345, dict(offset=12345)
+    if kind == "offsets":
+        offsets = torch.full((batch,), 12345)
+        offsets[1::3] = 12000
+        offsets[2::5] = int(torch.randint(0, 2**40, (), generator=g))
+        return offsets[:, None] + columns, dict(offset=offsets)
+    positions = (columns + 2).repeat(batch, 1)
+    positions[1::3] += 3  # left padding: the row's positions shifted
+    positions[2::4] = torch.randint(0, 2**40, (length,), generator=g)
+    positions.view(-1)[::7] = 1  # padding tokens at padding_idx
+    return positions, dict(positions=positions)
+
+
 # The last two split their sequences into groups (of unequal sizes) on two threads or more.
-@pytest.mark.parametrize("shape", [(4, 33), (5000, 1), (2000, 3)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape", [(4, 33), (3, 150), (5000, 1), (2000, 3)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("kind", ["offset", "offsets", "positions"])
 @pytest.mark.parametrize("mode", ["add", "concat"])
 @pytest.mark.parametrize("dropout_p", [0.0, 0.25])
-def test_position_major_equals_token_major(mode, dropout_p, shape, seed):
-    """A scalar offset shared by the sequences (one sin/cos row per position, reused) and the same
-    positions given per sequence (one per token) give bitwise the same output, padding's zero PE included."""
+def test_position_major_equals_token_major(mode, dropout_p, kind, shape, seed):
+    """The batch as B sequences of S tokens (position-major where S >= 8 or the offset is a scalar: one
+    sin/cos row per column, made again only for a token at another position) and as B * S one-token
+    sequences at the same positions (token-major: one row per token) give bitwise the same output, with
+    padding's zero PE, dropout (the mask follows the token's place, the same in both) and threads."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 30, shape, generator=g)
     ids.view(-1)[::4] = 1
     weight = torch.randn(30, 20, generator=g, dtype=torch.float64).to(torch.bfloat16)
+    positions, placement = _per_token_positions(kind, shape, g)
     kwargs = dict(mode=mode, d_pos=6 if mode == "concat" else None, layout="split", padding_idx=1,
                   zero_pe_at_padding=True, embed_scale=2.0)
     if dropout_p:
         kwargs.update(dropout_p=dropout_p)
-    torch.manual_seed(seed)  # the dropout seed is drawn from torch's generator: the same one for both calls
-    shared = pf.sinusoidal_embedding(ids, weight, backend="cpu", offset=12345, **kwargs)
-    torch.manual_seed(seed)
-    per_sequence = pf.sinusoidal_embedding(ids, weight, backend="cpu", offset=torch.full(shape[:1], 12345), **kwargs)
-    assert torch.equal(shared, per_sequence)
+    previous_threads = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 5):
+            torch.set_num_threads(threads)
+            torch.manual_seed(seed)  # the dropout seed is drawn from torch's generator: the same one for both calls
+            batch = pf.sinusoidal_embedding(ids, weight, backend="cpu", **placement, **kwargs)
+            torch.manual_seed(seed)
+            tokens = pf.sinusoidal_embedding(ids.reshape(-1, 1), weight, backend="cpu",
+                                             positions=positions.reshape(-1, 1), **kwargs)
+            assert torch.equal(batch, tokens.reshape(batch.shape)), threads
+    finally:
+        torch.set_num_threads(previous_threads)
 
 
 def test_auto_runs_the_cpu_backend_and_falls_back_to_torch(monkeypatch):
@@ -196,7 +230,8 @@ def test_cuda_backend_on_cpu_tensors_names_the_cpu_backend(monkeypatch):
 def _offset_places(g, shape):
     """Two starting positions: one anywhere, one from which the positions pass 2^63 - 1 mid-sequence (they
     wrap, as torch's int64 addition does)."""
-    return [int(torch.randint(-(2**40), 2**40, (), generator=g)), 2**63 - int(torch.randint(1, shape[1], (), generator=g))]
+    anywhere = int(torch.randint(-(2**40), 2**40, (), generator=g))
+    return [anywhere, 2**63 - int(torch.randint(1, shape[1], (), generator=g))]
 
 
 @pytest.mark.skipif(not {"avx512", "avx2"} <= set(_isas()), reason="needs a CPU with both AVX-512 and AVX2")
@@ -206,8 +241,8 @@ def test_avx2_and_avx512_variants_agree_bitwise(where, precision, seed):
     """The AVX2 variant converts the reduced angle to float in vectorisable steps (its two 32-bit words,
     the low one's last bits folded where they cannot change the rounding) and, on the position-major
     path (a scalar offset), adds the rates to the previous position's phases; the AVX-512 one multiplies
-    and converts directly.  Same integers, same rounding, so the same bits: at random positions (the
-    token-major path) and from scalar offsets (150 positions: several blocks and chunks on 2 threads)."""
+    and converts directly.  Same integers, same rounding, so the same bits: at random positions (a row
+    per token) and from scalar offsets (150 positions: several blocks and chunks on 2 threads)."""
     g = torch.Generator().manual_seed(seed)
     shape = (3, 150)
     ids = torch.randint(0, 50, shape, generator=g)
@@ -237,30 +272,37 @@ def test_avx2_and_avx512_variants_agree_bitwise(where, precision, seed):
 @pytest.mark.parametrize("precision", ["float32", "float64"])
 def test_phases_by_addition_match_multiplied_phases(isa, precision, seed):
     """Where the ISA has no 64-bit vector multiply (AVX2, SSE2), a run of consecutive positions adds the
-    rates to the previous position's phases: the position-major path (a scalar offset), across its
-    blocks, chunks and threads, and the token-major path (a positions tensor, per-sequence offsets)
-    within a work item.  A padding token with no PE (zero_pe_at_padding) in a position-major block takes
-    phases of its own, leaving the run's.  Descending positions give no such run: each phase is a product.  The same
-    integers mod 2^64, so the same bits, wrapping past 2^63 - 1 included.  (The variants differ from
-    each other where one has FMA: each is compared with itself.)"""
+    rates to the previous position's phases: a position-major item's columns (a scalar offset, offsets or
+    a positions tensor), across blocks, chunks and threads; the tokens of a sequence whose positions are
+    not the column's (made again, one after another); a padding token with no PE, which takes phases of
+    its own; and a sequence's tokens on the token-major path (one sequence per call).  Descending positions
+    give no such run: every phase is a product.  The same integers mod 2^64, so the same bits, wrapping
+    past 2^63 - 1 included.  (The variants differ from each other where one has FMA: each is compared
+    with itself.)"""
     g = torch.Generator().manual_seed(seed)
     shape = (3, 150)
     ids = torch.randint(0, 50, shape, generator=g)
-    ids.view(-1)[::5] = 1  # padding, zero PE: the position-major path's own phases for these tokens
+    ids.view(-1)[::5] = 1  # padding, zero PE: phases of their own
     weight = torch.randn(50, 96, generator=g)
     rates = ((torch.rand(48, generator=g, dtype=torch.float64) - 0.5) * 16).tolist()
     kwargs = dict(frequencies=rates, precision=precision, padding_idx=1, zero_pe_at_padding=True, backend="cpu")
+    columns = torch.arange(shape[1])
     previous_threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
         for offset in _offset_places(g, shape):
-            positions = torch.arange(shape[1]).expand(shape) + offset  # int64 wraps as the kernel's does
+            shifts = torch.tensor([0, 0, 7])  # the last sequence's tokens are not at their columns' positions
+            positions = columns + (shifts[:, None] + offset)  # int64 wraps as the kernel's does
             multiplied = pf.sinusoidal_embedding(ids.flip(-1), weight, positions=positions.flip(-1), **kwargs).flip(-2)
-            added = {"offset": pf.sinusoidal_embedding(ids, weight, offset=offset, **kwargs),
+            added = {"offsets": pf.sinusoidal_embedding(ids, weight, offset=shifts + offset, **kwargs),
                      "positions": pf.sinusoidal_embedding(ids, weight, positions=positions, **kwargs),
-                     "offsets": pf.sinusoidal_embedding(ids, weight, offset=torch.full(shape[:1], offset), **kwargs)}
+                     "one sequence per call": torch.cat([
+                         pf.sinusoidal_embedding(ids[b:b + 1], weight, positions=positions[b:b + 1], **kwargs)
+                         for b in range(shape[0])])}
             for name, out in added.items():
                 assert torch.equal(out, multiplied), (name, offset)
+            scalar = pf.sinusoidal_embedding(ids[:2], weight, offset=offset, **kwargs)
+            assert torch.equal(scalar, multiplied[:2]), ("offset", offset)
     finally:
         torch.set_num_threads(previous_threads)
 
@@ -283,7 +325,8 @@ def _sin_cos_loop_line(kernels_source: str) -> int:
                     reason="needs a CPU that runs the AVX2 variant (the binding's own test of its flags) and a C++ compiler")
 def test_avx2_angle_conversion_rounds_once(tmp_path):
     """The AVX2 variant's int64 -> float conversion (two exact 32-bit words; for fp32, past 2^34 the bits
-    below 2^9 folded into a sticky bit, so that their sum is exact in double; then one rounding) equals the hardware's one rounding on every magnitude and at fp32 ties past 2^53, where random
+    below 2^9 folded into a sticky bit, so that their sum is exact in double; then one rounding) equals
+    the hardware's one rounding on every magnitude and at fp32 ties past 2^53, where random
     positions almost never land (tests/cpu_conversion_check.cpp), so the bitwise test above cannot
     see a wrong tie.  It is written to vectorise: a version that did not made the AVX2 forward 2x slower
     with the same bits, so with GCC the same compile also reports its vectorisation of the sin/cos loop
