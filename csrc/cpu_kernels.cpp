@@ -531,7 +531,9 @@ struct ForwardPositions {
       for (int64_t first = chunk * w.chunk; first < chunk_end; first += kPositionBlock) {
         const int64_t count = min_of(kPositionBlock, chunk_end - first);
         const int64_t first_token = seq_begin * a.seq_len + first;
-        for (int64_t j = 0; j < count; ++j) {
+        // first_token + j is past tokens_end only where a direct op call gave a seq_len that does not divide
+        // the tokens and this group's one sequence is the short last one: that column has no token here.
+        for (int64_t j = 0; j < count && first_token + j < tokens_end; ++j) {
           for (int64_t t = first_token + j; t < tokens_end; t += a.seq_len) {
             prefetch_row_start<T>(a, token_id<IdT>(a, t));
           }
@@ -632,7 +634,7 @@ const char* forward_typed(const ForwardArgs& a) {
   // per-sequence offsets, short sequences, one sequence or packed ones) one sin/cos row per token.
   const bool shared_positions = a.positions == nullptr && a.offsets == nullptr;
   const bool position_major = shared_positions || a.seq_len >= kPositionBlock;
-  if (position_major && a.num_tokens >= 2 * a.seq_len) {  // seq_len >= 1: forward() checked
+  if (position_major && a.num_tokens / a.seq_len >= 2) {  // seq_len >= 1: forward() checked
     p.positions = position_work(a, p.width);
     parallel_for(p.positions.num_items, 1, a.num_threads, &ForwardPositions<T, Math, IdT>::run, &p);
   } else {

@@ -480,13 +480,14 @@ def check_op_inputs(ids, weight, turns, positions, offsets, seq_len: int, concat
         raise ValueError(f"pe_columns={list(pe_columns)} is not the column layout of any layout for a PE of width "
                          f"{pe_width} with {num_turns} frequencies")
     num_tokens = ids.shape[0]
+    # seq_len cuts the tokens into sequences whatever gives the positions: the CPU kernel's position-major
+    # path takes a positions tensor by sequence and column too.
+    if num_tokens and not 1 <= seq_len <= num_tokens:
+        raise ValueError(f"seq_len={seq_len} must be in [1, {num_tokens}] for {num_tokens} tokens")
     if positions is not None:
         _check_index_vector("positions", positions, num_tokens, device)
-    elif num_tokens:
-        if not 1 <= seq_len <= num_tokens:
-            raise ValueError(f"seq_len={seq_len} must be in [1, {num_tokens}] for {num_tokens} tokens")
-        if offsets is not None:
-            _check_index_vector("offsets", offsets, -(-num_tokens // seq_len), device)
+    elif num_tokens and offsets is not None:
+        _check_index_vector("offsets", offsets, -(-num_tokens // seq_len), device)
     if dropout_seed is not None and (dropout_seed.dtype != torch.int64 or dropout_seed.numel() != 1
                                      or dropout_seed.device != device):
         raise ValueError(f"dropout_seed must be an int64 tensor of one element on {device}, got dtype "

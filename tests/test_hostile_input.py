@@ -7,6 +7,8 @@ whose guard zones must stay untouched, and tables are views into NaN-padded stor
 """
 
 import math
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -16,6 +18,7 @@ from torch import nn
 import posenc_fast as pf
 from posenc_fast import ops, reference
 from posenc_fast._dispatch import BACKENDS
+from posenc_fast.backends import cpu_backend
 from posenc_fast._spec import MAX_ROW_WIDTH, MAX_SCALE
 from posenc_fast._validate import make_spec
 
@@ -131,6 +134,8 @@ def _bad_op_calls(device):
         ("offsets", dict(offsets=torch.zeros(2, **i64))),
         ("seq_len", dict(seq_len=0)),
         ("seq_len", dict(seq_len=13)),
+        ("seq_len", dict(positions=torch.zeros(12, **i64), seq_len=13)),  # positions cut by sequence too (CPU)
+        ("seq_len", dict(positions=torch.zeros(12, **i64), seq_len=2**62)),
         ("ids", dict(ids=torch.zeros(4, 3, **i64))),
         ("ids", dict(ids=torch.zeros(24, **i64)[::2])),
         ("ids", dict(ids=torch.zeros(12, device=device))),
@@ -146,6 +151,42 @@ def test_op_refuses_tensors_that_disagree_with_its_numbers(backend, device, no_k
         with pytest.raises(ValueError) as info:
             ops.sinusoidal_embedding_op(**_op_arguments(device, **changes), backend=backend)
         assert fragment in str(info.value), (fragment, str(info.value))
+
+
+_POSITIONS_AT_A_GUARD_PAGE = """
+import ctypes, mmap, torch
+from posenc_fast import ops
+from posenc_fast._validate import make_spec
+page = mmap.PAGESIZE
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+base = libc.mmap(None, 2 * page, 3, 0x22, -1, 0)  # read-write, private and anonymous
+assert libc.mprotect(base + page, page, 0) == 0  # the second page: no access
+n, seq_len, width = 25, 10, 4096
+positions = torch.frombuffer((ctypes.c_int64 * n).from_address(base + page - 8 * n), dtype=torch.int64)
+positions.copy_(torch.arange(n) % seq_len)  # the tensor's last byte is the page's
+torch.set_num_threads(2)
+spec = make_spec(20, width, "add", None, 10000.0, "interleaved", 1.0, 1.0, None)
+out = ops.sinusoidal_embedding_op(torch.randint(0, 20, (n,)), torch.randn(20, width), spec.turns_tensor(torch.device("cpu")),
+    positions, None, 0, seq_len, False, width, spec.columns.as_list(), 1.0, 1.0, -1, False, False, 0, 20, None, 0.0,
+    backend="cpu")
+print("inside", tuple(out.shape))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="maps a guard page with Linux's mmap flags")
+def test_cpu_positions_with_a_short_last_sequence_stay_inside_the_tensor():
+    """A direct op call may cut 25 tokens into sequences of 10 (the last one short) and give a positions
+    tensor.  The CPU kernel takes it by sequence and column (position-major); on 2 threads at width 4096
+    the short sequence is a group of its own, whose columns past its end have no token and must not be
+    read.  The tensor ends at a page with no access: a read past it kills the subprocess."""
+    if cpu_backend.extension() is None:
+        pytest.skip("no CPU extension here")
+    result = subprocess.run([sys.executable, "-c", _POSITIONS_AT_A_GUARD_PAGE], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0 and "inside (25, 4096)" in result.stdout, (result.returncode, result.stderr[-2000:])
 
 
 @pytest.mark.parametrize("backend,device", TARGETS)
