@@ -238,6 +238,7 @@ struct ForwardPlan {
   Math embed_scale, pe_scale, dropout_scale;
   DropoutMask mask;
   PositionWork positions;  // the position-major path's cut (position_work)
+  bool shared_positions;  // a scalar offset: every token of a column at one position
   int* scratch_failed;  // set to 1 (atomically) by a work item whose scratch could not be allocated
 };
 
@@ -509,7 +510,6 @@ struct ForwardPositions {
     const ForwardPlan<Math>& p = *static_cast<const ForwardPlan<Math>*>(context);
     const ForwardArgs& a = *p.args;
     const PositionWork& w = p.positions;
-    const bool shared = a.positions == nullptr && a.offsets == nullptr;  // every token of a column at one position
     Scratch<Math> scratch((kPositionBlock + 1) * p.width + 2 * p.slots);
     // The block rows' phases, then a token's own; none where the loop multiplies.
     Scratch<uint64_t> phases(kPhasesByAddition ? 2 * p.slots : 0);
@@ -550,7 +550,7 @@ struct ForwardPositions {
             const int64_t j = t - start;
             Math* __restrict__ pe_row = pe_rows + j * p.width;
             const Math scale = pe_scale_of(p, id);
-            const int64_t position = shared ? row_position[j] : token_position(a, t);
+            const int64_t position = p.shared_positions ? row_position[j] : token_position(a, t);
             if (scale != p.pe_scale) {  // pe_zero_id: this token's own (zero) PE
               token_run.start(position, p.rates, p.slots);
               sin_cos_row(position, token_run.phases, p.rates, p.slots, sins, coses);
@@ -630,10 +630,11 @@ const char* forward_typed(const ForwardArgs& a) {
   int scratch_failed = 0;
   p.scratch_failed = &scratch_failed;
   // Position-major where a column's tokens are likely to share a position (ForwardPositions): a scalar
-  // offset, or per-token positions over sequences of a block or more; otherwise (a decoding step over
-  // per-sequence offsets, short sequences, one sequence or packed ones) one sin/cos row per token.
-  const bool shared_positions = a.positions == nullptr && a.offsets == nullptr;
-  const bool position_major = shared_positions || a.seq_len >= kPositionBlock;
+  // offset, or per-token positions over two or more sequences of a block or more; otherwise (a decoding
+  // step over per-sequence offsets, short sequences, a single sequence, as a cu_seqlens batch of 1-D ids
+  // is) one sin/cos row per token.
+  p.shared_positions = a.positions == nullptr && a.offsets == nullptr;
+  const bool position_major = p.shared_positions || a.seq_len >= kPositionBlock;
   if (position_major && a.num_tokens / a.seq_len >= 2) {  // seq_len >= 1: forward() checked
     p.positions = position_work(a, p.width);
     parallel_for(p.positions.num_items, 1, a.num_threads, &ForwardPositions<T, Math, IdT>::run, &p);

@@ -400,6 +400,13 @@ def check_id_bounds(low: int, high: int, num_embeddings: int, vocab_start: int =
             raise IndexError(f"id {bad} is out of range for an embedding table of {num_embeddings} rows ({valid})")
 
 
+def id_value_fits(ids: torch.Tensor, value: int) -> bool:
+    """Whether ``value`` lies within the ids' dtype, so that an id can equal it.  Compared outside it, an
+    int32 tensor would wrap the value (2^32 + 7 onto 7): a padding_idx past the dtype matches no id."""
+    info = torch.iinfo(ids.dtype)
+    return info.min <= value <= info.max
+
+
 def _wrap_int64(value: int) -> int:
     return (value - _INT64_MIN) % (1 << 64) + _INT64_MIN
 

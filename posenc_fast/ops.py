@@ -23,7 +23,7 @@ from ._dispatch import get_backend
 from ._dropout import dropout_for
 from ._routing import eager_call, plain
 from ._spec import PEColumns
-from ._validate import check_id_range, check_op_inputs
+from ._validate import check_id_range, check_op_inputs, id_value_fits
 from . import reference
 from .reference import dropout_keep
 from .backends import KernelParams, sort_ids_for_gradient
@@ -350,9 +350,9 @@ sinusoidal_embedding_backward_op.register_autograd(_backward_backward, setup_con
 
 
 def _padding_mask(ids: Tensor, padding_idx: int) -> Optional[Tensor]:
-    """``ids == padding_idx``, or None where no id can be the padding one (none, or past the ids' dtype: an
-    int32 tensor compared with 2^32 + 7 would wrap it onto 7)."""
-    return ids == padding_idx if 0 <= padding_idx <= torch.iinfo(ids.dtype).max else None
+    """``ids == padding_idx``, or None where no id can be the padding one (none: negative; or past the ids'
+    dtype)."""
+    return ids == padding_idx if padding_idx >= 0 and id_value_fits(ids, padding_idx) else None
 
 
 def sparse_weight_gradient(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype,

@@ -11,7 +11,7 @@ from typing import Union
 import torch
 
 from . import config
-from ._validate import check_cu_seqlens
+from ._validate import check_cu_seqlens, id_value_fits
 
 
 def make_positions(ids: torch.Tensor, padding_idx: int, past_length: Union[int, torch.Tensor] = 0,
@@ -45,10 +45,10 @@ def make_positions(ids: torch.Tensor, padding_idx: int, past_length: Union[int, 
         raise TypeError(f"past_length must be an int or an integer tensor, got {past_length!r}")
     elif not -(1 << 63) <= past_length < (1 << 63):
         raise ValueError(f"past_length={past_length} does not fit in int64")
-    info = torch.iinfo(ids.dtype)
-    if info.min <= padding_idx <= info.max:
+    # Unlike the op's padding_idx, a negative one here is a real padding id.
+    if id_value_fits(ids, padding_idx):
         real = (ids != padding_idx).to(torch.int64)
-    else:  # no id can be the padding one; compared, an int32 tensor would wrap 2^32 + 7 onto 7
+    else:  # no id can be the padding one
         real = torch.ones_like(ids, dtype=torch.int64)
     if shift_padding:
         return torch.cumsum(real, dim=-1) * real + past_length + padding_idx

@@ -5,6 +5,10 @@ Triton decides between compiling and interpreting when a kernel is *defined*, so
 kernel module is imported lazily, at the first launch, and the mode it was defined
 in is remembered: ``import posenc_fast`` never imports Triton.
 
+A prepared launch (``prepare_forward``) on a GPU launches a compiled kernel through that kernel's own
+launcher from its second call with the same specialization on: Triton's JIT call (binding the arguments,
+specialising them, looking up its cache: most of a launch's host time) runs once per specialization.
+
 Threads: the lazy load is done once, under a lock.  Triton's interpreter is not thread-safe
 (each launch patches ``triton.language`` module-wide for its duration and runs on one global
 builder holding the grid index), so interpreted launches are serialised here; compiled launches
@@ -14,6 +18,7 @@ on a GPU are not.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import os
 import threading
 import weakref
@@ -255,10 +260,10 @@ def prepare_forward(dtype, num_rows: int, device, turns, params: KernelParams) -
                        SOFTWARE_BF16=interpreted, FLOAT64=params.float64_math, DROPOUT=False, GROUPED=False,
                        ZERO_COS_TAIL=columns.num_cos > params.num_pairs)
 
-    def shape_for(num_tokens: int, table_rows: int, weight_row_stride: int):
-        key = (num_tokens, table_rows, weight_row_stride)
+    def shape_for(key):
         shape = shapes.get(key)
         if shape is None:
+            num_tokens, table_rows, weight_row_stride = key
             tiles = _forward_tiles(params, num_tokens, element_size)
             num_copy = triton.cdiv(params.token_width, 2 * tiles.block_p) if params.concat else 0
             grid = (triton.cdiv(num_tokens, tiles.block_t), num_copy + triton.cdiv(tiles.pair_slots, tiles.block_p))
@@ -269,8 +274,11 @@ def prepare_forward(dtype, num_rows: int, device, turns, params: KernelParams) -
                               num_warps=tiles.warps)
             if len(shapes) >= 64:
                 shapes.clear()
-            shape = shapes[key] = (grid, arguments_after, constexprs)
+            shape = shapes[key] = (grid, arguments_after, constexprs, compiled_launches.constexpr_values(constexprs))
         return shape
+
+    on_gpu = device.type == "cuda"
+    compiled_launches = _CompiledLaunches(kernels.forward_kernel, device.index if on_gpu else None)
 
     def launch(ids, weight, weight_row_stride, out, offset, seq_len, num_tokens, last_argument):
         if num_tokens == 0:
@@ -278,21 +286,92 @@ def prepare_forward(dtype, num_rows: int, device, turns, params: KernelParams) -
         # The rows the kernel may read: the table's (an embedding), or x's own (add_sinusoidal, whose launch
         # is prepared for any row count), as _forward passes them.
         table_rows = weight.numel() // weight_row_stride if weight_row_stride else num_rows
-        grid, arguments_after, constexprs = shape_for(num_tokens, table_rows, weight_row_stride)
+        shape_key = (num_tokens, table_rows, weight_row_stride)
+        grid, arguments_after, constexprs, constexpr_values = shape_for(shape_key)
+        seq_len = max(seq_len, 1)
         if interpreted:
             with _interpreter_lock:
-                kernels.forward_kernel[grid](ids, weight, out, *fixed_before, offset, max(seq_len, 1),
-                                             *arguments_after, **constexprs)
-        else:
-            kernels.forward_kernel[grid](ids, weight, out, *fixed_before, offset, max(seq_len, 1), *arguments_after,
-                                         **constexprs)
-
-    on_gpu = device.type == "cuda"
+                kernels.forward_kernel[grid](ids, weight, out, *fixed_before, offset, seq_len, *arguments_after,
+                                             **constexprs)
+            return
+        # Everything but the call's tensors, offset and length is fixed by the shape: the key holds what
+        # Triton specialises those on (_CompiledLaunches).
+        key = (shape_key, ids.dtype, ids.data_ptr() % 16 == 0, weight.data_ptr() % 16 == 0,
+               out.data_ptr() % 16 == 0, _int_specialization(offset), _int_specialization(seq_len))
+        arguments = (ids, weight, out, *fixed_before, offset, seq_len, *arguments_after)
+        if not compiled_launches.launch(key, grid, last_argument, arguments + constexpr_values):
+            compiled_launches.keep(key, kernels.forward_kernel[grid](*arguments, **constexprs))
 
     def is_current() -> bool:  # the same kernels (their mode is fixed once loaded); on CPU the interpreter still on
         return _kernels is kernels and (on_gpu or interpreting())
 
     return PreparedLaunch(launch, ID_DTYPES, current_stream_function(device), is_current, turns)
+
+
+def _int_specialization(value: int):
+    """What Triton's JIT specialises an int argument on (``specialize_impl`` in triton.runtime.jit, the same in
+    Triton 3.5 to 3.9): 1 is made a constant; otherwise its type by range (i32, u64 or i64) and whether 16
+    divides it.  Tensors: their dtype and whether 16 divides their address."""
+    return (value == 1, value % 16 == 0, -(2**31) <= value < 2**31, value >= 2**63)
+
+
+class _CompiledLaunches:
+    """A Triton kernel's compiled kernels on one GPU, by the specialization of the arguments that vary
+    between a prepared launch's calls, launched through the compiled kernel's own launcher as Triton's
+    JIT launches them (``JITFunction.run``: ``kernel.run(grid, stream, function, metadata, hooks,
+    *arguments)``, every parameter in signature order, constexprs included; the same in Triton 3.5 to
+    3.9).  A key's first call goes through the JIT, which compiles or finds the kernel and returns it.
+    On another current device than the prepared one (whose stream the launch is given), calls take the
+    JIT path, which launches on the current device as it always does.  Settings Triton keys its own
+    cache on besides the arguments (``TRITON_DEBUG`` and other knobs) are read when a kernel is first
+    kept: change them before the first call."""
+
+    _KEPT = 64  # kernels kept: a decoding loop needs one or two
+
+    def __init__(self, kernel, device_index: Optional[int]):
+        self._device_index = device_index
+        self._kernels = {}
+        self._constexpr_names = []
+        if device_index is not None:
+            # (As Triton tells a constexpr parameter: by its annotation.)
+            self._constexpr_names = [param.name for param in inspect.signature(kernel.fn).parameters.values()
+                                     if "constexpr" in str(param.annotation)]
+            from triton import knobs
+            from triton.compiler import CompiledKernel
+
+            self._hooks = knobs.runtime
+            self._compiled_type = CompiledKernel
+            # (torch.cuda.current_device less its lazy-init check: a prepared launch runs after CUDA's use)
+            self._current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
+
+    def constexpr_values(self, constexprs: dict) -> tuple:
+        """The constexpr arguments, in signature order, that the launcher takes after the others."""
+        return tuple(constexprs[name] for name in self._constexpr_names)
+
+    def launch(self, key, grid, stream: int, arguments: tuple) -> bool:
+        """Launch the kernel kept for ``key`` with every argument in signature order; False where none is
+        kept (or another device is current), and the caller goes through the JIT."""
+        compiled = self._kernels.get(key)
+        if compiled is None or self._current_device() != self._device_index:
+            return False
+        enter_hook = self._hooks.launch_enter_hook
+        # The metadata is for the enter hook (a profiler's): not made where there is none (None, or an empty
+        # chain of hooks).
+        metadata = (compiled.launch_metadata(grid, stream, *arguments)
+                    if enter_hook is not None and getattr(enter_hook, "calls", True) else None)
+        compiled.run(grid[0], grid[1], 1, stream, compiled.function, compiled.packed_metadata, metadata,
+                     enter_hook, self._hooks.launch_exit_hook, *arguments)
+        return True
+
+    def keep(self, key, compiled) -> None:
+        """Keep what the JIT's launch returned: a compiled kernel, launched and so loaded on the current
+        device (not a hook's None or an asynchronous compile's future)."""
+        if (self._device_index is None or not isinstance(compiled, self._compiled_type)
+                or self._current_device() != self._device_index):
+            return
+        if len(self._kernels) >= self._KEPT:
+            self._kernels.clear()
+        self._kernels[key] = compiled
 
 
 def _backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype, dropout, sorted_ids):

@@ -1,0 +1,235 @@
+"""posenc_fast.backends.triton_backend: the prepared launch's compiled-kernel path (``_CompiledLaunches``).
+
+On a GPU a prepared Triton launch calls a compiled kernel's own launcher with the arguments Triton's JIT
+would pass it, and reuses a compiled kernel only for calls that Triton specialises the same way.  Both
+halves are checked here without a GPU: the key against Triton's own specialization, the arguments against
+the kernel's signature (a stand-in for the GPU kernel records what each path passes).  On a GPU, the
+last test runs the real launcher across specializations against the JIT path, bit for bit.
+"""
+
+import inspect
+import itertools
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+import posenc_fast as pf  # noqa: E402
+from posenc_fast.backends import kernel_params, triton_backend  # noqa: E402
+
+
+def _triton_specialization():
+    """Triton's own specialization of one launch argument, (type, key), as its JIT computes it."""
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime import jit
+
+    if hasattr(jit, "native_specialize_impl"):  # Triton 3.6 and later
+        return lambda value: tuple(jit.native_specialize_impl(BaseBackend, value, False, True, True))
+    specialize = jit.create_specialize_impl(BaseBackend.get_arg_specialization)  # Triton 3.5
+    return lambda value: tuple(specialize(value, False, True, True))
+
+
+INT_VALUES = sorted({v + d for v in (0, 1, 16, 2**31, -(2**31), 2**32, 2**63, -(2**63), 2**64 - 16, 48, -16)
+                     for d in (-17, -16, -15, -1, 0, 1, 15, 16, 17)
+                     if -(2**63) <= v + d < 2**64})
+
+
+def test_int_key_is_as_fine_as_tritons():
+    """Two ints with the same key must have the same specialization in Triton; else a kernel compiled for
+    one (``offset == 1`` made a constant, a 32-bit type, a divisibility hint) would serve the other."""
+    specialization = _triton_specialization()
+    by_key = {}
+    for value in INT_VALUES:
+        by_key.setdefault(triton_backend._int_specialization(value), set()).add(specialization(value))
+    merged = {key: specs for key, specs in by_key.items() if len(specs) > 1}
+    assert not merged, merged
+    assert len(by_key) >= 5  # 1; i32 with and without 16 | v; i64; u64: the classes are all reached
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.float32, torch.bfloat16], ids=str)
+def test_tensor_key_is_as_fine_as_tritons(dtype):
+    """A tensor's key (its dtype is fixed by the launch, its address's alignment is in the key) against
+    Triton's specialization at every byte offset from a 64-byte-aligned start."""
+    specialization = _triton_specialization()
+    storage = torch.zeros(64, dtype=dtype)
+    by_key = {}
+    for start in range(16 // storage.element_size() * 2):
+        view = storage[start:]
+        by_key.setdefault(view.data_ptr() % 16 == 0, set()).add(specialization(view))
+    assert all(len(specs) == 1 for specs in by_key.values()), by_key
+    assert set(by_key) == ({True} if storage.element_size() >= 16 else {True, False})
+
+
+class _RecordingCompiled(triton.compiler.CompiledKernel):
+    """Stands in for a compiled kernel: its launcher records what it is given."""
+
+    def __init__(self, launches):  # (no binary: nothing of the base class's state)
+        self.launches = launches
+        self.function, self.packed_metadata = "function", "packed metadata"
+
+    @property
+    def run(self):
+        return lambda *arguments: self.launches.append(arguments)
+
+    def launch_metadata(self, grid, stream, *arguments):
+        return "launch metadata"
+
+    def __del__(self):
+        pass
+
+
+class _RecordingKernel:
+    """Stands in for ``forward_kernel`` compiled for a GPU: records each JIT call and returns a compiled kernel."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.jit_calls = []
+        self.launches = []
+
+    def __getitem__(self, grid):
+        def call(*arguments, **keywords):
+            self.jit_calls.append((grid, arguments, keywords))
+            return _RecordingCompiled(self.launches)
+        return call
+
+
+@pytest.fixture
+def recording_gpu_launch(monkeypatch):
+    """A prepared launch for a GPU whose kernel is a _RecordingKernel (no GPU needed), and that kernel."""
+    real = triton_backend._load_kernels().forward_kernel
+    kernel = _RecordingKernel(real.fn)
+    monkeypatch.setattr(triton_backend, "_kernels", SimpleNamespace(forward_kernel=kernel))
+    monkeypatch.setattr(triton_backend, "_kernels_interpreted", False)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    layer = pf.SinusoidalEmbedding(50, 96)
+    params = kernel_params(layer.spec, False)
+    prepared = triton_backend.prepare_forward(torch.float32, 50, torch.device("cuda", 0), layer.spec.turns_tensor("cpu"),
+                                              params)
+    return prepared, kernel, layer.weight.detach()
+
+
+def test_compiled_launch_passes_what_the_jit_passes(recording_gpu_launch):
+    """A key's second call goes to the compiled kernel's launcher with the grid, the stream and every
+    parameter in signature order (constexprs included, num_warps not), as ``JITFunction.run`` passes them."""
+    prepared, kernel, weight = recording_gpu_launch
+    ids = torch.randint(0, 50, (2, 5))
+    out = torch.empty(10, 96)
+    for stream in (7, 8):
+        prepared.launch(ids, weight, 96, out, 12345, 5, 10, stream)
+    assert len(kernel.jit_calls) == 1 and len(kernel.launches) == 1
+    grid, arguments, keywords = kernel.jit_calls[0]
+    assert keywords.pop("num_warps") >= 1
+    bound = inspect.signature(kernel.fn).bind(*arguments, **keywords)
+    assert len(bound.arguments) == len(inspect.signature(kernel.fn).parameters)  # nothing left to its default
+    launched = kernel.launches[0]
+    hooks = triton.knobs.runtime
+    assert launched[:9] == (grid[0], grid[1], 1, 8, "function", "packed metadata", None, hooks.launch_enter_hook,
+                            hooks.launch_exit_hook)
+    assert len(launched[9:]) == len(bound.arguments)
+    for name, want, got in zip(bound.arguments, bound.arguments.values(), launched[9:]):
+        assert got is want or got == want, name
+
+
+def test_a_new_specialization_goes_through_the_jit(recording_gpu_launch):
+    """A call goes through the JIT exactly when Triton's own specialization of its varying arguments (ids,
+    table, output, offset, length) is one no earlier call had: offset or length 1, 16 | value, 64-bit
+    values, the alignment of ids, table or output, the ids' dtype.  Each call is made twice: the second
+    always takes the compiled kernel."""
+    prepared, kernel, weight = recording_gpu_launch
+    specialization = _triton_specialization()
+    ids = torch.randint(0, 50, (40,))
+    out = torch.empty(2000)
+    table = torch.empty(weight.numel() + 4)
+    variants = {
+        "offset": [5, 1, 32, 2**40, 2**63 + 3, -7, 6],
+        "seq_len": [5, 1, 48, 7],
+        "ids": [ids[1:11], ids[:10], ids[4:14], ids[:10].int(), ids[1:11].int()],
+        "weight": [weight, table[1:1 + weight.numel()].view(50, 96), table[4:4 + weight.numel()].view(50, 96)],
+        "out": [out[:960].view(10, 96), out[1:961].view(10, 96), out[8:968].view(10, 96)],
+    }
+    usual = {name: values[0] for name, values in variants.items()}
+    seen = set()
+    for name, values in variants.items():
+        for value in values:
+            call = dict(usual, **{name: value})
+            triton_key = tuple(specialization(call[n]) for n in ("ids", "weight", "out", "offset", "seq_len"))
+            for repeat in range(2):
+                jit_before, launches_before = len(kernel.jit_calls), len(kernel.launches)
+                prepared.launch(call["ids"], call["weight"], 96, call["out"], call["offset"], call["seq_len"], 10, 3)
+                took_jit = len(kernel.jit_calls) - jit_before
+                assert took_jit + len(kernel.launches) - launches_before == 1
+                assert took_jit == (repeat == 0 and triton_key not in seen), (name, value, repeat)
+                seen.add(triton_key)
+    assert len(kernel.jit_calls) == len(seen) >= 10
+
+
+def test_a_launch_hook_gets_its_metadata(recording_gpu_launch, monkeypatch):
+    """With a launch hook set (a profiler's), the compiled path makes the launch metadata and passes the hooks,
+    as the JIT does; without one it makes none."""
+    prepared, kernel, weight = recording_gpu_launch
+    ids, out = torch.randint(0, 50, (4,)), torch.empty(4, 96)
+    prepared.launch(ids, weight, 96, out, 0, 4, 4, 3)
+    prepared.launch(ids, weight, 96, out, 0, 4, 4, 3)
+    assert kernel.launches[-1][6] is None
+
+    def enter_hook(metadata):
+        pass
+
+    chain = triton.knobs.runtime.launch_enter_hook
+    if hasattr(chain, "calls"):  # a chain of hooks (newer Tritons): this one in it, for this test only
+        monkeypatch.setattr(chain, "calls", [enter_hook])
+    else:
+        monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", enter_hook)
+    prepared.launch(ids, weight, 96, out, 0, 4, 4, 3)
+    assert len(kernel.launches) == 2
+    assert kernel.launches[-1][6] == "launch metadata"
+    assert kernel.launches[-1][7] is triton.knobs.runtime.launch_enter_hook
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32 if t.element_size() == 4 else torch.int16)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernels' launcher needs a GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_compiled_launches_match_the_jit_path_on_a_gpu(dtype, seed, monkeypatch):
+    """The real launcher: calls across Triton's specializations (offsets 1, 16 | value, 64-bit; length 1;
+    misaligned ids, table and output; int32 ids), each made twice (the second through the compiled
+    kernel), into poisoned outputs, bit for bit against the JIT path (``_forward``)."""
+    served = []
+    real_launch = triton_backend._CompiledLaunches.launch
+
+    def counting_launch(self, *args):
+        took = real_launch(self, *args)
+        served.append(took)
+        return took
+
+    monkeypatch.setattr(triton_backend._CompiledLaunches, "launch", counting_launch)
+    g = torch.Generator().manual_seed(seed)
+    layer = pf.SinusoidalEmbedding(1000, 96, embed_scale=3.0)
+    params = kernel_params(layer.spec, False)
+    device = torch.device("cuda", torch.cuda.current_device())
+    turns = layer.spec.turns_tensor(device)
+    weight = torch.randn(1000, 96, generator=g).to(device=device, dtype=dtype)
+    prepared = triton_backend.prepare_forward(dtype, 1000, device, turns, params)
+    ids = torch.randint(0, 1000, (64,), generator=g).to(device)
+    table = torch.empty(weight.numel() + 8, dtype=dtype, device=device)
+    table[1:1 + weight.numel()] = weight.view(-1)
+    out = torch.empty(64 * 96 + 8, dtype=dtype, device=device)
+    calls = [(ids[:16], weight, 0, 16, 4), (ids[:16], weight, 1, 16, 4), (ids[:16], weight, 32, 16, 1),
+             (ids[1:17], weight, 2**40 + 3, 16, 16), (ids[:16].int(), weight, -7, 16, 2),
+             (ids[:16], table[1:1 + weight.numel()].view(1000, 96), 2**62, 16, 16), (ids[:16], weight, 9, 16, 16)]
+    for call_ids, call_weight, offset, num_tokens, seq_len in calls:
+        want = triton_backend._forward(call_ids, call_weight, turns, None, None, offset, seq_len, params, None)
+        for output_start in (0, 1):
+            got = out[output_start:output_start + num_tokens * 96].view(num_tokens, 96)
+            for _ in range(2):
+                got.fill_(float("nan"))
+                prepared.launch(call_ids, call_weight, 96, got, offset, seq_len, num_tokens,
+                                prepared.last_argument())
+                torch.cuda.synchronize()
+                assert torch.equal(_bits(got), _bits(want)), (offset, seq_len, output_start)
+    assert served.count(True) >= len(calls) * 2  # the compiled path served the repeats
