@@ -8,8 +8,7 @@ last test runs the real launcher across specializations against the JIT path, bi
 """
 
 import inspect
-import itertools
-import os
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -50,9 +49,11 @@ def test_int_key_is_as_fine_as_tritons():
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.float32, torch.bfloat16], ids=str)
-def test_tensor_key_is_as_fine_as_tritons(dtype):
-    """A tensor's key (its dtype is fixed by the launch, its address's alignment is in the key) against
-    Triton's specialization at every byte offset from a 64-byte-aligned start."""
+def test_tritons_tensor_specialization_is_dtype_and_alignment(dtype):
+    """What the key assumes of the installed Triton: a tensor argument is specialised on its dtype and on
+    whether 16 divides its address, nothing else (every byte offset from a 64-byte-aligned start).  The
+    launch's key holds the ids' dtype (the table's and output's are the prepared one) and the three
+    alignments."""
     specialization = _triton_specialization()
     storage = torch.zeros(64, dtype=dtype)
     by_key = {}
@@ -66,13 +67,16 @@ def test_tensor_key_is_as_fine_as_tritons(dtype):
 class _RecordingCompiled(triton.compiler.CompiledKernel):
     """Stands in for a compiled kernel: its launcher records what it is given."""
 
-    def __init__(self, launches):  # (no binary: nothing of the base class's state)
-        self.launches = launches
+    def __init__(self, launches, serial):  # (no binary: nothing of the base class's state)
+        self.launches, self.serial = launches, serial
         self.function, self.packed_metadata = "function", "packed metadata"
 
     @property
     def run(self):
-        return lambda *arguments: self.launches.append(arguments)
+        def record(*arguments):
+            self.launches.append(arguments)
+            self.launched_serials.append(self.serial)
+        return record
 
     def launch_metadata(self, grid, stream, *arguments):
         return "launch metadata"
@@ -84,15 +88,24 @@ class _RecordingCompiled(triton.compiler.CompiledKernel):
 class _RecordingKernel:
     """Stands in for ``forward_kernel`` compiled for a GPU: records each JIT call and returns a compiled kernel."""
 
+    run = triton.runtime.jit.JITFunction.run  # (never called: what a plain launch finds on a JIT function)
+
     def __init__(self, fn):
         self.fn = fn
         self.jit_calls = []
         self.launches = []
+        self.pre_run_hooks = []
+        self.launched_serials = []  # which JIT call's compiled kernel each launch used
+        self.returns_compiled = True  # False: the JIT returns a stand-in for an asynchronous compile's future
 
     def __getitem__(self, grid):
         def call(*arguments, **keywords):
             self.jit_calls.append((grid, arguments, keywords))
-            return _RecordingCompiled(self.launches)
+            if not self.returns_compiled:
+                return SimpleNamespace(result=None)
+            compiled = _RecordingCompiled(self.launches, len(self.jit_calls) - 1)
+            compiled.launched_serials = self.launched_serials
+            return compiled
         return call
 
 
@@ -103,7 +116,9 @@ def recording_gpu_launch(monkeypatch):
     kernel = _RecordingKernel(real.fn)
     monkeypatch.setattr(triton_backend, "_kernels", SimpleNamespace(forward_kernel=kernel))
     monkeypatch.setattr(triton_backend, "_kernels_interpreted", False)
-    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    current_device = [0]  # what the stand-in for torch's current-device query answers
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: current_device[0], raising=False)
+    monkeypatch.setattr(sys.modules[__name__], "CURRENT_DEVICE", current_device, raising=False)
     layer = pf.SinusoidalEmbedding(50, 96)
     params = kernel_params(layer.spec, False)
     prepared = triton_backend.prepare_forward(torch.float32, 50, torch.device("cuda", 0), layer.spec.turns_tensor("cpu"),
@@ -133,37 +148,104 @@ def test_compiled_launch_passes_what_the_jit_passes(recording_gpu_launch):
         assert got is want or got == want, name
 
 
+def _launch(prepared, call):
+    prepared.launch(call["ids"], call["weight"], 96, call["out"], call["offset"], call["seq_len"], call["ids"].numel(), 3)
+
+
 def test_a_new_specialization_goes_through_the_jit(recording_gpu_launch):
-    """A call goes through the JIT exactly when Triton's own specialization of its varying arguments (ids,
-    table, output, offset, length) is one no earlier call had: offset or length 1, 16 | value, 64-bit
-    values, the alignment of ids, table or output, the ids' dtype.  Each call is made twice: the second
-    always takes the compiled kernel."""
+    """A call goes through the JIT exactly when its shape (tokens, table rows) or Triton's own specialization
+    of its varying arguments (ids, table, output, offset, length) is one no earlier call had: offset or
+    length 1, 16 | value, 64-bit values, the alignment of ids, table or output, the ids' dtype.  Each call
+    is made twice: the second always takes the compiled kernel."""
     prepared, kernel, weight = recording_gpu_launch
     specialization = _triton_specialization()
-    ids = torch.randint(0, 50, (40,))
-    out = torch.empty(2000)
+    ids = torch.randint(0, 30, (41,))
+    out = torch.empty(41 * 96 + 8)
     table = torch.empty(weight.numel() + 4)
+
+    def output(tokens, start=0):
+        return out[start:start + tokens * 96].view(tokens, 96)
+
     variants = {
         "offset": [5, 1, 32, 2**40, 2**63 + 3, -7, 6],
         "seq_len": [5, 1, 48, 7],
         "ids": [ids[1:11], ids[:10], ids[4:14], ids[:10].int(), ids[1:11].int()],
-        "weight": [weight, table[1:1 + weight.numel()].view(50, 96), table[4:4 + weight.numel()].view(50, 96)],
-        "out": [out[:960].view(10, 96), out[1:961].view(10, 96), out[8:968].view(10, 96)],
+        "weight": [weight, table[1:1 + weight.numel()].view(50, 96), table[4:4 + weight.numel()].view(50, 96),
+                   weight[:30]],
+        "out": [output(10), output(10, 1), output(10, 8)],
+        "tokens": [10, 4, 40, 16],
     }
     usual = {name: values[0] for name, values in variants.items()}
     seen = set()
     for name, values in variants.items():
         for value in values:
             call = dict(usual, **{name: value})
-            triton_key = tuple(specialization(call[n]) for n in ("ids", "weight", "out", "offset", "seq_len"))
+            if name == "tokens":
+                call.update(ids=ids[1:1 + value], out=output(value))
+            key = (call["ids"].numel(), call["weight"].shape[0],
+                   *(specialization(call[n]) for n in ("ids", "weight", "out", "offset", "seq_len")))
             for repeat in range(2):
                 jit_before, launches_before = len(kernel.jit_calls), len(kernel.launches)
-                prepared.launch(call["ids"], call["weight"], 96, call["out"], call["offset"], call["seq_len"], 10, 3)
+                _launch(prepared, call)
                 took_jit = len(kernel.jit_calls) - jit_before
                 assert took_jit + len(kernel.launches) - launches_before == 1
-                assert took_jit == (repeat == 0 and triton_key not in seen), (name, value, repeat)
-                seen.add(triton_key)
-    assert len(kernel.jit_calls) == len(seen) >= 10
+                assert took_jit == (repeat == 0 and key not in seen), (name, value, repeat)
+                seen.add(key)
+            grid = kernel.jit_calls[-1][0] if took_jit else kernel.launches[-1][:2]
+            assert grid[0] == -(-call["ids"].numel() // kernel.jit_calls[-1][2]["BLOCK_T"])
+    assert len(kernel.jit_calls) == len(seen) >= 13
+
+
+@pytest.mark.parametrize("setting", ["another device", "debug", "instrumentation", "stages hook", "pre-run hook",
+                                     "JITFunction.run replaced"])
+def test_launches_that_are_not_plain_go_through_the_jit(recording_gpu_launch, monkeypatch, setting):
+    """While the current device is another than the prepared one, or a setting the JIT reads per call is in
+    force, every call goes through the JIT, and what it compiles then is not kept; once that is over, the
+    kernel kept before serves the calls again."""
+    prepared, kernel, weight = recording_gpu_launch
+    call = dict(ids=torch.randint(0, 50, (8,)), weight=weight, out=torch.empty(8, 96), offset=3, seq_len=8)
+    for _ in range(2):
+        _launch(prepared, call)
+    assert len(kernel.jit_calls) == 1 and kernel.launched_serials == [0]
+    with monkeypatch.context() as change:
+        if setting == "another device":
+            CURRENT_DEVICE[0] = 1
+        elif setting == "debug":
+            change.setattr(triton.knobs.runtime, "debug", True)
+        elif setting == "instrumentation":
+            if not hasattr(triton.knobs.compilation, "instrumentation_mode"):
+                pytest.skip("this Triton has no instrumentation mode")
+            change.setattr(triton.knobs.compilation, "instrumentation_mode", "consan")
+        elif setting == "stages hook":
+            if not hasattr(triton.knobs.runtime, "add_stages_inspection_hook"):
+                pytest.skip("this Triton has no stages-inspection hook")
+            change.setattr(triton.knobs.runtime, "add_stages_inspection_hook", lambda: ("key", "hash"))
+        elif setting == "pre-run hook":
+            change.setattr(kernel, "pre_run_hooks", [lambda *args, **kwargs: None])
+        else:
+            change.setattr(_RecordingKernel, "run", lambda self, *args, **kwargs: None)
+        for _ in range(3):
+            _launch(prepared, call)
+        assert len(kernel.jit_calls) == 4 and kernel.launched_serials == [0]
+    CURRENT_DEVICE[0] = 0
+    for _ in range(2):
+        _launch(prepared, call)
+    assert len(kernel.jit_calls) == 4 and kernel.launched_serials == [0, 0, 0]
+
+
+def test_only_a_compiled_kernel_is_kept(recording_gpu_launch, monkeypatch):
+    """What the JIT returns is kept only if it is a compiled kernel (not a cache hook's None or an
+    asynchronous compile's future)."""
+    prepared, kernel, weight = recording_gpu_launch
+    call = dict(ids=torch.randint(0, 50, (8,)), weight=weight, out=torch.empty(8, 96), offset=3, seq_len=8)
+    with monkeypatch.context() as change:
+        change.setattr(kernel, "returns_compiled", False)
+        for _ in range(3):
+            _launch(prepared, call)
+    assert len(kernel.jit_calls) == 3 and not kernel.launches
+    for _ in range(3):
+        _launch(prepared, call)
+    assert len(kernel.jit_calls) == 4 and kernel.launched_serials == [3, 3]
 
 
 def test_a_launch_hook_gets_its_metadata(recording_gpu_launch, monkeypatch):
@@ -197,8 +279,9 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_compiled_launches_match_the_jit_path_on_a_gpu(dtype, seed, monkeypatch):
     """The real launcher: calls across Triton's specializations (offsets 1, 16 | value, 64-bit; length 1;
-    misaligned ids, table and output; int32 ids), each made twice (the second through the compiled
-    kernel), into poisoned outputs, bit for bit against the JIT path (``_forward``)."""
+    misaligned ids, table and output; int32 ids) and shapes (tokens, table rows), each made twice (the
+    second through the compiled kernel), into poisoned outputs, bit for bit against the JIT path
+    (``_forward``)."""
     served = []
     real_launch = triton_backend._CompiledLaunches.launch
 
@@ -221,7 +304,8 @@ def test_compiled_launches_match_the_jit_path_on_a_gpu(dtype, seed, monkeypatch)
     out = torch.empty(64 * 96 + 8, dtype=dtype, device=device)
     calls = [(ids[:16], weight, 0, 16, 4), (ids[:16], weight, 1, 16, 4), (ids[:16], weight, 32, 16, 1),
              (ids[1:17], weight, 2**40 + 3, 16, 16), (ids[:16].int(), weight, -7, 16, 2),
-             (ids[:16], table[1:1 + weight.numel()].view(1000, 96), 2**62, 16, 16), (ids[:16], weight, 9, 16, 16)]
+             (ids[:16], table[1:1 + weight.numel()].view(1000, 96), 2**62, 16, 16), (ids[:16], weight, 9, 16, 16),
+             (ids[:4], weight, 9, 4, 4), (ids[:40], weight, 9, 40, 8), (ids[:16] % 300, weight[:300], 9, 16, 16)]
     for call_ids, call_weight, offset, num_tokens, seq_len in calls:
         want = triton_backend._forward(call_ids, call_weight, turns, None, None, offset, seq_len, params, None)
         for output_start in (0, 1):

@@ -315,32 +315,45 @@ def _int_specialization(value: int):
     return (value == 1, value % 16 == 0, -(2**31) <= value < 2**31, value >= 2**63)
 
 
+# The Triton releases whose JITFunction.run launches a compiled kernel as _CompiledLaunches does (read in
+# their sources); on others every call takes the JIT.
+_COMPILED_LAUNCH_TRITON = ((3, 5), (3, 10))
+
+
 class _CompiledLaunches:
     """A Triton kernel's compiled kernels on one GPU, by the specialization of the arguments that vary
     between a prepared launch's calls, launched through the compiled kernel's own launcher as Triton's
     JIT launches them (``JITFunction.run``: ``kernel.run(grid, stream, function, metadata, hooks,
     *arguments)``, every parameter in signature order, constexprs included; the same in Triton 3.5 to
     3.9).  A key's first call goes through the JIT, which compiles or finds the kernel and returns it.
-    On another current device than the prepared one (whose stream the launch is given), calls take the
-    JIT path, which launches on the current device as it always does.  Settings Triton keys its own
-    cache on besides the arguments (``TRITON_DEBUG`` and other knobs) are read when a kernel is first
-    kept: change them before the first call."""
+
+    Only plain launches go this way: the JIT path serves every call while a setting that it reads on every
+    call is in force (debug, an instrumentation mode such as Proton's, a stages-inspection hook, a pre-run
+    hook, a replaced ``JITFunction.run``), on another current device than the prepared one (whose stream
+    the launch is given), on ROCm (whose backend specialises tensors on more than their address), and
+    on Triton releases outside ``_COMPILED_LAUNCH_TRITON``."""
 
     _KEPT = 64  # kernels kept: a decoding loop needs one or two
 
     def __init__(self, kernel, device_index: Optional[int]):
         self._device_index = device_index
+        self._kernel = kernel
         self._kernels = {}
         self._constexpr_names = []
-        if device_index is not None:
+        low, high = _COMPILED_LAUNCH_TRITON
+        version = tuple(int(part) for part in triton.__version__.split(".")[:2])
+        self._enabled = device_index is not None and torch.version.hip is None and low <= version < high
+        if self._enabled:
             # (As Triton tells a constexpr parameter: by its annotation.)
             self._constexpr_names = [param.name for param in inspect.signature(kernel.fn).parameters.values()
                                      if "constexpr" in str(param.annotation)]
             from triton import knobs
             from triton.compiler import CompiledKernel
+            from triton.runtime.jit import JITFunction
 
-            self._hooks = knobs.runtime
+            self._runtime, self._compilation = knobs.runtime, knobs.compilation
             self._compiled_type = CompiledKernel
+            self._jit_run = JITFunction.run
             # (torch.cuda.current_device less its lazy-init check: a prepared launch runs after CUDA's use)
             self._current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
 
@@ -348,26 +361,35 @@ class _CompiledLaunches:
         """The constexpr arguments, in signature order, that the launcher takes after the others."""
         return tuple(constexprs[name] for name in self._constexpr_names)
 
+    def _plain(self) -> bool:
+        """Whether the JIT would launch the kept kernel now as it did: on the prepared device, with no
+        per-call setting of the JIT's in force (class docstring)."""
+        runtime = self._runtime
+        return (self._current_device() == self._device_index and not runtime.debug
+                and not getattr(self._compilation, "instrumentation_mode", "")
+                and getattr(runtime, "add_stages_inspection_hook", None) is None
+                and not self._kernel.pre_run_hooks and type(self._kernel).run is self._jit_run)
+
     def launch(self, key, grid, stream: int, arguments: tuple) -> bool:
         """Launch the kernel kept for ``key`` with every argument in signature order; False where none is
-        kept (or another device is current), and the caller goes through the JIT."""
+        kept or the launch is not plain, and the caller goes through the JIT."""
         compiled = self._kernels.get(key)
-        if compiled is None or self._current_device() != self._device_index:
+        if compiled is None or not self._plain():
             return False
-        enter_hook = self._hooks.launch_enter_hook
+        runtime = self._runtime
+        enter_hook = runtime.launch_enter_hook
         # The metadata is for the enter hook (a profiler's): not made where there is none (None, or an empty
         # chain of hooks).
         metadata = (compiled.launch_metadata(grid, stream, *arguments)
                     if enter_hook is not None and getattr(enter_hook, "calls", True) else None)
         compiled.run(grid[0], grid[1], 1, stream, compiled.function, compiled.packed_metadata, metadata,
-                     enter_hook, self._hooks.launch_exit_hook, *arguments)
+                     enter_hook, runtime.launch_exit_hook, *arguments)
         return True
 
     def keep(self, key, compiled) -> None:
-        """Keep what the JIT's launch returned: a compiled kernel, launched and so loaded on the current
-        device (not a hook's None or an asynchronous compile's future)."""
-        if (self._device_index is None or not isinstance(compiled, self._compiled_type)
-                or self._current_device() != self._device_index):
+        """Keep what the JIT's plain launch returned: a compiled kernel, launched and so loaded on the
+        current device (not a hook's None or an asynchronous compile's future)."""
+        if not self._enabled or not isinstance(compiled, self._compiled_type) or not self._plain():
             return
         if len(self._kernels) >= self._KEPT:
             self._kernels.clear()
