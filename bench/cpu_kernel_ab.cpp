@@ -74,15 +74,21 @@ double quantile(std::vector<double> v, double q) {
 int main(int argc, char** argv) {
   if (argc < 8) {
     std::fprintf(stderr, "usage: %s vocab d batch length threads repeats cold(0 warm|1 cold|2 fresh outputs) "
-                 "[offsets (0 a scalar offset|1 per-sequence offsets, equal|2 per-sequence offsets, distinct)]\n",
+                 "[offsets (0 a scalar offset|1 per-sequence offsets, equal|2 per-sequence offsets, distinct|"
+                 "3 padded: fairseq's positions of right-padded sequences, zero PE at padding)]\n",
                  argv[0]);
     return 2;
   }
   const int64_t vocab = atoll(argv[1]), d = atoll(argv[2]), batch = atoll(argv[3]), length = atoll(argv[4]);
   const int threads = atoi(argv[5]), repeats = atoi(argv[6]), cold = atoi(argv[7]);
   const int offsets_kind = argc > 8 ? atoi(argv[8]) : 0;
-  if (offsets_kind < 0 || offsets_kind > 2) {
-    std::fprintf(stderr, "offsets must be 0 (a scalar offset), 1 (per-sequence, equal) or 2 (per-sequence, distinct)\n");
+  if (offsets_kind < 0 || offsets_kind > 3) {
+    std::fprintf(stderr, "offsets must be 0 (a scalar offset), 1 (per-sequence, equal), 2 (per-sequence, distinct) "
+                 "or 3 (padded)\n");
+    return 2;
+  }
+  if (offsets_kind == 3 && atoll(argv[1]) < 3) {
+    std::fprintf(stderr, "padded needs vocab >= 3 (padding id 1 and another id)\n");
     return 2;
   }
   if (cold < 0 || cold > 2) {
@@ -137,7 +143,24 @@ int main(int argc, char** argv) {
   // sequence 1000 positions past the previous one (no two tokens of a column at one position).
   std::vector<int64_t> offsets(static_cast<size_t>(batch), 0);
   for (int64_t b = 0; offsets_kind == 2 && b < batch; ++b) offsets[static_cast<size_t>(b)] = 1000 * b;
-  if (offsets_kind != 0) a.offsets = offsets.data();
+  if (offsets_kind == 1 || offsets_kind == 2) a.offsets = offsets.data();
+  // Padded (make_positions with padding_idx 1, zero_pe_at_padding): sequence b's first length - b * length /
+  // (2 * batch) tokens are real, at positions 2, 3, ...; the rest are padding (id 1) at position 1, with zero PE.
+  std::vector<int64_t> positions(offsets_kind == 3 ? static_cast<size_t>(tokens) : 0);
+  if (offsets_kind == 3) {
+    constexpr int64_t kPaddingIdx = 1;
+    for (int64_t b = 0; b < batch; ++b) {
+      const int64_t real = length - b * length / (2 * batch);
+      for (int64_t j = 0; j < length; ++j) {
+        const size_t t = static_cast<size_t>(b * length + j);
+        if (j >= real) ids[t] = kPaddingIdx;
+        else if (ids[t] == kPaddingIdx) ids[t] = kPaddingIdx + 1;
+        positions[t] = j < real ? kPaddingIdx + 1 + j : kPaddingIdx;
+      }
+    }
+    a.positions = positions.data();
+    a.pe_zero_id = kPaddingIdx;
+  }
 
   std::vector<double> times[2];
   const int warmup = 10;

@@ -1,7 +1,7 @@
 """Same-process A/B of the CPU forward kernel: a git revision's csrc/cpu_kernels.cpp against the working tree's.
 
     python bench/cpu_kernel_ab.py [--base HEAD] [--shapes 8x512,64x64,4096x1,1x4096] [--repeats 200]
-                                  [--isa isa_avx2] [--offsets scalar|equal|distinct]
+                                  [--isa isa_avx2] [--offsets scalar|equal|distinct|padded]
 
 Separate runs on a small shared VM differ by up to 2x (bench/NOTES.md), so a kernel change of a few percent
 cannot be seen by timing the package before and after.  This builds both versions of the kernel file into one
@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from posenc_fast import _build  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-OFFSETS = ("scalar", "equal", "distinct")  # bench/cpu_kernel_ab.cpp's codes 0, 1, 2
+OFFSETS = ("scalar", "equal", "distinct", "padded")  # bench/cpu_kernel_ab.cpp's codes 0, 1, 2, 3
 
 
 def isa_flags(requested: str = "best") -> list:
@@ -80,8 +80,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--offsets", default="scalar", choices=OFFSETS,
                         help="the positions: a scalar offset 0 (default), per-sequence offsets all 0 (the same "
-                             "positions, given per sequence), or per-sequence offsets 1000 apart (every token of a "
-                             "column at its own position)")
+                             "positions, given per sequence), per-sequence offsets 1000 apart (every token of a "
+                             "column at its own position), or padded: a positions tensor as make_positions gives "
+                             "right-padded sequences (padding_idx 1, zero PE at padding; sequence b keeps "
+                             "length - b * length / (2 * batch) real tokens)")
     parser.add_argument("--isa", default="best", choices=["best"] + [name for name, _ in _build.CPU_X86_VARIANTS],
                         help="the instruction-set variant's flags to build both versions with (default: the best this "
                              "CPU runs)")
@@ -91,7 +93,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as workdir:
         program = build(args.base, workdir, args.isa)
         where = {"scalar": "a scalar offset", "equal": "equal per-sequence offsets",
-                 "distinct": "distinct per-sequence offsets"}[args.offsets]
+                 "distinct": "distinct per-sequence offsets", "padded": "right-padded make_positions"}[args.offsets]
         print(f"V {args.vocab}, d {args.d}, fp32, {args.isa} ISA, {where}, {args.threads} threads, "
               f"{args.repeats} alternating calls each; base {args.base} vs working tree; ms")
         print(f"{'shape':>8} {'cache':>5} {'base p10':>9} {'base med':>9} {'new p10':>9} {'new med':>9} {'new/base':>9}")

@@ -462,26 +462,66 @@ POSENC_INLINE void prefetch_row_start(const ForwardArgs& a, int64_t id) {
   prefetch_lines(static_cast<const T*>(a.weight) + id * a.weight_row_stride, a.token_width * static_cast<int64_t>(sizeof(T)));
 }
 
+// Token t's output from a PE row that other tokens share: emit_row writes into its row under dropout,
+// so there the PE columns are copied first.
+template <typename T, typename Math>
+POSENC_INLINE void emit_shared_row(const ForwardPlan<Math>& p, int64_t t, int64_t id, Math* shared, Math* row) {
+  if (p.args->dropout_seed != nullptr) {
+    for (int64_t k = p.pe_col0; k < p.width; ++k) row[k] = shared[k];
+    emit_row<T>(p, t, id, row);
+  } else {
+    emit_row<T>(p, t, id, shared);
+  }
+}
+
+// A padding token's PE row at pe scale 0 (pe_zero_id, fairseq's padding): signed zeros, which carry
+// the signs of its position's sines and cosines.  fairseq puts every padding token at one position
+// (padding_idx), so a work item makes the row at the first padding token and again only where one
+// is at another position than the last.
+template <typename Math>
+struct ZeroPERow {
+  Math* row;  // [width]: the PE at pe_col0
+  bool made = false;
+  int64_t position = 0;
+
+  POSENC_INLINE Math* at(const ForwardPlan<Math>& p, int64_t at_position, PhaseRun& run, Math* sins, Math* coses) {
+    if (!made || at_position != position) {
+      run.start(at_position, p.rates, p.slots);
+      sin_cos_row(at_position, run.phases, p.rates, p.slots, sins, coses);
+      place_pe(p, sins, coses, Math(0), row + p.pe_col0);
+      made = true;
+      position = at_position;
+    }
+    return row;
+  }
+};
+
 // Token-major: any positions (a positions tensor, per-sequence offsets): one sin/cos row per token.
 template <typename T, typename Math, typename IdT>
 struct ForwardTokens {
   static void run(void* context, int64_t begin, int64_t end) {
     const ForwardPlan<Math>& p = *static_cast<const ForwardPlan<Math>*>(context);
     const ForwardArgs& a = *p.args;
-    Scratch<Math> scratch(p.width + 2 * p.slots);
+    Scratch<Math> scratch(2 * p.width + 2 * p.slots);
     Scratch<uint64_t> phases(kPhasesByAddition ? p.slots : 0);  // none where the loop multiplies
     if (scratch_missing(p, scratch) || scratch_missing(p, phases)) return;
     Math* __restrict__ row = scratch.data;
     Math* __restrict__ sins = row + p.width;
     Math* __restrict__ coses = sins + p.slots;
+    ZeroPERow<Math> zero_pe{coses + p.slots};
     PhaseRun phase_run{phases.data};  // a sequence's next token (position + 1) continues from the last phases
     for (int64_t t = begin; t < end; ++t) {
       if (t + 1 < end) prefetch_row_start<T>(a, token_id<IdT>(a, t + 1));
       const int64_t id = token_id<IdT>(a, t);
       const int64_t position = token_position(a, t);
+      const Math scale = pe_scale_of(p, id);
+      if (scale != p.pe_scale) {  // pe_zero_id
+        emit_shared_row<T>(p, t, id, zero_pe.at(p, position, phase_run, sins, coses), row);
+        continue;
+      }
       phase_run.start(position, p.rates, p.slots);
       sin_cos_row(position, phase_run.phases, p.rates, p.slots, sins, coses);
-      place_pe(p, sins, coses, pe_scale_of(p, id), row + p.pe_col0);
+      place_pe(p, sins, coses, scale, row + p.pe_col0);
       emit_row<T>(p, t, id, row);
     }
   }
@@ -510,7 +550,7 @@ struct ForwardPositions {
     const ForwardPlan<Math>& p = *static_cast<const ForwardPlan<Math>*>(context);
     const ForwardArgs& a = *p.args;
     const PositionWork& w = p.positions;
-    Scratch<Math> scratch((kPositionBlock + 1) * p.width + 2 * p.slots);
+    Scratch<Math> scratch((kPositionBlock + 2) * p.width + 2 * p.slots);
     // The block rows' phases, then a token's own; none where the loop multiplies.
     Scratch<uint64_t> phases(kPhasesByAddition ? 2 * p.slots : 0);
     if (scratch_missing(p, scratch) || scratch_missing(p, phases)) return;
@@ -518,6 +558,7 @@ struct ForwardPositions {
     Math* __restrict__ row = pe_rows + kPositionBlock * p.width;  // a token's working row (dropout, or no PE)
     Math* __restrict__ sins = row + p.width;
     Math* __restrict__ coses = sins + p.slots;
+    ZeroPERow<Math> zero_pe{coses + p.slots};
     int64_t row_position[kPositionBlock];  // the position each of pe_rows is at
     for (int64_t item = begin; item < end; ++item) {
       const int64_t chunk = item / w.groups, group = item - chunk * w.groups;
@@ -551,11 +592,8 @@ struct ForwardPositions {
             Math* __restrict__ pe_row = pe_rows + j * p.width;
             const Math scale = pe_scale_of(p, id);
             const int64_t position = p.shared_positions ? row_position[j] : token_position(a, t);
-            if (scale != p.pe_scale) {  // pe_zero_id: this token's own (zero) PE
-              token_run.start(position, p.rates, p.slots);
-              sin_cos_row(position, token_run.phases, p.rates, p.slots, sins, coses);
-              place_pe(p, sins, coses, scale, row + p.pe_col0);
-              emit_row<T>(p, t, id, row);
+            if (scale != p.pe_scale) {  // pe_zero_id: a zero PE at this token's position
+              emit_shared_row<T>(p, t, id, zero_pe.at(p, position, token_run, sins, coses), row);
               continue;
             }
             if (position != row_position[j]) {  // not the column's position: its row made again, at this one
@@ -564,12 +602,7 @@ struct ForwardPositions {
               place_pe(p, sins, coses, p.pe_scale, pe_row + p.pe_col0);
               row_position[j] = position;
             }
-            if (a.dropout_seed != nullptr) {  // emit_row works in place: keep pe_row intact
-              for (int64_t k = p.pe_col0; k < p.width; ++k) row[k] = pe_row[k];
-              emit_row<T>(p, t, id, row);
-            } else {
-              emit_row<T>(p, t, id, pe_row);
-            }
+            emit_shared_row<T>(p, t, id, pe_row, row);
           }
         }
       }
