@@ -8,7 +8,8 @@ cannot be seen by timing the package before and after.  This builds both version
 program (bench/cpu_kernel_ab.cpp, with the package's own compile flags for the best ISA variant this CPU has)
 and calls them alternately on the same data, warm (back to back), cold (after 96 MiB of other writes) and
 fresh (warm tables, the output cycling through three buffers, as a module's newly allocated outputs do).
-Prints p10 and median per version and the median ratio new / base (below 1: the working tree is faster).
+Prints p10 and median per version, the median ratio new / base (below 1: the working tree is faster), and
+whether the two versions' outputs of the case are the same bits.
 Run it on an idle machine: where one version splits a case over more threads than the other, load from other
 processes penalises only that one.  Needs Linux on x86 (the AVX-512 or AVX2 variant's flags, read from
 /proc/cpuinfo), a C++ compiler with OpenMP (-fopenmp), and a base revision with the same csrc/cpu_kernels.h.
@@ -96,17 +97,19 @@ def main() -> None:
                  "distinct": "distinct per-sequence offsets", "padded": "right-padded make_positions"}[args.offsets]
         print(f"V {args.vocab}, d {args.d}, fp32, {args.isa} ISA, {where}, {args.threads} threads, "
               f"{args.repeats} alternating calls each; base {args.base} vs working tree; ms")
-        print(f"{'shape':>8} {'cache':>5} {'base p10':>9} {'base med':>9} {'new p10':>9} {'new med':>9} {'new/base':>9}")
+        print(f"{'shape':>8} {'cache':>5} {'base p10':>9} {'base med':>9} {'new p10':>9} {'new med':>9} {'new/base':>9} "
+              f"{'bits':>6}")
         for shape in args.shapes.split(","):
             batch, length = (int(n) for n in shape.split("x"))
             for cold in (0, 1, 2):
                 line = subprocess.run([program, str(args.vocab), str(args.d), str(batch), str(length), str(args.threads),
                                        str(args.repeats), str(cold), str(OFFSETS.index(args.offsets))],
                                       check=True, capture_output=True, text=True).stdout
-                a10, a50, b10, b50 = (float(x) for x in line.split())
+                *quantiles, same = line.split()
+                a10, a50, b10, b50 = (float(x) for x in quantiles)
                 ratio = b50 / a50 if a50 > 0 else float("nan")
                 print(f"{shape:>8} {('warm', 'cold', 'fresh')[cold]:>5} {a10:9.4f} {a50:9.4f} {b10:9.4f} {b50:9.4f} "
-                      f"{ratio:9.2f}")
+                      f"{ratio:9.2f} {'same' if same == '1' else 'DIFFER':>6}")
 
 
 if __name__ == "__main__":

@@ -440,9 +440,10 @@ POSENC_INLINE void emit_row(const ForwardPlan<Math>& p, int64_t t, int64_t id, M
   for (int64_t k = 0; k < p.width; ++k) y[k] = Element<T>::narrow(row[k]);
 }
 
-template <typename Math>
-POSENC_INLINE Math pe_scale_of(const ForwardPlan<Math>& p, int64_t id) {
-  return (p.args->pe_zero_id >= 0 && id == p.args->pe_zero_id) ? Math(0) : p.pe_scale;  // fairseq padding: no PE
+// fairseq's padding (zero_pe_at_padding): the token gets a PE at scale +0, whatever the pe scale (a NaN or
+// -0.0 one included), as on the GPU backends.
+POSENC_INLINE bool zero_pe_token(const ForwardArgs& a, int64_t id) {
+  return a.pe_zero_id >= 0 && id == a.pe_zero_id;
 }
 
 // Lines of a token's weight row requested ahead (see the file comment).
@@ -514,14 +515,13 @@ struct ForwardTokens {
       if (t + 1 < end) prefetch_row_start<T>(a, token_id<IdT>(a, t + 1));
       const int64_t id = token_id<IdT>(a, t);
       const int64_t position = token_position(a, t);
-      const Math scale = pe_scale_of(p, id);
-      if (scale != p.pe_scale) {  // pe_zero_id
+      if (zero_pe_token(a, id)) {
         emit_shared_row<T>(p, t, id, zero_pe.at(p, position, phase_run, sins, coses), row);
         continue;
       }
       phase_run.start(position, p.rates, p.slots);
       sin_cos_row(position, phase_run.phases, p.rates, p.slots, sins, coses);
-      place_pe(p, sins, coses, scale, row + p.pe_col0);
+      place_pe(p, sins, coses, p.pe_scale, row + p.pe_col0);
       emit_row<T>(p, t, id, row);
     }
   }
@@ -590,9 +590,8 @@ struct ForwardPositions {
             const int64_t id = token_id<IdT>(a, t);
             const int64_t j = t - start;
             Math* __restrict__ pe_row = pe_rows + j * p.width;
-            const Math scale = pe_scale_of(p, id);
             const int64_t position = p.shared_positions ? row_position[j] : token_position(a, t);
-            if (scale != p.pe_scale) {  // pe_zero_id: a zero PE at this token's position
+            if (zero_pe_token(a, id)) {  // a zero PE at this token's position
               emit_shared_row<T>(p, t, id, zero_pe.at(p, position, token_run, sins, coses), row);
               continue;
             }

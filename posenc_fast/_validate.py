@@ -123,9 +123,11 @@ def make_spec(
         # A repeated call (the functional entry points build their spec on every call) skips the checks
         # below: the arguments, and the types of those where True, 1 and 1.0 are equal keys but not
         # equally valid, name a spec already built from them.
+        # (-0.0 and 0.0 are equal keys but not the same scale: a zero's sign joins the key.)
         validated_key = (num_embeddings, token_width, mode, d_pos, base, layout, embed_scale, pe_scale, padding_idx,
                          zero_pe_at_padding, precision, type(num_embeddings), type(token_width), type(d_pos),
-                         type(base), type(embed_scale), type(pe_scale), type(padding_idx), type(zero_pe_at_padding))
+                         type(base), type(embed_scale), type(pe_scale), type(padding_idx), type(zero_pe_at_padding),
+                         embed_scale == 0 and _sign(embed_scale), pe_scale == 0 and _sign(pe_scale))
         try:
             spec = _VALIDATED_SPECS.get(validated_key)
         except TypeError:  # an unhashable argument: the checks below name it
@@ -149,9 +151,10 @@ def make_spec(
         raise TypeError(f"zero_pe_at_padding must be a bool, got {zero_pe_at_padding!r}")
     if not isinstance(precision, str) or precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; expected one of {PRECISIONS}")
+    embed_scale, pe_scale = float(embed_scale), float(pe_scale)
     spec = _make_spec_cached(
-        num_embeddings, token_width, mode, d_pos, float(base), layout, float(embed_scale), float(pe_scale),
-        padding_idx, frequencies, zero_pe_at_padding, precision,
+        num_embeddings, token_width, mode, d_pos, float(base), layout, embed_scale, pe_scale,
+        padding_idx, frequencies, zero_pe_at_padding, precision, (_sign(embed_scale), _sign(pe_scale)),
     )
     if validated_key is not None:
         if len(_VALIDATED_SPECS) >= _VALIDATED_SPECS_KEPT:
@@ -164,9 +167,14 @@ _VALIDATED_SPECS: dict = {}  # make_spec's arguments (with types) -> the spec th
 _VALIDATED_SPECS_KEPT = 512
 
 
+def _sign(value) -> float:
+    return math.copysign(1.0, value)
+
+
 @host_cache
 def _make_spec_cached(num_embeddings, token_width, mode, d_pos, base, layout, embed_scale, pe_scale, padding_idx,
-                      frequencies, zero_pe_at_padding, precision):
+                      frequencies, zero_pe_at_padding, precision, scale_signs):
+    """``scale_signs``: the scales' signs, for the cache key only (-0.0 == 0.0, with one hash)."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
     if layout not in LAYOUTS:

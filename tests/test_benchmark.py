@@ -390,15 +390,17 @@ def test_cpu_kernel_ab_script_smoke():
         pytest.skip("needs a git checkout (the script compares with a revision)")
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     # The baseline variant (any x86-64) with a padded positions tensor: the options, and the shortest compile.
-    result = subprocess.run([sys.executable, os.path.join(root, "bench", "cpu_kernel_ab.py"), "--shapes", "3x5,7x1",
+    result = subprocess.run([sys.executable, os.path.join(root, "bench", "cpu_kernel_ab.py"), "--shapes", "3x5,2x16",
                              "--vocab", "50", "--d", "40", "--repeats", "3", "--threads", "2", "--isa", "isa_baseline",
                              "--offsets", "padded"],
                             capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "isa_baseline ISA, right-padded make_positions" in result.stdout, result.stdout[:500]
-    rows = [line.split() for line in result.stdout.splitlines() if line.split()[:1] in (["3x5"], ["7x1"])]
-    assert [(row[0], row[1]) for row in rows] == [(s, c) for s in ("3x5", "7x1") for c in ("warm", "cold", "fresh")]
+    # 3x5: token-major, 2x16: position-major, each with padding
+    rows = [line.split() for line in result.stdout.splitlines() if line.split()[:1] in (["3x5"], ["2x16"])]
+    assert [(row[0], row[1]) for row in rows] == [(s, c) for s in ("3x5", "2x16") for c in ("warm", "cold", "fresh")]
     assert all(float(x) > 0 for row in rows for x in row[2:6]), rows  # p10 and median of each version, in ms
+    assert all(row[7] in ("same", "DIFFER") for row in rows), rows  # (HEAD's kernel may differ from the tree's)
 
 
 def test_cuda_forward_ab_builds_each_variant_with_its_defines(tmp_path, monkeypatch):

@@ -18,6 +18,7 @@ from posenc_fast import _build, reference
 from posenc_fast._dispatch import resolve_backend
 from posenc_fast._spec import PEColumns
 from posenc_fast.backends import KernelParams, cpu_backend
+from posenc_fast.positions import make_positions
 
 from cases import CASES, assert_within, cpu_extension_problem, make_inputs, output_bound, ulp
 
@@ -312,8 +313,38 @@ def test_phases_by_addition_match_multiplied_phases(isa, precision, seed):
                 assert _same_bits(out, multiplied), (name, offset)
             scalar = pf.sinusoidal_embedding(ids[:2], weight, offset=offset, **kwargs)
             assert _same_bits(scalar, multiplied[:2]), ("offset", offset)
+            # make_positions: a padding token at padding_idx between two consecutive real positions (p - 1,
+            # then padding, then p), whose zero row is kept for the next one: the run goes on past it.
+            fairseq = make_positions(ids, 1, offset)
+            multiplied = pf.sinusoidal_embedding(ids.flip(-1), weight, positions=fairseq.flip(-1), **kwargs).flip(-2)
+            assert _same_bits(pf.sinusoidal_embedding(ids, weight, positions=fairseq, **kwargs), multiplied), offset
+            for b in range(shape[0]):
+                one = pf.sinusoidal_embedding(ids[b:b + 1], weight, positions=fairseq[b:b + 1], **kwargs)
+                assert _same_bits(one, multiplied[b:b + 1]), ("make_positions, one sequence", b, offset)
     finally:
         torch.set_num_threads(previous_threads)
+
+
+@pytest.mark.parametrize("isa", _isas(), indirect=True)
+@pytest.mark.parametrize("shape", [(4, 40), (1, 60), (40, 3)], ids=lambda s: "x".join(map(str, s)))
+def test_padding_zero_pe_has_its_positions_signs(isa, shape, seed):
+    """A padding token's zero PE (zero_pe_at_padding) is the PE at its own position times +0: concat
+    writes it, so every sign bit shows.  Against the float64 reference, on the position-major path (4 x 40)
+    and the token-major one (one sequence; short sequences), with padding at padding_idx (make_positions),
+    at the column's position (an offset) and at random positions: a row made at a wrong position, or made
+    once and kept past a change of position, has other signs."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, 30, shape, generator=g)
+    ids.view(-1)[::3] = 1
+    weight = torch.randn(30, 8, generator=g)
+    kwargs = dict(mode="concat", d_pos=10, padding_idx=1, zero_pe_at_padding=True)
+    for placement in (dict(positions=make_positions(ids, 1, 3)), dict(offset=1000),
+                      dict(positions=torch.randint(0, 2**40, shape, generator=g))):
+        out = pf.sinusoidal_embedding(ids, weight, backend="cpu", **placement, **kwargs)
+        exact = reference.sinusoidal_embedding(ids, weight.double(), **placement, **kwargs)
+        padding = ids == 1
+        assert torch.equal(torch.signbit(out[padding]), torch.signbit(exact[padding])), placement
+        assert not out[padding][..., 8:].any()  # zeros
 
 
 def _is_gcc(cxx: str) -> bool:

@@ -8,6 +8,7 @@ import torch
 import posenc_fast as pf
 from posenc_fast import backends, reference
 from posenc_fast._dispatch import BACKENDS
+from posenc_fast._validate import make_spec
 
 from cases import backend_targets
 
@@ -144,3 +145,20 @@ def test_a_repeated_call_is_checked_as_the_first(argument, valid, invalid):
         pf.sinusoidal_embedding(ids, weight, **kwargs, **{argument: valid})
     with pytest.raises((TypeError, ValueError), match=argument):
         pf.sinusoidal_embedding(ids, weight, **kwargs, **{argument: invalid})
+
+
+@pytest.mark.parametrize("argument", ["embed_scale", "pe_scale"])
+def test_a_zero_scale_keeps_its_sign_through_the_spec_caches(argument):
+    """-0.0 == 0.0 with one hash, but w * -0.0 and w * 0.0 differ in sign: a spec remembered for one zero is
+    not handed out for the other (make_spec's checked-argument cache, or the spec cache beneath it), in
+    either order and through the functional call that builds its spec each time."""
+    weight = torch.randn(10, 8)
+    ids = torch.randint(0, 10, (2, 3))
+    for zeros in ((-0.0, 0.0, -0.0), (0.0, -0.0, 0.0), (0, -0.0)):
+        for zero in zeros:
+            spec = make_spec(10, 8, "add", None, 10000.0, "interleaved", **{"embed_scale": 1.0, "pe_scale": 1.0,
+                                                                              argument: zero}, padding_idx=None)
+            assert math.copysign(1.0, getattr(spec, argument)) == math.copysign(1.0, zero), (zeros, zero)
+            out = pf.sinusoidal_embedding(ids, weight, backend="torch", offset=5, **{argument: zero})
+            exact = reference.sinusoidal_embedding(ids, weight.double(), offset=5, **{argument: zero})
+            assert torch.equal(torch.signbit(out), torch.signbit(exact.float())), (zeros, zero)
