@@ -127,7 +127,8 @@ def make_spec(
         validated_key = (num_embeddings, token_width, mode, d_pos, base, layout, embed_scale, pe_scale, padding_idx,
                          zero_pe_at_padding, precision, type(num_embeddings), type(token_width), type(d_pos),
                          type(base), type(embed_scale), type(pe_scale), type(padding_idx), type(zero_pe_at_padding),
-                         embed_scale == 0 and _sign(embed_scale), pe_scale == 0 and _sign(pe_scale))
+                         isinstance(embed_scale, float) and embed_scale == 0 and _sign(embed_scale),
+                         isinstance(pe_scale, float) and pe_scale == 0 and _sign(pe_scale))
         try:
             spec = _VALIDATED_SPECS.get(validated_key)
         except TypeError:  # an unhashable argument: the checks below name it

@@ -64,6 +64,8 @@ BAD_CALLS = [
     ("base_inf", ValueError, "inf", lambda ids, w: dict(base=math.inf)),
     ("base_nan", ValueError, "nan", lambda ids, w: dict(base=math.nan)),
     ("embed_scale_nan", ValueError, "embed_scale", lambda ids, w: dict(embed_scale=math.nan)),
+    ("embed_scale_tensor", TypeError, "embed_scale", lambda ids, w: dict(embed_scale=torch.tensor([1.0, 2.0]))),
+    ("pe_scale_complex", TypeError, "pe_scale", lambda ids, w: dict(pe_scale=0j)),
     ("padding_idx_out_of_range", ValueError, "padding_idx=10", lambda ids, w: dict(padding_idx=10)),
     ("unknown_backend", ValueError, "'cudnn'", lambda ids, w: dict(backend="cudnn")),
 ]
