@@ -22,9 +22,11 @@ plus a negligible computation, about what eager spends on the host before its ke
 
 ``--entry-points`` adds issue 26's table: every entry point (module, functional, ``add_sinusoidal`` and
 its module), in inference and in training, on ``cuda`` (zero-token launches, as above), on ``triton``
-with its kernels stubbed (our host work up to the kernel call; Triton's own launcher, which runs on
-every call on a GPU, is not timed) and on ``cpu`` and ``torch`` (their kernels run for real on a tiny
-case, so a few us of compute are included).
+(Triton's real JIT and launcher, the kernels compiled for an H100, onto a stand-in CUDA driver whose
+launch returns at once: bench/fake_cuda_driver.py; so, like the ``cuda`` rows, everything but the
+driver's launch call; where that driver cannot be built, the kernels are stubbed and only our host work
+is timed, as the output says) and on ``cpu`` and ``torch`` (their kernels run for real on a tiny case,
+so a few us of compute are included).
 
 ``--real cuda`` times the decode case as a user runs it on a GPU instead: real tensors, real launches
 (Triton's launcher and cudaLaunchKernel included), the calling thread's CPU time per call for
@@ -45,6 +47,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))  # fake_cuda_driver, beside this file
 
 import posenc_fast as pf  # noqa: E402
 from posenc_fast import _build, _prepared, baselines  # noqa: E402
@@ -171,7 +174,7 @@ def _entry_points(backend: str, width: int, vocab: int):
 
 class _NoTritonLaunch:
     """Stands for a Triton kernel: ``kernel[grid](...)`` returns at once, so that the ``triton`` backend's
-    host work (ours, before Triton's launcher) can be timed without a GPU."""
+    host work (ours, before Triton's launcher) can be timed where the stand-in driver cannot be built."""
 
     def __getitem__(self, grid):
         return _no_launch
@@ -181,38 +184,71 @@ def _no_launch(*args, **kwargs):
     return None
 
 
-def _stub_triton_kernels():
-    """Point the triton backend at stub kernels, as if compiled for a GPU (no interpreter lock) but on CPU
-    tensors; returns a function that restores it.  None where Triton is not installed."""
+def _triton_on_a_stand_in_driver():
+    """Point the triton backend at Triton's real JIT and launcher over the stand-in CUDA driver
+    (bench/fake_cuda_driver.py: kernels compiled for sm_90, launches that return at once), on CPU tensors
+    taken for device 0's; else, where that driver cannot be built, at stub kernels (our host work only).
+    Returns (what was timed, a function that restores the backend), or None where Triton is not installed."""
     try:
         import triton
     except ImportError:
         return None
     from types import SimpleNamespace
 
+    import fake_cuda_driver
     from posenc_fast.backends import triton_backend
 
     saved = (triton_backend.triton, triton_backend._kernels, triton_backend._kernels_interpreted,
-             triton_backend.available, triton_backend.interpreting)
-    stub = SimpleNamespace(forward_kernel=_NoTritonLaunch(), grad_chunk_kernel=_NoTritonLaunch(),
-                           grad_carry_kernel=_NoTritonLaunch())
-    triton_backend.triton, triton_backend._kernels, triton_backend._kernels_interpreted = triton, stub, False
+             triton_backend.available, triton_backend.interpreting, triton_backend._CompiledLaunches)
+    why_not = fake_cuda_driver.unavailable()
+    if why_not is None and (triton_backend._kernels_interpreted or triton_backend.interpreting()):
+        why_not = "Triton's interpreter is on (TRITON_INTERPRET)"
+    if why_not is None:
+        restore_driver = fake_cuda_driver.install()
+        triton_backend._load_kernels()  # compiled, not interpreted (checked above)
+        real_compiled_launches = triton_backend._CompiledLaunches
+
+        class OnDeviceZero(real_compiled_launches):
+            """The prepared launch's compiled kernels as on device 0 (the tensors are on the CPU here)."""
+
+            def __init__(self, kernel, device_index):
+                super().__init__(kernel, 0)
+                self._current_device = _device_zero
+
+        triton_backend._CompiledLaunches = OnDeviceZero
+        timed = "Triton's JIT and launcher, onto a stand-in driver (bench/fake_cuda_driver.py)"
+    else:
+        restore_driver = None
+        stub = SimpleNamespace(forward_kernel=_NoTritonLaunch(), grad_chunk_kernel=_NoTritonLaunch(),
+                               grad_carry_kernel=_NoTritonLaunch())
+        triton_backend.triton, triton_backend._kernels, triton_backend._kernels_interpreted = triton, stub, False
+        timed = f"ours up to Triton's launcher, which is stubbed (no stand-in driver: {why_not})"
     triton_backend.available = lambda device: None
     triton_backend.interpreting = lambda: True  # the prepared launch's check for CPU tensors
 
     def restore():
         (triton_backend.triton, triton_backend._kernels, triton_backend._kernels_interpreted,
-         triton_backend.available, triton_backend.interpreting) = saved
-    return restore
+         triton_backend.available, triton_backend.interpreting, triton_backend._CompiledLaunches) = saved
+        if restore_driver is not None:
+            restore_driver()
+    return timed, restore
 
 
-def entry_point_table(calls: int) -> dict:
-    """{backend: {entry point: {"inference": us, "training": us}}} and eager's own, id check off."""
-    table = {}
+def _device_zero() -> int:
+    return 0
+
+
+def entry_point_table(calls: int):
+    """{backend: {entry point: {"inference": us, "training": us}}} and eager's own, id check off; and
+    {backend: what its rows time} where that is not said above (triton)."""
+    table, timed = {}, {}
     for backend in ("cuda", "triton", "cpu", "torch"):
-        restore_triton = _stub_triton_kernels() if backend == "triton" else None
-        if backend == "triton" and restore_triton is None:
-            continue  # Triton not installed
+        restore_triton = None
+        if backend == "triton":
+            triton_setup = _triton_on_a_stand_in_driver()
+            if triton_setup is None:
+                continue  # Triton not installed
+            timed["triton"], restore_triton = triton_setup
         try:
             width, vocab = (4096, 262144) if backend in ("cuda", "triton") else (TABLE_WIDTH, TABLE_VOCAB)
             rows = table[f"{backend} (d {width})"] = {}
@@ -227,7 +263,7 @@ def entry_point_table(calls: int) -> dict:
     ids = torch.randint(0, TABLE_VOCAB, (TABLE_TOKENS, 1))
     table[f"eager (nn.Embedding + scale + add, d {TABLE_WIDTH})"] = {
         "nn.Module": inference_and_training_us(lambda: eager(ids), calls)}
-    return table
+    return table, timed
 
 
 def main(argv=None) -> int:
@@ -271,7 +307,7 @@ def main(argv=None) -> int:
     eager = baselines.EagerSinusoidalEmbedding(vocab, 8, max_len=8)
     with torch.no_grad():
         rows["eager module, CPU, width 8 (host work + tiny compute)"] = per_call_us(lambda: eager(ids), args.calls)
-    table = entry_point_table(args.calls) if args.entry_points else None
+    table, timed = entry_point_table(args.calls) if args.entry_points else (None, None)
     cuda_backend.use_host_emulation(None)
 
     print(f"host time per call, decode case ({num_sequences} tokens, d_model {d_model}, vocab {vocab}), "
@@ -279,9 +315,11 @@ def main(argv=None) -> int:
     for label, us in rows.items():
         print(f"  {label:56s} {us:6.1f} us")
     if table is not None:
-        print(f"every entry point, {TABLE_TOKENS} tokens, id check off (cuda: host work only; triton: ours, "
-              "Triton's launcher stubbed; cpu, torch: "
+        print(f"every entry point, {TABLE_TOKENS} tokens, id check off (cuda: host work only; triton: as below; "
+              "cpu, torch: "
               f"vocab {TABLE_VOCAB}, tiny compute included): inference / training us per call")
+        for backend, what in timed.items():
+            print(f"  ({backend}: {what})")
         for backend, entries in table.items():
             for name, us in entries.items():
                 print(f"  {backend:42s} {name:30s} {us['inference']:6.1f} / {us['training']:6.1f}")
@@ -293,7 +331,7 @@ def main(argv=None) -> int:
                        "device": _cpu_name(), "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d"),
                        "torch": torch.__version__, "clock": "time.thread_time, best of 7",
                        "us_per_call": rows, "target_us": TARGET_US,
-                       "entry_points_us_per_call": table}, f, indent=2)
+                       "entry_points_us_per_call": table, "entry_points_timed": timed}, f, indent=2)
     return 0
 
 

@@ -3,11 +3,16 @@
 On a GPU a prepared Triton launch calls a compiled kernel's own launcher with the arguments Triton's JIT
 would pass it, and reuses a compiled kernel only for calls that Triton specialises the same way.  Both
 halves are checked here without a GPU: the key against Triton's own specialization, the arguments against
-the kernel's signature (a stand-in for the GPU kernel records what each path passes).  On a GPU, the
-last test runs the real launcher across specializations against the JIT path, bit for bit.
+the kernel's signature (a stand-in for the GPU kernel records what each path passes).  Triton's real
+launcher runs too, onto a stand-in CUDA driver that records what it is handed (``fake_driver_launches.py``,
+in its own process): both paths must hand it the same launch.  On a GPU, the last test runs the real
+launcher across specializations against the JIT path, bit for bit.
 """
 
 import inspect
+import json
+import os
+import subprocess
 import sys
 from types import SimpleNamespace
 
@@ -128,7 +133,9 @@ def recording_gpu_launch(monkeypatch):
 
 def test_compiled_launch_passes_what_the_jit_passes(recording_gpu_launch):
     """A key's second call goes to the compiled kernel's launcher with the grid, the stream and every
-    parameter in signature order (constexprs included, num_warps not), as ``JITFunction.run`` passes them."""
+    parameter in signature order (constexprs included; num_warps and the compile options not), as
+    ``JITFunction.run`` passes them, but a tensor's address for the tensor; Triton's default hooks (empty
+    chains) as None."""
     prepared, kernel, weight = recording_gpu_launch
     ids = torch.randint(0, 50, (2, 5))
     out = torch.empty(10, 96)
@@ -137,15 +144,35 @@ def test_compiled_launch_passes_what_the_jit_passes(recording_gpu_launch):
     assert len(kernel.jit_calls) == 1 and len(kernel.launches) == 1
     grid, arguments, keywords = kernel.jit_calls[0]
     assert keywords.pop("num_warps") >= 1
+    keywords.pop("enable_fp_fusion", None)  # a compile option (the next test)
     bound = inspect.signature(kernel.fn).bind(*arguments, **keywords)
     assert len(bound.arguments) == len(inspect.signature(kernel.fn).parameters)  # nothing left to its default
     launched = kernel.launches[0]
-    hooks = triton.knobs.runtime
-    assert launched[:9] == (grid[0], grid[1], 1, 8, "function", "packed metadata", None, hooks.launch_enter_hook,
-                            hooks.launch_exit_hook)
+    assert launched[:9] == (grid[0], grid[1], 1, 8, "function", "packed metadata", None, None, None)
     assert len(launched[9:]) == len(bound.arguments)
     for name, want, got in zip(bound.arguments, bound.arguments.values(), launched[9:]):
-        assert got is want or got == want, name
+        if isinstance(want, torch.Tensor):  # the launcher is given its address
+            assert got == want.data_ptr() and type(got) is int, name
+        else:
+            assert got is want or got == want, name
+
+
+def test_the_launches_ask_for_fma_contraction_unless_the_user_chose(recording_gpu_launch, monkeypatch):
+    """Every launch asks Triton for FMA contraction (what the kernels were checked with), unless the user set
+    Triton's default (TRITON_DEFAULT_FP_FUSION), which Triton then applies."""
+    _, kernel, weight = recording_gpu_launch
+    ids, out = torch.randint(0, 50, (4,)), torch.empty(4, 96)
+    layer = pf.SinusoidalEmbedding(50, 96)
+    for users_default, asked in ((None, {"enable_fp_fusion": True}), ("0", {}), ("1", {})):
+        if users_default is None:
+            monkeypatch.delenv("TRITON_DEFAULT_FP_FUSION", raising=False)
+        else:
+            monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", users_default)
+        assert triton_backend.compile_options() == asked
+        prepared = triton_backend.prepare_forward(torch.float32, 50, torch.device("cuda", 0),
+                                                  layer.spec.turns_tensor("cpu"), kernel_params(layer.spec, False))
+        prepared.launch(ids, weight, 96, out, 0, 4, 4, 3)
+        assert kernel.jit_calls[-1][2].get("enable_fp_fusion") == asked.get("enable_fp_fusion"), users_default
 
 
 def _launch(prepared, call):
@@ -197,7 +224,7 @@ def test_a_new_specialization_goes_through_the_jit(recording_gpu_launch):
 
 
 @pytest.mark.parametrize("setting", ["another device", "debug", "instrumentation", "stages hook", "pre-run hook",
-                                     "JITFunction.run replaced"])
+                                     "JITFunction.run replaced", "CudaLauncher.__call__ replaced"])
 def test_launches_that_are_not_plain_go_through_the_jit(recording_gpu_launch, monkeypatch, setting):
     """While the current device is another than the prepared one, or a setting the JIT reads per call is in
     force, every call goes through the JIT, and what it compiles then is not kept; once that is over, the
@@ -222,6 +249,9 @@ def test_launches_that_are_not_plain_go_through_the_jit(recording_gpu_launch, mo
             change.setattr(triton.knobs.runtime, "add_stages_inspection_hook", lambda: ("key", "hash"))
         elif setting == "pre-run hook":
             change.setattr(kernel, "pre_run_hooks", [lambda *args, **kwargs: None])
+        elif setting == "CudaLauncher.__call__ replaced":  # (a tool's wrapper: the direct launch would skip it)
+            from triton.backends.nvidia.driver import CudaLauncher
+            change.setattr(CudaLauncher, "__call__", lambda self, *args: None)
         else:
             change.setattr(_RecordingKernel, "run", lambda self, *args, **kwargs: None)
         for _ in range(3):
@@ -248,27 +278,81 @@ def test_only_a_compiled_kernel_is_kept(recording_gpu_launch, monkeypatch):
     assert len(kernel.jit_calls) == 4 and kernel.launched_serials == [3, 3]
 
 
-def test_a_launch_hook_gets_its_metadata(recording_gpu_launch, monkeypatch):
-    """With a launch hook set (a profiler's), the compiled path makes the launch metadata and passes the hooks,
-    as the JIT does; without one it makes none."""
+@pytest.mark.parametrize("hooked", ["enter", "exit", "both"])
+def test_a_launch_hook_gets_its_metadata(recording_gpu_launch, monkeypatch, hooked):
+    """With a launch hook set (a profiler's: on entry, exit or both), the compiled path makes the launch
+    metadata and passes the hooks, as the JIT does; with none (None or an empty chain) it makes no metadata
+    and passes None for each."""
     prepared, kernel, weight = recording_gpu_launch
     ids, out = torch.randint(0, 50, (4,)), torch.empty(4, 96)
     prepared.launch(ids, weight, 96, out, 0, 4, 4, 3)
     prepared.launch(ids, weight, 96, out, 0, 4, 4, 3)
-    assert kernel.launches[-1][6] is None
+    assert kernel.launches[-1][6:9] == (None, None, None)
 
-    def enter_hook(metadata):
+    def hook(metadata):
         pass
 
-    chain = triton.knobs.runtime.launch_enter_hook
-    if hasattr(chain, "calls"):  # a chain of hooks (newer Tritons): this one in it, for this test only
-        monkeypatch.setattr(chain, "calls", [enter_hook])
-    else:
-        monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", enter_hook)
+    for name in ("launch_enter_hook", "launch_exit_hook"):
+        if hooked not in (name.split("_")[1], "both"):
+            continue
+        chain = getattr(triton.knobs.runtime, name)
+        if hasattr(chain, "calls"):  # a chain of hooks (newer Tritons): this one in it, for this test only
+            monkeypatch.setattr(chain, "calls", [hook])
+        else:
+            monkeypatch.setattr(triton.knobs.runtime, name, hook)
     prepared.launch(ids, weight, 96, out, 0, 4, 4, 3)
     assert len(kernel.launches) == 2
-    assert kernel.launches[-1][6] == "launch metadata"
-    assert kernel.launches[-1][7] is triton.knobs.runtime.launch_enter_hook
+    hooks = triton.knobs.runtime
+    assert kernel.launches[-1][6:9] == (
+        "launch metadata",
+        hooks.launch_enter_hook if hooked in ("enter", "both") else None,
+        hooks.launch_exit_hook if hooked in ("exit", "both") else None)
+
+
+def _fake_driver_unavailable():
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    try:
+        import fake_cuda_driver
+    finally:
+        sys.path.pop(0)
+    return fake_cuda_driver.unavailable()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the next test runs the real driver")
+def test_tritons_launcher_gets_the_same_launch_from_both_paths():
+    """The prepared launch compiled for an H100 by Triton, launched by Triton's own launcher onto a stand-in
+    driver (no GPU): for each call across specializations and shapes, the JIT's launch and the compiled
+    path's (Triton's launch function called directly, with the kernel kept for the call's key) hand the
+    driver the same grid, block, shared memory and parameters, the call's own ids, table and output first;
+    with a launch hook set too, which gets the metadata.  Every kernel is compiled with FMA contraction."""
+    why = _fake_driver_unavailable()
+    if why is not None:
+        pytest.skip(why)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.join(root, "tests", "fake_driver_launches.py")
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))  # this checkout's
+    done = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=1200, env=env)
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(report["calls"]) == 13
+    for call in report["calls"]:
+        jit, compiled = call["jit"], call["compiled"]
+        assert compiled["launches"] > jit["launches"], call["call"]
+        assert call["served_by_compiled"] == 1 and call["direct"], call["call"]
+        for field in ("grid", "block", "shared_bytes", "params"):
+            assert compiled[field] == jit[field], (call["call"], field)
+        assert jit["params"][:3] == call["addresses"], call["call"]
+        assert jit["block"][0] >= 32
+    hooked = report["hooked"]  # the first call again, with a launch hook set
+    assert hooked["served_by_compiled"] == 1 and hooked["compiled"]["params"] == hooked["jit"]["params"]
+    assert [metadata["name"] for metadata in hooked["metadata"]] == ["forward_kernel"], hooked
+    # Every kernel compiled (the prepared and general forwards, the weight gradient's two) with FMA
+    # contraction, and without Triton 3.9's warning where a launch leaves that to the default.
+    assert all(report["fma_contraction"][name] for name in ("forward_kernel", "grad_chunk_kernel", "grad_carry_kernel"))
+    assert all(all(flags) for flags in report["fma_contraction"].values()), report["fma_contraction"]
+    assert not [message for message in report["compile_warnings"] if "FP_FUSION" in message], report
+    grids = {tuple(call["jit"]["grid"]) for call in report["calls"]}
+    assert any(x > 1 and y > 1 for x, y, _ in grids), grids  # both grid dimensions told apart
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

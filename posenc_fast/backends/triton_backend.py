@@ -6,8 +6,9 @@ kernel module is imported lazily, at the first launch, and the mode it was defin
 in is remembered: ``import posenc_fast`` never imports Triton.
 
 A prepared launch (``prepare_forward``) on a GPU launches a compiled kernel through that kernel's own
-launcher from its second call with the same specialization on: Triton's JIT call (binding the arguments,
-specialising them, looking up its cache: most of a launch's host time) runs once per specialization.
+launch function from its second call with the same specialization on: Triton's JIT call (binding the
+arguments, specialising them, looking up its cache: most of a launch's host time) runs once per
+specialization.  Every launch asks for the same compile options (``compile_options``).
 
 Threads: the lazy load is done once, under a lock.  Triton's interpreter is not thread-safe
 (each launch patches ``triton.language`` module-wide for its duration and runs on one global
@@ -22,7 +23,7 @@ import inspect
 import os
 import threading
 import weakref
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -31,6 +32,16 @@ from . import (ID_DTYPES, KernelParams, PreparedLaunch, current_stream_function,
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FLOAT64_MATH = True
+
+
+def compile_options() -> dict:
+    """Compile options of every launch: FMA contraction, which the kernels were measured and checked with on
+    a GPU, unless the user chose Triton's default (TRITON_DEFAULT_FP_FUSION).  Left unset, Triton 3.9 warns
+    at the first launch and says 3.10 turns it off."""
+    return {} if "TRITON_DEFAULT_FP_FUSION" in os.environ else _FMA_CONTRACTION
+
+
+_FMA_CONTRACTION = {"enable_fp_fusion": True}
 
 # Sorted tokens per stage-1 program of the weight gradient; small values are useful in tests
 # to make runs cross many chunk boundaries.
@@ -236,7 +247,7 @@ def _forward(ids, weight, turns, positions, offsets, offset, seq_len, params: Ke
         DROPOUT=dropout is not None, GROUPED=dropout is not None and _dropout_grouped(params, block_p),
         WIDE_INDEX=_needs_wide_index(num_tokens, tiles.block_t, out.stride(0), weight.shape[0], weight.stride(0)),
         ZERO_COS_TAIL=columns.num_cos > params.num_pairs,
-        num_warps=tiles.warps,
+        num_warps=tiles.warps, **compile_options(),
     )
     return out
 
@@ -254,11 +265,13 @@ def prepare_forward(dtype, num_rows: int, device, turns, params: KernelParams) -
     element_size = torch.empty((), dtype=dtype).element_size()
     shapes = {}  # (num_tokens, table rows, row stride) -> grid and arguments; a decoding loop has one or two
     fixed_before = (turns, turn_low, turn_high, None, None, None)  # no positions, offsets or dropout seed
+    # The same for the compiled launcher: addresses (fixed_before keeps the tensors alive).
+    fixed_before_addresses = (turns.data_ptr(), turn_low.data_ptr(), turn_high.data_ptr(), None, None, None)
     fixed_middle = (params.token_width, params.pe_width, params.num_pairs, turns.numel(), columns.sin_base,
                     columns.num_sin, columns.cos_base, columns.num_cos, params.pe_zero_id)
     fixed_flags = dict(CONCAT=params.concat, INTERLEAVED=columns.interleaved, POSITION_SOURCE=0,
                        SOFTWARE_BF16=interpreted, FLOAT64=params.float64_math, DROPOUT=False, GROUPED=False,
-                       ZERO_COS_TAIL=columns.num_cos > params.num_pairs)
+                       ZERO_COS_TAIL=columns.num_cos > params.num_pairs, **compile_options())
 
     def shape_for(key):
         shape = shapes.get(key)
@@ -274,7 +287,9 @@ def prepare_forward(dtype, num_rows: int, device, turns, params: KernelParams) -
                               num_warps=tiles.warps)
             if len(shapes) >= 64:
                 shapes.clear()
-            shape = shapes[key] = (grid, arguments_after, constexprs, compiled_launches.constexpr_values(constexprs))
+            # (The compiled launcher takes the constexprs too, after the others, in signature order.)
+            shape = shapes[key] = (grid, arguments_after, constexprs,
+                                   (*arguments_after, *compiled_launches.constexpr_values(constexprs)))
         return shape
 
     on_gpu = device.type == "cuda"
@@ -287,7 +302,7 @@ def prepare_forward(dtype, num_rows: int, device, turns, params: KernelParams) -
         # is prepared for any row count), as _forward passes them.
         table_rows = weight.numel() // weight_row_stride if weight_row_stride else num_rows
         shape_key = (num_tokens, table_rows, weight_row_stride)
-        grid, arguments_after, constexprs, constexpr_values = shape_for(shape_key)
+        grid, arguments_after, constexprs, launcher_arguments_after = shape_for(shape_key)
         seq_len = max(seq_len, 1)
         if interpreted:
             with _interpreter_lock:
@@ -296,11 +311,17 @@ def prepare_forward(dtype, num_rows: int, device, turns, params: KernelParams) -
             return
         # Everything but the call's tensors, offset and length is fixed by the shape: the key holds what
         # Triton specialises those on (_CompiledLaunches).
-        key = (shape_key, ids.dtype, ids.data_ptr() % 16 == 0, weight.data_ptr() % 16 == 0,
-               out.data_ptr() % 16 == 0, _int_specialization(offset), _int_specialization(seq_len))
-        arguments = (ids, weight, out, *fixed_before, offset, seq_len, *arguments_after)
-        if not compiled_launches.launch(key, grid, last_argument, arguments + constexpr_values):
-            compiled_launches.keep(key, kernels.forward_kernel[grid](*arguments, **constexprs))
+        # The compiled launcher is given the addresses, the JIT the tensors: the launch is prepared for this
+        # device, so Triton's per-pointer check that the address is one the device can use (a driver call
+        # each, made for tensors only) has nothing to find.
+        ids_address, weight_address, out_address = ids.data_ptr(), weight.data_ptr(), out.data_ptr()
+        key = (shape_key, ids.dtype, ids_address % 16 == 0, weight_address % 16 == 0, out_address % 16 == 0,
+               _int_specialization(offset), _int_specialization(seq_len))
+        if not compiled_launches.launch(key, grid, last_argument, (ids_address, weight_address, out_address,
+                                                                   *fixed_before_addresses, offset, seq_len,
+                                                                   *launcher_arguments_after)):
+            compiled_launches.keep(key, kernels.forward_kernel[grid](ids, weight, out, *fixed_before, offset, seq_len,
+                                                                     *arguments_after, **constexprs))
 
     def is_current() -> bool:  # the same kernels (their mode is fixed once loaded); on CPU the interpreter still on
         return _kernels is kernels and (on_gpu or interpreting())
@@ -311,8 +332,12 @@ def prepare_forward(dtype, num_rows: int, device, turns, params: KernelParams) -
 def _int_specialization(value: int):
     """What Triton's JIT specialises an int argument on (``specialize_impl`` in triton.runtime.jit, the same in
     Triton 3.5 to 3.9): 1 is made a constant; otherwise its type by range (i32, u64 or i64) and whether 16
-    divides it.  Tensors: their dtype and whether 16 divides their address."""
-    return (value == 1, value % 16 == 0, -(2**31) <= value < 2**31, value >= 2**63)
+    divides it.  (For a tensor: its dtype and whether 16 divides its address; the launch's key holds those.)
+    The common case, a 32-bit value, is one comparison and one mask: -1 stands for the constant 1, True and
+    False for an i32 that 16 divides or not; a wider value is a pair (16 | value, u64)."""
+    if -2147483648 <= value <= 2147483647:
+        return -1 if value == 1 else value & 15 == 0
+    return (value % 16 == 0, value >= 2**63)
 
 
 # The Triton releases whose JITFunction.run launches a compiled kernel as _CompiledLaunches does (read in
@@ -322,16 +347,18 @@ _COMPILED_LAUNCH_TRITON = ((3, 5), (3, 10))
 
 class _CompiledLaunches:
     """A Triton kernel's compiled kernels on one GPU, by the specialization of the arguments that vary
-    between a prepared launch's calls, launched through the compiled kernel's own launcher as Triton's
-    JIT launches them (``JITFunction.run``: ``kernel.run(grid, stream, function, metadata, hooks,
+    between a prepared launch's calls, launched with the arguments Triton's JIT gives the compiled
+    kernel's launcher (``JITFunction.run``: ``kernel.run(grid, stream, function, metadata, hooks,
     *arguments)``, every parameter in signature order, constexprs included; the same in Triton 3.5 to
-    3.9).  A key's first call goes through the JIT, which compiles or finds the kernel and returns it.
+    3.9), tensors as their addresses, through the launcher's own launch function where it can
+    (``_launch_function``).  A key's first call goes through the JIT, which compiles or finds the kernel
+    and returns it.
 
     Only plain launches go this way: the JIT path serves every call while a setting that it reads on every
     call is in force (debug, an instrumentation mode such as Proton's, a stages-inspection hook, a pre-run
-    hook, a replaced ``JITFunction.run``), on another current device than the prepared one (whose stream
-    the launch is given), on ROCm (whose backend specialises tensors on more than their address), and
-    on Triton releases outside ``_COMPILED_LAUNCH_TRITON``."""
+    hook, a replaced ``JITFunction.run`` or ``CudaLauncher.__call__``), on another current device than the
+    prepared one (whose stream the launch is given), on ROCm (whose backend specialises tensors on more
+    than their address), and on Triton releases outside ``_COMPILED_LAUNCH_TRITON``."""
 
     _KEPT = 64  # kernels kept: a decoding loop needs one or two
 
@@ -354,6 +381,7 @@ class _CompiledLaunches:
             self._runtime, self._compilation = knobs.runtime, knobs.compilation
             self._compiled_type = CompiledKernel
             self._jit_run = JITFunction.run
+            self._launcher_type, self._launcher_call = _nvidia_launcher()
             # (torch.cuda.current_device less its lazy-init check: a prepared launch runs after CUDA's use)
             self._current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
 
@@ -368,22 +396,28 @@ class _CompiledLaunches:
         return (self._current_device() == self._device_index and not runtime.debug
                 and not getattr(self._compilation, "instrumentation_mode", "")
                 and getattr(runtime, "add_stages_inspection_hook", None) is None
-                and not self._kernel.pre_run_hooks and type(self._kernel).run is self._jit_run)
+                and not self._kernel.pre_run_hooks and type(self._kernel).run is self._jit_run
+                and (self._launcher_type is None or self._launcher_type.__call__ is self._launcher_call))
 
     def launch(self, key, grid, stream: int, arguments: tuple) -> bool:
         """Launch the kernel kept for ``key`` with every argument in signature order; False where none is
         kept or the launch is not plain, and the caller goes through the JIT."""
-        compiled = self._kernels.get(key)
-        if compiled is None or not self._plain():
+        kept = self._kernels.get(key)
+        if kept is None or not self._plain():
             return False
         runtime = self._runtime
-        enter_hook = runtime.launch_enter_hook
-        # The metadata is for the enter hook (a profiler's): not made where there is none (None, or an empty
-        # chain of hooks).
-        metadata = (compiled.launch_metadata(grid, stream, *arguments)
-                    if enter_hook is not None and getattr(enter_hook, "calls", True) else None)
-        compiled.run(grid[0], grid[1], 1, stream, compiled.function, compiled.packed_metadata, metadata,
-                     enter_hook, runtime.launch_exit_hook, *arguments)
+        enter_hook, exit_hook = runtime.launch_enter_hook, runtime.launch_exit_hook
+        if _hooks_to_call(enter_hook) or _hooks_to_call(exit_hook):
+            # The metadata is for the hooks (a profiler's), made as the JIT makes it (the addresses in place of
+            # the tensors change nothing: it reads the arguments only for a kernel's own launch_metadata
+            # function, which these kernels do not define).
+            kept.launch(grid[0], grid[1], stream, kept.compiled.launch_metadata(grid, stream, *arguments),
+                        enter_hook if _hooks_to_call(enter_hook) else None,
+                        exit_hook if _hooks_to_call(exit_hook) else None, arguments)
+        else:
+            # No hook, or an empty chain of hooks (Triton's default): None, which the launcher skips; the same
+            # (nothing is called) without two calls into Python per launch, and no metadata.
+            kept.launch(grid[0], grid[1], stream, None, None, None, arguments)
         return True
 
     def keep(self, key, compiled) -> None:
@@ -393,7 +427,70 @@ class _CompiledLaunches:
             return
         if len(self._kernels) >= self._KEPT:
             self._kernels.clear()
-        self._kernels[key] = compiled
+        self._kernels[key] = _KeptKernel(compiled, _launch_function(compiled, self._launcher_type))
+
+
+def _hooks_to_call(hook) -> bool:
+    """Whether a launch hook calls anything: not None, nor an empty chain (``knobs.HookChain``)."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+class _KeptKernel(NamedTuple):
+    compiled: object  # triton.compiler.CompiledKernel
+    launch: Callable  # (grid_x, grid_y, stream, metadata, enter_hook, exit_hook, arguments) -> None
+
+
+def _nvidia_launcher():
+    """Triton's NVIDIA launcher class and its ``__call__`` as Triton defines it (read in Triton 3.5 to 3.9),
+    which ``_launch_function`` may call below; (None, None) where that is not what the class has (no
+    NVIDIA backend, or a tool replaced the method), and then every launch goes through the launcher."""
+    try:
+        from triton.backends.nvidia import driver
+    except ImportError:
+        return None, None
+    call = driver.CudaLauncher.__call__
+    code = getattr(call, "__code__", None)
+    defined_there = code is not None and code.co_name == "__call__" and (
+        os.path.realpath(code.co_filename) == os.path.realpath(driver.__file__))
+    if not defined_there:
+        return None, None
+    return driver.CudaLauncher, call
+
+
+def _launch_function(compiled, launcher_type) -> Callable:
+    """``compiled``'s launch: its launcher's own launch function (C) called as the launcher calls it
+    (``CudaLauncher.__call__``, read in Triton 3.5 to 3.9), where that adds nothing else: no scratch
+    memory, no sanitizer, no tensor descriptors.  Otherwise the launcher itself (its Python frame, about
+    1.5 us per call, allocates the scratch).  ``launcher_type``: ``_nvidia_launcher``'s class, or None."""
+    launcher = compiled.run
+    function, packed_metadata = compiled.function, compiled.packed_metadata
+    launch_c = getattr(launcher, "launch", None)
+    if (launcher_type is None or type(launcher) is not launcher_type or launcher.global_scratch_size
+            or launcher.profile_scratch_size or getattr(launcher, "gsan_enabled", False)
+            or not isinstance(launch_c, _BUILTIN_FUNCTION)):
+        def through_launcher(grid_x, grid_y, stream, metadata, enter_hook, exit_hook, arguments):
+            launcher(grid_x, grid_y, 1, stream, function, packed_metadata, metadata, enter_hook, exit_hook,
+                     *arguments)
+        return through_launcher
+    cooperative, pdl = launcher.launch_cooperative_grid, launcher.launch_pdl
+    if hasattr(launcher, "arg_annotations"):
+        # Triton 3.7 on: one launch function for every kernel, given the kernel's signature and the arguments
+        # as a tuple; the scratch pointers (None: no scratch) after the hooks.
+        annotations, signature = launcher.arg_annotations, launcher.kernel_signature
+
+        def launch(grid_x, grid_y, stream, metadata, enter_hook, exit_hook, arguments):
+            launch_c(grid_x, grid_y, 1, stream, function, cooperative, pdl, packed_metadata, metadata, enter_hook,
+                     exit_hook, None, None, annotations, signature, arguments)
+    else:
+        # Triton 3.5 and 3.6: a launch function made for the kernel's signature; the scratch pointers before
+        # the metadata, the arguments spread.
+        def launch(grid_x, grid_y, stream, metadata, enter_hook, exit_hook, arguments):
+            launch_c(grid_x, grid_y, 1, stream, function, cooperative, pdl, None, None, packed_metadata, metadata,
+                     enter_hook, exit_hook, *arguments)
+    return launch
+
+
+_BUILTIN_FUNCTION = type(len)
 
 
 def _backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype, dropout, sorted_ids):
@@ -416,11 +513,12 @@ def _backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_i
         num_tokens, num_embeddings, token_width, grad_out.stride(0), padding_idx, embed_scale,
         0 if dropout is None else dropout.threshold,
         CHUNK=GRAD_CHUNK, BLOCK_D=block_d, SOFTWARE_BF16=_kernels_interpreted, DROPOUT=dropout is not None,
-        num_warps=GRAD_WARPS,
+        num_warps=GRAD_WARPS, **compile_options(),
     )
     kernels.grad_carry_kernel[grid](
         sorted_ids, grad_weight, partials,
         num_tokens, num_embeddings, token_width, padding_idx, embed_scale,
         CHUNK=GRAD_CHUNK, BLOCK_D=block_d, SOFTWARE_BF16=_kernels_interpreted, num_warps=GRAD_WARPS,
+        **compile_options(),
     )
     return grad_weight
