@@ -36,8 +36,8 @@ def unavailable() -> Optional[str]:
         return f"Triton's NVIDIA backend cannot be imported: {error}"
     if torch.cuda.is_available():
         return "this process has a GPU: time the real driver (bench/host_overhead.py --real cuda)"
-    if shutil.which(os.environ.get("CC", "cc")) is None:
-        return "no C compiler (cc) to build the stand-in driver"
+    if _compiler() is None:
+        return "no C compiler (CC, gcc or clang, as Triton looks for one) to build the stand-in driver"
     if not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")):
         return "no Python headers (Python.h), which Triton's launcher is compiled with"
     ptxas = os.environ.get("TRITON_PTXAS_PATH") or os.path.join(os.path.dirname(driver.__file__), "bin", "ptxas")
@@ -46,13 +46,18 @@ def unavailable() -> Optional[str]:
     return None
 
 
+def _compiler() -> Optional[str]:
+    """The C compiler Triton builds its launcher with (``triton.runtime.build``): $CC, else gcc, else clang."""
+    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")
+
+
 def _build() -> str:
     """The stand-in libcuda.so.1, built once per source in posenc_fast's cache folder; returns its folder."""
     from triton.backends.nvidia import driver
 
     from posenc_fast import _build as package_build
 
-    compiler = os.environ.get("CC", "cc")
+    compiler = _compiler()
     with open(SOURCE, "rb") as f:  # (the headers' folder and the compiler are part of what is built)
         digest = hashlib.sha256(f.read() + repr((driver.include_dirs, compiler)).encode()).hexdigest()[:16]
     folder = os.path.join(package_build.cache_root(), f"fake-libcuda-{digest}")

@@ -426,13 +426,16 @@ def _triton_compile(fn, signature, constexprs, arch, num_warps):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from posenc_fast.backends import triton_backend
+
     for name in constexprs:
         signature[name] = "constexpr"
     names = list(fn.arg_names)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ALIGNED
              if n in names and signature[n] != "constexpr"}
     return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
-                          target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+                          target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": num_warps, **triton_backend.compile_options()})
 
 
 def triton_cubins(variant: Variant, arch: int, workdir: str) -> Tuple[str, str, Variant]:

@@ -22,7 +22,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "bench"))
 
 os.environ.pop("TRITON_INTERPRET", None)  # compiled kernels (the tests' process interprets them)
-os.environ.pop("TRITON_DEFAULT_FP_FUSION", None)  # the package's own compile options
+# Triton's settings that would change what is checked: the package's own compile options (FMA contraction),
+# and plain launches (debug and an instrumentation mode send every launch through the JIT).
+for setting in ("TRITON_DEFAULT_FP_FUSION", "TRITON_FORCE_DISABLE_FP_FUSION", "TRITON_DEBUG",
+                "TRITON_INSTRUMENTATION_MODE"):
+    os.environ.pop(setting, None)
 
 import fake_cuda_driver  # noqa: E402
 import torch  # noqa: E402

@@ -99,7 +99,8 @@ def _compile(fn, signature, constexprs, arch, num_warps):
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ALIGNED
              if n in names and signature[n] != "constexpr"}
     return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
-                          target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+                          target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": num_warps, **triton_backend.compile_options()})
 
 
 def triton_ptxas(arch):

@@ -157,6 +157,27 @@ def test_compiled_launch_passes_what_the_jit_passes(recording_gpu_launch):
             assert got is want or got == want, name
 
 
+@pytest.mark.parametrize("replaced", ["__call__", "class"])
+def test_a_launcher_replaced_before_the_launch_is_prepared_is_called(recording_gpu_launch, monkeypatch, replaced):
+    """A tool that replaced Triton's launcher (its ``__call__``, or the class) before the launch was prepared:
+    no launch takes the direct launch function, every one goes through the JIT, which calls the tool's."""
+    from triton.backends.nvidia import driver
+
+    _, kernel, weight = recording_gpu_launch
+    if replaced == "__call__":
+        monkeypatch.setattr(driver.CudaLauncher, "__call__", lambda self, *args: None)
+    else:
+        monkeypatch.setattr(driver, "CudaLauncher", type("CudaLauncher", (driver.CudaLauncher,), {}))
+    assert triton_backend._nvidia_launcher()[1] is None
+    layer = pf.SinusoidalEmbedding(50, 96)
+    prepared = triton_backend.prepare_forward(torch.float32, 50, torch.device("cuda", 0),
+                                              layer.spec.turns_tensor("cpu"), kernel_params(layer.spec, False))
+    ids, out = torch.randint(0, 50, (4,)), torch.empty(4, 96)
+    for _ in range(3):
+        prepared.launch(ids, weight, 96, out, 0, 4, 4, 3)
+    assert len(kernel.jit_calls) == 3 and not kernel.launches
+
+
 def test_the_launches_ask_for_fma_contraction_unless_the_user_chose(recording_gpu_launch, monkeypatch):
     """Every launch asks Triton for FMA contraction (what the kernels were checked with), unless the user set
     Triton's default (TRITON_DEFAULT_FP_FUSION), which Triton then applies."""

@@ -265,7 +265,8 @@ def prepare_forward(dtype, num_rows: int, device, turns, params: KernelParams) -
     element_size = torch.empty((), dtype=dtype).element_size()
     shapes = {}  # (num_tokens, table rows, row stride) -> grid and arguments; a decoding loop has one or two
     fixed_before = (turns, turn_low, turn_high, None, None, None)  # no positions, offsets or dropout seed
-    # The same for the compiled launcher: addresses (fixed_before keeps the tensors alive).
+    # The same for the compiled launcher: addresses (fixed_before keeps the tensors alive; the spec's turns
+    # tensor is its own, cached, never resized or given new storage).
     fixed_before_addresses = (turns.data_ptr(), turn_low.data_ptr(), turn_high.data_ptr(), None, None, None)
     fixed_middle = (params.token_width, params.pe_width, params.num_pairs, turns.numel(), columns.sin_base,
                     columns.num_sin, columns.cos_base, columns.num_cos, params.pe_zero_id)
@@ -441,20 +442,21 @@ class _KeptKernel(NamedTuple):
 
 
 def _nvidia_launcher():
-    """Triton's NVIDIA launcher class and its ``__call__`` as Triton defines it (read in Triton 3.5 to 3.9),
-    which ``_launch_function`` may call below; (None, None) where that is not what the class has (no
-    NVIDIA backend, or a tool replaced the method), and then every launch goes through the launcher."""
+    """Triton's NVIDIA launcher class and its ``__call__``, which ``_launch_function`` may call below.
+    Where the class or the method is not Triton's own (read in Triton 3.5 to 3.9; a tool replaced one), the
+    method is None: no launch is plain (``_CompiledLaunches._plain``), and every one goes through the JIT,
+    which calls the tool's.  (None, None) without an NVIDIA backend."""
     try:
         from triton.backends.nvidia import driver
     except ImportError:
         return None, None
-    call = driver.CudaLauncher.__call__
+    launcher_type = driver.CudaLauncher
+    call = launcher_type.__call__
     code = getattr(call, "__code__", None)
-    defined_there = code is not None and code.co_name == "__call__" and (
-        os.path.realpath(code.co_filename) == os.path.realpath(driver.__file__))
-    if not defined_there:
-        return None, None
-    return driver.CudaLauncher, call
+    tritons_own = (launcher_type.__module__ == driver.__name__ and launcher_type.__qualname__ == "CudaLauncher"
+                   and code is not None and code.co_name == "__call__"
+                   and os.path.realpath(code.co_filename) == os.path.realpath(driver.__file__))
+    return launcher_type, call if tritons_own else None
 
 
 def _launch_function(compiled, launcher_type) -> Callable:
