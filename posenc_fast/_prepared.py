@@ -50,7 +50,7 @@ _INT64_MIN, _INT64_END = -(2**63), 2**63
 # add_sinusoidal's launch reads rows 0..N-1 that it numbers itself, so the table's row count is only
 # a bound: the largest for which the CUDA kernels keep 32-bit row arithmetic (forward_kernels.cuh).
 _ADDITION_ROW_BOUND = 2**32
-_FUNCTIONAL_KEPT = 8  # prepared launches kept per spec by the functional entry points
+_FUNCTIONAL_KEPT = 16  # prepared launches kept per spec by the functional entry points, with their slots (_keep)
 
 
 def _bind(spec, backend: str, dtype, num_rows: int, device, zero_pe_at_padding: bool):
@@ -260,32 +260,50 @@ class _NoAddition(PreparedAddition):
         return None
 
 
-def _keep(spec, key, build) -> None:
-    """Keep on ``spec`` under ``key`` the prepared launch ``build()`` makes, unless a current one is there
-    (a functional entry point's; a few per spec)."""
+def _keep(spec, slot, key, prepared_for, build) -> None:
+    """Keep on ``spec`` under ``key`` the prepared launch ``build()`` makes, unless a current one is there (a
+    functional entry point's; a few per spec), and make it the one that ``slot``'s calls try first where it is
+    ``prepared_for`` the call that just succeeded."""
     kept = spec.prepared_launches
     prepared = kept.get(key)
     if prepared is None or not prepared.is_current():
         if len(kept) >= _FUNCTIONAL_KEPT:
             kept.clear()
-        kept[key] = build()
+        prepared = kept[key] = build()
+    if prepared is not None and prepared_for(prepared):
+        kept[slot] = prepared
 
 
-# The functional entry points key their launches by backend name (checked to be a str first: anything else
+# The functional entry points keep their launches by backend name (checked to be a str first: anything else
 # takes the general path, which names it), the table's kind and, for the embedding, the dropout probability.
+# A call tries first the last one used for its backend (and dropout probability), in its slot: ``run`` checks
+# the table's kind, cheaper than a key of its dtype, shape and device.  Only where that one does not serve the
+# call is the launch kept for the call's kind of table looked up (calls that alternate between kinds of
+# table), and made the slot's.
 def functional_embedding(spec, backend: str, dropout, training: bool, sparse, weight, ids, offset):
     """``sinusoidal_embedding``'s call through the prepared launch kept on its spec, or None (general path).
-    ``spec`` and ``weight`` are already checked; after a general-path call, ``remember_embedding``."""
+    ``spec`` is the arguments' (already made); after a general-path call, ``remember_embedding``."""
     if type(backend) is not str or type(dropout) is not float:
         return None
-    prepared = spec.prepared_launches.get((backend, weight.dtype, weight.shape, weight.device, dropout))
-    return None if prepared is None else prepared.run(spec, backend, dropout, training, sparse, weight, ids, offset)
+    kept = spec.prepared_launches
+    slot = (backend, dropout)
+    prepared = kept.get(slot)
+    if prepared is None:
+        return None
+    out = prepared.run(spec, backend, dropout, training, sparse, weight, ids, offset)
+    if out is None:
+        for_table = kept.get((backend, weight.dtype, weight.shape, weight.device, dropout))
+        if for_table is not None and for_table is not prepared:
+            kept[slot] = for_table
+            out = for_table.run(spec, backend, dropout, training, sparse, weight, ids, offset)
+    return out
 
 
 def remember_embedding(spec, backend: str, dropout, weight, ids, offset) -> None:
     """After a general-path ``sinusoidal_embedding`` call that succeeded: prepare the next ones like it."""
     if type(backend) is str and type(dropout) is float and type(offset) is int and eager_call(ids, weight):
-        _keep(spec, (backend, weight.dtype, weight.shape, weight.device, dropout),
+        _keep(spec, (backend, dropout), (backend, weight.dtype, weight.shape, weight.device, dropout),
+              lambda prepared: prepared.prepared_for(spec, backend, dropout, weight),
               lambda: PreparedForward.build(spec, backend, dropout, weight))
 
 
@@ -293,10 +311,21 @@ def functional_addition(spec, backend: str, x, offset):
     """``add_sinusoidal``'s call through the prepared launch kept on its spec, or None (general path)."""
     if type(backend) is not str:
         return None
-    prepared = spec.prepared_launches.get(("add", backend, x.dtype, x.device))
-    return None if prepared is None else prepared.run(spec, backend, x, offset)
+    kept = spec.prepared_launches
+    slot = ("add", backend)
+    prepared = kept.get(slot)
+    if prepared is None:
+        return None
+    out = prepared.run(spec, backend, x, offset)
+    if out is None:
+        for_input = kept.get(("add", backend, x.dtype, x.device))
+        if for_input is not None and for_input is not prepared:
+            kept[slot] = for_input
+            out = for_input.run(spec, backend, x, offset)
+    return out
 
 
 def remember_addition(spec, backend: str, x, offset) -> None:
     if type(backend) is str and type(offset) is int and type(x) is torch.Tensor and eager_call(x, x):
-        _keep(spec, ("add", backend, x.dtype, x.device), lambda: PreparedAddition.build(spec, backend, x))
+        _keep(spec, ("add", backend), ("add", backend, x.dtype, x.device),
+              lambda prepared: prepared.prepared_for(spec, backend, x), lambda: PreparedAddition.build(spec, backend, x))

@@ -95,14 +95,17 @@ def make_spec(
     frequencies: Optional[Sequence[float]] = None,
     zero_pe_at_padding: bool = False,
     precision: str = "float32",
-) -> PESpec:
+    only_cached: bool = False,
+) -> Optional[PESpec]:
     """Validate the layer's fixed parameters and build its :class:`PESpec`.
 
     ``frequencies`` (radians per position) replaces the ``base`` recipe: h = D // 2 of
     them, or h + 1 for an odd D whose last column is then the sin of the extra one.
     ``precision="float64"`` computes the PE and the sum in float64 before rounding once.
     Specs are cached per argument tuple, so a repeated call returns the same object
-    (whose device tensors are cached in turn).
+    (whose device tensors are cached in turn).  ``only_cached``: that spec, or None where these
+    arguments have not made one yet (nothing checked, nothing raised: the caller checks its other
+    arguments first, then calls again).
     """
     validated_key = None
     if torch.compiler.is_compiling():
@@ -133,8 +136,10 @@ def make_spec(
             spec = _VALIDATED_SPECS.get(validated_key)
         except TypeError:  # an unhashable argument: the checks below name it
             validated_key = spec = None
-        if spec is not None:
+        if spec is not None or only_cached:
             return spec
+    if only_cached:
+        return None
     for name, value in (("mode", mode), ("layout", layout)):
         if not isinstance(value, str):
             raise ValueError(f"unknown {name} {value!r}; expected one of {MODES if name == 'mode' else LAYOUTS}")

@@ -22,6 +22,8 @@ from .ops import (AddSinusoidalFunction, EmbeddingFunction, add_sinusoidal_forwa
 from .positions import make_positions, packed_positions
 from .presets import POSITION_RULES
 
+_TENSOR, _PARAMETER = torch.Tensor, torch.nn.Parameter
+
 
 def _quiet_under_jit_trace(function):
     """Under jit.trace every size is a traced value, so each shape check, width and table size the
@@ -87,16 +89,21 @@ def sinusoidal_embedding(
     Presets for other libraries:
     ``posenc_fast.presets``.  See ``posenc_fast.reference`` for the exact definition.
     """
+    # A repeated call (a decoding step): see posenc_fast._prepared (never under torch.compile or jit.trace, which
+    # trace the op and its checks).  Its spec was made before, so its arguments are valid; the prepared launch
+    # checks what check_weight does (a dense table with memory, of the float dtype it was prepared for).
+    simple_call = positions is None and cu_seqlens is None and not _tracing()
+    if simple_call and (type(weight) is _TENSOR or type(weight) is _PARAMETER) and weight.dim() == 2:
+        shape = weight.shape
+        spec = make_spec(shape[0], shape[1], mode, d_pos, base, layout, embed_scale, pe_scale, padding_idx,
+                         frequencies, zero_pe_at_padding, precision, only_cached=True)
+        if spec is not None:
+            out = functional_embedding(spec, backend, dropout_p, training, sparse, weight, ids, offset)
+            if out is not None:
+                return out
     check_weight(weight)
     spec = make_spec(weight.shape[0], weight.shape[1], mode, d_pos, base, layout, embed_scale, pe_scale, padding_idx,
                      frequencies, zero_pe_at_padding, precision)
-    # A repeated call (a decoding step): see posenc_fast._prepared (never under torch.compile or jit.trace, which
-    # trace the op and its checks).
-    simple_call = positions is None and cu_seqlens is None and not _tracing()
-    if simple_call:
-        out = functional_embedding(spec, backend, dropout_p, training, sparse, weight, ids, offset)
-        if out is not None:
-            return out
     out = apply_spec(ids, weight, spec, spec.turns_tensor(weight.device), positions, offset, backend,
                      cu_seqlens=cu_seqlens, dropout_p=dropout_p, training=training, sparse=sparse)
     if simple_call:
@@ -298,16 +305,20 @@ def add_sinusoidal(
     ``x_scale * grad``.  Same kernels as the embedding (``x`` plays the table, row n read by
     token n), so the same accuracy.
     """
+    # A repeated call: as sinusoidal_embedding's (the prepared launch checks x's float dtype and memory).
+    simple_call = positions is None and cu_seqlens is None and not _tracing()
+    if simple_call and type(x) is _TENSOR and x.dim() >= 2:
+        spec = make_spec(1, x.shape[-1], "add", None, base, layout, x_scale, pe_scale, None, frequencies, False,
+                         precision, only_cached=True)
+        if spec is not None:
+            out = functional_addition(spec, backend, x, offset)
+            if out is not None:
+                return out
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() < 1 or not x.is_floating_point():
         raise TypeError(f"x must be a floating-point tensor [..., D], got dtype {x.dtype} and shape {list(x.shape)}")
     spec = make_spec(1, x.shape[-1], "add", None, base, layout, x_scale, pe_scale, None, frequencies, False, precision)
-    simple_call = positions is None and cu_seqlens is None and not _tracing()
-    if simple_call:
-        out = functional_addition(spec, backend, x, offset)
-        if out is not None:
-            return out
     out = apply_add_spec(x, spec, spec.turns_tensor(x.device), positions, offset, cu_seqlens, backend)
     if simple_call:
         remember_addition(spec, backend, x, offset)

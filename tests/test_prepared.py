@@ -411,6 +411,88 @@ def test_every_entry_point_equals_the_general_path(entry, autograd, backend, dev
     assert served == (len(calls) - 1 if backend in PREPARED_BACKENDS else 0), served
 
 
+# The functional entry points' calls, each with a new spec (_new_pe_scale), on a table (the embedding's) or on x.
+def _embedding_call(backend):
+    pe_scale = _new_pe_scale()
+    ids = _ids("cpu")
+    return lambda table: pf.sinusoidal_embedding(ids.to(table.device) if isinstance(table, torch.Tensor) else ids,
+                                                 table, embed_scale=2.5, pe_scale=pe_scale, backend=backend, offset=3)
+
+
+def _addition_call(backend):
+    pe_scale = _new_pe_scale()
+    return lambda x: pf.add_sinusoidal(x, x_scale=1.5, pe_scale=pe_scale, backend=backend, offset=3)
+
+
+@pytest.mark.parametrize("backend,device", TARGETS)
+@pytest.mark.parametrize("make_call,shape", [(_embedding_call, (50, 16)), (_addition_call, (3, 5, 16))],
+                         ids=["sinusoidal_embedding", "add_sinusoidal"])
+def test_functional_calls_alternating_kinds_of_table(make_call, shape, backend, device, prepared_runs, monkeypatch):
+    """A functional entry point called in turn on two kinds of table (fp32, bf16) under one spec: each call as
+    the general path gives it, each kind's launch prepared once, and every call after each kind's first served
+    by it (the launch its slot holds does not serve the other kind: the one kept for that kind does)."""
+    builds = []
+    for kind in (_prepared.PreparedForward, _prepared.PreparedAddition):
+        real_build = kind.build
+        monkeypatch.setattr(kind, "build", staticmethod(lambda *args, real_build=real_build: builds.append(args)
+                                                        or real_build(*args)))
+    call = make_call(backend)
+    generator = torch.Generator().manual_seed(5)
+    tables = [torch.randn(shape, generator=generator).to(device=device, dtype=dtype)
+              for dtype in (torch.float32, torch.bfloat16)]
+    got = [call(tables[turn % 2]) for turn in range(6)]
+    served = len(prepared_runs)
+    with monkeypatch.context() as patch:
+        patch.setattr(_prepared, "eager_call", lambda *args: False)  # the general path
+        want = [call(tables[turn % 2]) for turn in range(6)]
+    for turn, (a, b) in enumerate(zip(got, want)):
+        assert a.dtype == tables[turn % 2].dtype and torch.equal(a, b), turn
+    prepared = backend in PREPARED_BACKENDS
+    assert len(builds) == 2 and served == (4 if prepared else 0), (len(builds), served)
+
+
+@pytest.mark.parametrize("backend,device", TARGETS)
+@pytest.mark.parametrize("make_call,shape", [(_embedding_call, (50, 16)), (_addition_call, (3, 5, 16))],
+                         ids=["sinusoidal_embedding", "add_sinusoidal"])
+def test_functional_bad_tables_after_prepared_calls_raise_as_the_general_path(make_call, shape, backend, device,
+                                                                             monkeypatch):
+    """The functional entry points try their prepared launch before checking the table (or x): a bad one right
+    after good calls (a launch prepared for a good one of the same shape) gives what the general path gives
+    for it: the same error, or the same output."""
+    good = torch.randn(shape, generator=torch.Generator().manual_seed(6)).to(device)
+    bad_inputs = {
+        "integer": good.to(torch.int64), "float64": good.double(), "meta": good.to("meta"),
+        "negated": torch._neg_view(good), "zero tensor": torch._efficientzerotensor(shape, device=device),
+        "sparse": good.to_sparse(), "not contiguous": good.transpose(-1, -2).contiguous().transpose(-1, -2),
+        "one more dimension": good.unsqueeze(0), "one fewer": good[0], "a list": good.tolist(),
+        "a subclass": good.as_subclass(_TensorSubclass),
+    }
+
+    def outcome(call, value):
+        try:
+            out = call(value)
+        except Exception as error:  # what the call raises is what is compared
+            return type(error), str(error)
+        return out.dtype, out.shape, out.device, out.cpu() if out.device.type != "meta" else None
+
+    for name, bad in bad_inputs.items():
+        call = make_call(backend)
+        first = call(good)
+        call(good)
+        got = outcome(call, bad)
+        with monkeypatch.context() as patch:
+            patch.setattr(_prepared, "eager_call", lambda *args: False)  # the general path
+            want = outcome(call, bad)
+        assert got[:2] == want[:2], (name, got, want)
+        if len(got) > 2 and got[-1] is not None:
+            assert torch.equal(got[-1], want[-1]), name
+        assert torch.equal(call(good), first)  # and the good input is still served as before
+
+
+class _TensorSubclass(torch.Tensor):
+    pass
+
+
 @pytest.mark.parametrize("backend,device", TARGETS)
 def test_sparse_gradients_of_prepared_training_calls(backend, device, prepared_runs):
     layer = _basic_layer(backend, device, sparse=True).train()

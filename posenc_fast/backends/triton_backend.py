@@ -295,6 +295,7 @@ def prepare_forward(dtype, num_rows: int, device, turns, params: KernelParams) -
 
     on_gpu = device.type == "cuda"
     compiled_launches = _CompiledLaunches(kernels.forward_kernel, device.index if on_gpu else None)
+    turns_address, turn_low_address, turn_high_address = fixed_before_addresses[:3]
 
     def launch(ids, weight, weight_row_stride, out, offset, seq_len, num_tokens, last_argument):
         if num_tokens == 0:
@@ -302,27 +303,33 @@ def prepare_forward(dtype, num_rows: int, device, turns, params: KernelParams) -
         # The rows the kernel may read: the table's (an embedding), or x's own (add_sinusoidal, whose launch
         # is prepared for any row count), as _forward passes them.
         table_rows = weight.numel() // weight_row_stride if weight_row_stride else num_rows
-        shape_key = (num_tokens, table_rows, weight_row_stride)
-        grid, arguments_after, constexprs, launcher_arguments_after = shape_for(shape_key)
-        seq_len = max(seq_len, 1)
+        if seq_len < 1:
+            seq_len = 1
         if interpreted:
+            grid, arguments_after, constexprs, _ = shape_for((num_tokens, table_rows, weight_row_stride))
             with _interpreter_lock:
                 kernels.forward_kernel[grid](ids, weight, out, *fixed_before, offset, seq_len, *arguments_after,
                                              **constexprs)
             return
-        # Everything but the call's tensors, offset and length is fixed by the shape: the key holds what
-        # Triton specialises those on (_CompiledLaunches).
         # The compiled launcher is given the addresses, the JIT the tensors: the launch is prepared for this
         # device, so Triton's per-pointer check that the address is one the device can use (a driver call
         # each, made for tensors only) has nothing to find.
         ids_address, weight_address, out_address = ids.data_ptr(), weight.data_ptr(), out.data_ptr()
-        key = (shape_key, ids.dtype, ids_address % 16 == 0, weight_address % 16 == 0, out_address % 16 == 0,
+        # The key: the shape, and what Triton specialises the call's tensors, offset and length on (the
+        # alignments: True where 16 divides all three addresses, the usual case, else one flag each).
+        key = (num_tokens, table_rows, weight_row_stride, ids.dtype,
+               True if not (ids_address | weight_address | out_address) & 15
+               else (ids_address & 15 == 0, weight_address & 15 == 0, out_address & 15 == 0),
                _int_specialization(offset), _int_specialization(seq_len))
-        if not compiled_launches.launch(key, grid, last_argument, (ids_address, weight_address, out_address,
-                                                                   *fixed_before_addresses, offset, seq_len,
-                                                                   *launcher_arguments_after)):
+        # The arguments that vary between calls, in signature order; the kept kernel holds the rest.
+        varying = (ids_address, weight_address, out_address, turns_address, turn_low_address, turn_high_address,
+                   None, None, None, offset, seq_len)
+        if not compiled_launches.launch(key, last_argument, varying):
+            grid, arguments_after, constexprs, launcher_arguments_after = shape_for(
+                (num_tokens, table_rows, weight_row_stride))
             compiled_launches.keep(key, kernels.forward_kernel[grid](ids, weight, out, *fixed_before, offset, seq_len,
-                                                                     *arguments_after, **constexprs))
+                                                                     *arguments_after, **constexprs),
+                                   grid, launcher_arguments_after)
 
     def is_current() -> bool:  # the same kernels (their mode is fixed once loaded); on CPU the interpreter still on
         return _kernels is kernels and (on_gpu or interpreting())
@@ -400,35 +407,36 @@ class _CompiledLaunches:
                 and not self._kernel.pre_run_hooks and type(self._kernel).run is self._jit_run
                 and (self._launcher_type is None or self._launcher_type.__call__ is self._launcher_call))
 
-    def launch(self, key, grid, stream: int, arguments: tuple) -> bool:
-        """Launch the kernel kept for ``key`` with every argument in signature order; False where none is
-        kept or the launch is not plain, and the caller goes through the JIT."""
+    def launch(self, key, stream: int, varying: tuple) -> bool:
+        """Launch the kernel kept for ``key``, ``varying`` its leading arguments (the kept kernel holds the
+        rest); False where none is kept or the launch is not plain, and the caller goes through the JIT."""
         kept = self._kernels.get(key)
         if kept is None or not self._plain():
             return False
         runtime = self._runtime
         enter_hook, exit_hook = runtime.launch_enter_hook, runtime.launch_exit_hook
-        if _hooks_to_call(enter_hook) or _hooks_to_call(exit_hook):
-            # The metadata is for the hooks (a profiler's), made as the JIT makes it (the addresses in place of
-            # the tensors change nothing: it reads the arguments only for a kernel's own launch_metadata
-            # function, which these kernels do not define).
-            kept.launch(grid[0], grid[1], stream, kept.compiled.launch_metadata(grid, stream, *arguments),
-                        enter_hook if _hooks_to_call(enter_hook) else None,
-                        exit_hook if _hooks_to_call(exit_hook) else None, arguments)
+        # (_hooks_to_call, inline for the usual case: no hook, or an empty chain of hooks, Triton's default.)
+        if ((enter_hook is None or not getattr(enter_hook, "calls", True))
+                and (exit_hook is None or not getattr(exit_hook, "calls", True))):
+            # None for each, which the launcher skips: the same (nothing is called) without two calls into
+            # Python per launch, and no metadata.
+            kept.launch(stream, varying)
         else:
-            # No hook, or an empty chain of hooks (Triton's default): None, which the launcher skips; the same
-            # (nothing is called) without two calls into Python per launch, and no metadata.
-            kept.launch(grid[0], grid[1], stream, None, None, None, arguments)
+            # The hooks (a profiler's) that call something get metadata made as the JIT makes it.
+            enter_hook, exit_hook = (hook if _hooks_to_call(hook) else None for hook in (enter_hook, exit_hook))
+            kept.launch(stream, varying, enter_hook, exit_hook)
         return True
 
-    def keep(self, key, compiled) -> None:
+    def keep(self, key, compiled, grid, arguments_after: tuple) -> None:
         """Keep what the JIT's plain launch returned: a compiled kernel, launched and so loaded on the
-        current device (not a hook's None or an asynchronous compile's future)."""
+        current device (not a hook's None or an asynchronous compile's future), with its grid and the
+        arguments after the varying ones."""
         if not self._enabled or not isinstance(compiled, self._compiled_type) or not self._plain():
             return
         if len(self._kernels) >= self._KEPT:
             self._kernels.clear()
-        self._kernels[key] = _KeptKernel(compiled, _launch_function(compiled, self._launcher_type))
+        self._kernels[key] = _KeptKernel(compiled, _launch_function(compiled, self._launcher_type, grid,
+                                                                    arguments_after))
 
 
 def _hooks_to_call(hook) -> bool:
@@ -438,7 +446,7 @@ def _hooks_to_call(hook) -> bool:
 
 class _KeptKernel(NamedTuple):
     compiled: object  # triton.compiler.CompiledKernel
-    launch: Callable  # (grid_x, grid_y, stream, metadata, enter_hook, exit_hook, arguments) -> None
+    launch: Callable  # (stream, varying arguments[, enter_hook, exit_hook]) -> None
 
 
 def _nvidia_launcher():
@@ -459,20 +467,28 @@ def _nvidia_launcher():
     return launcher_type, call if tritons_own else None
 
 
-def _launch_function(compiled, launcher_type) -> Callable:
-    """``compiled``'s launch: its launcher's own launch function (C) called as the launcher calls it
-    (``CudaLauncher.__call__``, read in Triton 3.5 to 3.9), where that adds nothing else: no scratch
-    memory, no sanitizer, no tensor descriptors.  Otherwise the launcher itself (its Python frame, about
-    1.5 us per call, allocates the scratch).  ``launcher_type``: ``_nvidia_launcher``'s class, or None."""
+def _launch_function(compiled, launcher_type, grid, arguments_after: tuple) -> Callable:
+    """``compiled``'s launch on ``grid`` with the arguments ``varying + arguments_after``, as a function of the
+    stream and ``varying`` (and the hooks, when there are some to call: then with the launch metadata, made as
+    the JIT makes it; the addresses in place of the tensors change nothing, as it reads the arguments only for
+    a kernel's own launch_metadata function, which these kernels do not define).
+
+    Through its launcher's own launch function (C), called as the launcher calls it (``CudaLauncher.__call__``,
+    read in Triton 3.5 to 3.9), where that adds nothing else: no scratch memory, no sanitizer, no tensor
+    descriptors.  Otherwise through the launcher itself (its Python frame, about 1.5 us per call, allocates the
+    scratch).  ``launcher_type``: ``_nvidia_launcher``'s class, or None."""
     launcher = compiled.run
     function, packed_metadata = compiled.function, compiled.packed_metadata
+    grid_x, grid_y = grid[0], grid[1]
+    launch_metadata = compiled.launch_metadata
     launch_c = getattr(launcher, "launch", None)
     if (launcher_type is None or type(launcher) is not launcher_type or launcher.global_scratch_size
             or launcher.profile_scratch_size or getattr(launcher, "gsan_enabled", False)
             or not isinstance(launch_c, _BUILTIN_FUNCTION)):
-        def through_launcher(grid_x, grid_y, stream, metadata, enter_hook, exit_hook, arguments):
-            launcher(grid_x, grid_y, 1, stream, function, packed_metadata, metadata, enter_hook, exit_hook,
-                     *arguments)
+        def through_launcher(stream, varying, enter_hook=None, exit_hook=None):
+            arguments = varying + arguments_after
+            metadata = None if enter_hook is None and exit_hook is None else launch_metadata(grid, stream, *arguments)
+            launcher(grid_x, grid_y, 1, stream, function, packed_metadata, metadata, enter_hook, exit_hook, *arguments)
         return through_launcher
     cooperative, pdl = launcher.launch_cooperative_grid, launcher.launch_pdl
     if hasattr(launcher, "arg_annotations"):
@@ -480,13 +496,17 @@ def _launch_function(compiled, launcher_type) -> Callable:
         # as a tuple; the scratch pointers (None: no scratch) after the hooks.
         annotations, signature = launcher.arg_annotations, launcher.kernel_signature
 
-        def launch(grid_x, grid_y, stream, metadata, enter_hook, exit_hook, arguments):
+        def launch(stream, varying, enter_hook=None, exit_hook=None):
+            arguments = varying + arguments_after
+            metadata = None if enter_hook is None and exit_hook is None else launch_metadata(grid, stream, *arguments)
             launch_c(grid_x, grid_y, 1, stream, function, cooperative, pdl, packed_metadata, metadata, enter_hook,
                      exit_hook, None, None, annotations, signature, arguments)
     else:
         # Triton 3.5 and 3.6: a launch function made for the kernel's signature; the scratch pointers before
         # the metadata, the arguments spread.
-        def launch(grid_x, grid_y, stream, metadata, enter_hook, exit_hook, arguments):
+        def launch(stream, varying, enter_hook=None, exit_hook=None):
+            arguments = varying + arguments_after
+            metadata = None if enter_hook is None and exit_hook is None else launch_metadata(grid, stream, *arguments)
             launch_c(grid_x, grid_y, 1, stream, function, cooperative, pdl, None, None, packed_metadata, metadata,
                      enter_hook, exit_hook, *arguments)
     return launch
