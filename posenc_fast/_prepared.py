@@ -119,9 +119,12 @@ class PreparedForward:
                 or spec is not self.spec or backend != self.backend or type(dropout) is not float
                 or dropout != self.dropout or (training and dropout) or (sparse is not False and sparse is not True)):
             return None
-        if (ids.dtype not in self.id_dtypes or weight.dtype is not self.dtype or weight.shape != self.shape
-                or not _dense(ids) or not _dense(weight) or ids.device != self.device
-                or weight.device != self.device or not eager_call(ids, weight) or not self.is_current()):
+        try:
+            if (ids.dtype not in self.id_dtypes or weight.dtype is not self.dtype or weight.shape != self.shape
+                    or not _dense(ids) or ids.is_nested or not _dense(weight) or ids.device != self.device
+                    or weight.device != self.device or not eager_call(ids, weight) or not self.is_current()):
+                return None
+        except RuntimeError:  # a table without sizes (a nested tensor's shape raises): the general path names it
             return None
         if weight.requires_grad and torch.is_grad_enabled():
             return LaunchedEmbeddingFunction.apply(weight, ids, self._output, offset, (sparse,) + self.gradient)
@@ -197,10 +200,13 @@ class PreparedAddition:
 
     def run(self, spec, backend: str, x, offset) -> Optional[torch.Tensor]:
         """``x_scale * x + pe_scale * PE(offset + t)`` when this launch was prepared for that call; else None."""
-        if (type(offset) is not int or type(x) is not torch.Tensor or not _INT64_MIN <= offset < _INT64_END
-                or spec is not self.spec or backend != self.backend or x.dtype is not self.dtype
-                or x.dim() < 2 or x.shape[-1] != self.width or not _dense(x) or x.device != self.device
-                or not eager_call(x, x) or not self.is_current()):
+        try:
+            if (type(offset) is not int or type(x) is not torch.Tensor or not _INT64_MIN <= offset < _INT64_END
+                    or spec is not self.spec or backend != self.backend or x.dtype is not self.dtype
+                    or x.dim() < 2 or x.shape[-1] != self.width or not _dense(x) or x.device != self.device
+                    or not eager_call(x, x) or not self.is_current()):
+                return None
+        except RuntimeError:  # (as PreparedForward.run)
             return None
         num_rows = x.numel() // self.width
         if not 0 < num_rows <= _ADDITION_ROW_BOUND:

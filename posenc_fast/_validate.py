@@ -268,6 +268,8 @@ def _check_memory_backed(name: str, t: torch.Tensor) -> None:
 def check_weight(weight) -> None:
     if not isinstance(weight, torch.Tensor):
         raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
+    if weight.is_nested:
+        raise TypeError("weight must be a dense tensor [num_embeddings, width], got a nested tensor (torch.nested)")
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D [num_embeddings, width], got shape {list(weight.shape)}")
     if not weight.is_floating_point():
@@ -279,7 +281,7 @@ def check_weight(weight) -> None:
 
 def check_weight_for_spec(weight, spec: PESpec) -> None:
     """``weight`` is a table the layer ``spec`` was built for (a module's weight may have been replaced)."""
-    if isinstance(weight, torch.Tensor):
+    if isinstance(weight, torch.Tensor) and not weight.is_nested:  # (a nested tensor's shape raises)
         shape = weight.shape
         if len(shape) == 2 and shape[1] == spec.token_width and weight.is_floating_point() and (
                 spec.padding_idx is None or spec.padding_idx < shape[0]) and weight.layout == torch.strided and (
@@ -324,8 +326,8 @@ def check_offset(offset, ids: torch.Tensor, name: str = "offset") -> None:
 def make_batch(ids, weight: torch.Tensor, spec: PESpec, positions, offset) -> Batch:
     """Validate the per-call inputs and flatten them for the kernels."""
     if (positions is None and type(offset) is int and type(ids) is torch.Tensor and ids.dtype in ID_DTYPES
-            and ids.layout == torch.strided and ids.device == weight.device and _INT64_MIN <= offset < _INT64_END
-            and _memory_backed(ids)):
+            and ids.layout == torch.strided and not ids.is_nested and ids.device == weight.device
+            and _INT64_MIN <= offset < _INT64_END and _memory_backed(ids)):
         # The common call (a decoding step: ids and an int offset) in a few us; the same checks as below.
         shape = ids.shape
         flat_ids = ids if len(shape) == 1 else ids.reshape(-1)  # a view costs about 1 us
@@ -338,6 +340,8 @@ def make_batch(ids, weight: torch.Tensor, spec: PESpec, positions, offset) -> Ba
         raise TypeError(f"ids must be int32 or int64, got dtype {ids.dtype}")
     if ids.layout != torch.strided:
         raise TypeError(f"ids must be a dense (strided) tensor, got layout {ids.layout}")
+    if ids.is_nested:
+        raise TypeError("ids must be a dense tensor, got a nested tensor (torch.nested)")
     if ids.device != weight.device:
         raise ValueError(f"ids are on {ids.device} but weight is on {weight.device}; move them to one device")
     _check_memory_backed("ids", ids)

@@ -92,8 +92,11 @@ def sinusoidal_embedding(
     # A repeated call (a decoding step): see posenc_fast._prepared (never under torch.compile or jit.trace, which
     # trace the op and its checks).  Its spec was made before, so its arguments are valid; the prepared launch
     # checks what check_weight does (a dense table with memory, of the float dtype it was prepared for).
+    # (Where the spec is not cached that way, frequencies given, it is tried after the checks.)
     simple_call = positions is None and cu_seqlens is None and not _tracing()
-    if simple_call and (type(weight) is _TENSOR or type(weight) is _PARAMETER) and weight.dim() == 2:
+    spec = None
+    if (simple_call and (type(weight) is _TENSOR or type(weight) is _PARAMETER) and weight.dim() == 2
+            and not weight.is_nested):
         shape = weight.shape
         spec = make_spec(shape[0], shape[1], mode, d_pos, base, layout, embed_scale, pe_scale, padding_idx,
                          frequencies, zero_pe_at_padding, precision, only_cached=True)
@@ -102,8 +105,13 @@ def sinusoidal_embedding(
             if out is not None:
                 return out
     check_weight(weight)
-    spec = make_spec(weight.shape[0], weight.shape[1], mode, d_pos, base, layout, embed_scale, pe_scale, padding_idx,
-                     frequencies, zero_pe_at_padding, precision)
+    if spec is None:
+        spec = make_spec(weight.shape[0], weight.shape[1], mode, d_pos, base, layout, embed_scale, pe_scale,
+                         padding_idx, frequencies, zero_pe_at_padding, precision)
+        if simple_call:
+            out = functional_embedding(spec, backend, dropout_p, training, sparse, weight, ids, offset)
+            if out is not None:
+                return out
     out = apply_spec(ids, weight, spec, spec.turns_tensor(weight.device), positions, offset, backend,
                      cu_seqlens=cu_seqlens, dropout_p=dropout_p, training=training, sparse=sparse)
     if simple_call:
@@ -307,7 +315,8 @@ def add_sinusoidal(
     """
     # A repeated call: as sinusoidal_embedding's (the prepared launch checks x's float dtype and memory).
     simple_call = positions is None and cu_seqlens is None and not _tracing()
-    if simple_call and type(x) is _TENSOR and x.dim() >= 2:
+    spec = None
+    if simple_call and type(x) is _TENSOR and x.dim() >= 2 and not x.is_nested:
         spec = make_spec(1, x.shape[-1], "add", None, base, layout, x_scale, pe_scale, None, frequencies, False,
                          precision, only_cached=True)
         if spec is not None:
@@ -316,9 +325,17 @@ def add_sinusoidal(
                 return out
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.is_nested:  # (before its shape is read: a nested tensor's raises)
+        raise TypeError("x must be a dense tensor [..., D], got a nested tensor (torch.nested)")
     if x.dim() < 1 or not x.is_floating_point():
         raise TypeError(f"x must be a floating-point tensor [..., D], got dtype {x.dtype} and shape {list(x.shape)}")
-    spec = make_spec(1, x.shape[-1], "add", None, base, layout, x_scale, pe_scale, None, frequencies, False, precision)
+    if spec is None:
+        spec = make_spec(1, x.shape[-1], "add", None, base, layout, x_scale, pe_scale, None, frequencies, False,
+                         precision)
+        if simple_call:
+            out = functional_addition(spec, backend, x, offset)
+            if out is not None:
+                return out
     out = apply_add_spec(x, spec, spec.turns_tensor(x.device), positions, offset, cu_seqlens, backend)
     if simple_call:
         remember_addition(spec, backend, x, offset)
@@ -329,6 +346,8 @@ def add_sinusoidal(
 def apply_add_spec(x, spec: PESpec, turns: torch.Tensor, positions, offset, cu_seqlens, backend: str) -> torch.Tensor:
     """Run :func:`add_sinusoidal` as ``spec`` describes it (``spec.embed_scale`` is ``x_scale``)."""
     _refuse_jit_trace(positions, offset, cu_seqlens)
+    if x.is_nested:  # (the modules' calls come here first)
+        raise TypeError("x must be a dense tensor [..., D], got a nested tensor (torch.nested)")
     if x.shape[-1] != spec.pe_width:
         raise ValueError(f"x has width {x.shape[-1]} but the PE has width {spec.pe_width}")
     rows = x.reshape(-1, x.shape[-1]).contiguous()  # the kernels read rows of x as rows of a dense table

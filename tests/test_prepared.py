@@ -9,13 +9,14 @@ grad mode, the backend's extension) either keeps it valid or sends the call back
 import copy
 import itertools
 import pickle
+import warnings
 
 import pytest
 import torch
 from torch import nn
 
 import posenc_fast as pf
-from posenc_fast import _prepared, reference
+from posenc_fast import _prepared, functional, reference
 from posenc_fast.backends import cpu_backend, cuda_backend
 
 from cases import CASES, assert_within, backend_targets, make_inputs, output_bound
@@ -224,6 +225,7 @@ def test_bad_calls_after_prepared_ones_still_raise(backend, device):
     bad_call(ValueError, "meta", ids.to("meta"))
     bad_call(ValueError, "negated", torch._neg_view(ids))
     bad_call(ValueError, "memory", torch._efficientzerotensor(ids.shape, dtype=ids.dtype, device=device))
+    bad_call(TypeError, "nested", _nested(ids))
     bad_call(ValueError, "does not fit in int64", ids, offset=2**63)
     # Settings changed after the good calls: checked on every call, in eval mode too (as F.dropout does);
     # False and a tensor 0.0 compare equal to the prepared 0.0 and are still not probabilities.
@@ -236,13 +238,15 @@ def test_bad_calls_after_prepared_ones_still_raise(backend, device):
             layer(ids)
         layer.dropout = 0.0
     table = layer.weight
-    for bad_table, match in ((table.detach().to("meta"), "meta"), (torch._neg_view(table.detach()), "negated"),
-                             (torch._efficientzerotensor(table.shape, device=device), "memory")):
+    for bad_table, error, match in ((table.detach().to("meta"), ValueError, "meta"),
+                                    (torch._neg_view(table.detach()), ValueError, "negated"),
+                                    (torch._efficientzerotensor(table.shape, device=device), ValueError, "memory"),
+                                    (_nested(table.detach()), TypeError, "nested")):
         with torch.no_grad():
             layer(ids)
             layer(ids)
-        layer.weight = nn.Parameter(bad_table, requires_grad=False)  # the same shape and dtype
-        with pytest.raises(ValueError, match=match), torch.no_grad():
+        layer.weight = nn.Parameter(bad_table, requires_grad=False)  # the same shape (rows) and dtype
+        with pytest.raises(error, match=match), torch.no_grad():
             layer(ids)
         layer.weight = table
     layer.weight = nn.Parameter(torch.randn(30, 16, device=device), requires_grad=False)
@@ -412,31 +416,36 @@ def test_every_entry_point_equals_the_general_path(entry, autograd, backend, dev
 
 
 # The functional entry points' calls, each with a new spec (_new_pe_scale), on a table (the embedding's) or on x.
-def _embedding_call(backend):
+def _embedding_call(backend, frequencies=None):
     pe_scale = _new_pe_scale()
     ids = _ids("cpu")
     return lambda table: pf.sinusoidal_embedding(ids.to(table.device) if isinstance(table, torch.Tensor) else ids,
-                                                 table, embed_scale=2.5, pe_scale=pe_scale, backend=backend, offset=3)
+                                                 table, embed_scale=2.5, pe_scale=pe_scale, frequencies=frequencies,
+                                                 backend=backend, offset=3)
 
 
-def _addition_call(backend):
+def _addition_call(backend, frequencies=None):
     pe_scale = _new_pe_scale()
-    return lambda x: pf.add_sinusoidal(x, x_scale=1.5, pe_scale=pe_scale, backend=backend, offset=3)
+    return lambda x: pf.add_sinusoidal(x, x_scale=1.5, pe_scale=pe_scale, frequencies=frequencies, backend=backend,
+                                       offset=3)
 
 
 @pytest.mark.parametrize("backend,device", TARGETS)
+@pytest.mark.parametrize("frequencies", [None, [0.9 ** i for i in range(8)]], ids=["base", "frequencies"])
 @pytest.mark.parametrize("make_call,shape", [(_embedding_call, (50, 16)), (_addition_call, (3, 5, 16))],
                          ids=["sinusoidal_embedding", "add_sinusoidal"])
-def test_functional_calls_alternating_kinds_of_table(make_call, shape, backend, device, prepared_runs, monkeypatch):
+def test_functional_calls_alternating_kinds_of_table(make_call, shape, frequencies, backend, device, prepared_runs,
+                                                     monkeypatch):
     """A functional entry point called in turn on two kinds of table (fp32, bf16) under one spec: each call as
     the general path gives it, each kind's launch prepared once, and every call after each kind's first served
-    by it (the launch its slot holds does not serve the other kind: the one kept for that kind does)."""
+    by it (the launch its slot holds does not serve the other kind: the one kept for that kind does).  With the
+    frequencies given too (the presets' calls), whose spec is found only after the checks."""
     builds = []
     for kind in (_prepared.PreparedForward, _prepared.PreparedAddition):
         real_build = kind.build
         monkeypatch.setattr(kind, "build", staticmethod(lambda *args, real_build=real_build: builds.append(args)
                                                         or real_build(*args)))
-    call = make_call(backend)
+    call = make_call(backend, frequencies)
     generator = torch.Generator().manual_seed(5)
     tables = [torch.randn(shape, generator=generator).to(device=device, dtype=dtype)
               for dtype in (torch.float32, torch.bfloat16)]
@@ -466,6 +475,7 @@ def test_functional_bad_tables_after_prepared_calls_raise_as_the_general_path(ma
         "sparse": good.to_sparse(), "not contiguous": good.transpose(-1, -2).contiguous().transpose(-1, -2),
         "one more dimension": good.unsqueeze(0), "one fewer": good[0], "a list": good.tolist(),
         "a subclass": good.as_subclass(_TensorSubclass),
+        "nested": _nested(good), "nested integer": _nested(good.to(torch.int64)),
     }
 
     def outcome(call, value):
@@ -481,7 +491,7 @@ def test_functional_bad_tables_after_prepared_calls_raise_as_the_general_path(ma
         call(good)
         got = outcome(call, bad)
         with monkeypatch.context() as patch:
-            patch.setattr(_prepared, "eager_call", lambda *args: False)  # the general path
+            patch.setattr(functional, "_tracing", lambda: True)  # the general path, nothing tried before it
             want = outcome(call, bad)
         assert got[:2] == want[:2], (name, got, want)
         if len(got) > 2 and got[-1] is not None:
@@ -491,6 +501,13 @@ def test_functional_bad_tables_after_prepared_calls_raise_as_the_general_path(ma
 
 class _TensorSubclass(torch.Tensor):
     pass
+
+
+def _nested(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s rows as a nested tensor (torch.nested), which has no sizes of its own."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # (its API "in prototype stage")
+        return torch.nested.nested_tensor(list(t.unbind(0)))
 
 
 @pytest.mark.parametrize("backend,device", TARGETS)
@@ -526,6 +543,10 @@ def test_addition_calls_the_launch_does_not_serve(backend, device, prepared_runs
             layer(x[..., :8])
         with pytest.raises(TypeError, match="floating-point"):
             layer(x.to(torch.int64))
+        with pytest.raises(TypeError, match="nested"):
+            layer(_nested(x))
+
+
 @pytest.mark.parametrize("backend,device", TARGETS)
 def test_outputs_are_not_views(backend, device):
     """As nn.Embedding's: a view made under no_grad could not later be modified in place with grad on."""

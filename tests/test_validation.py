@@ -1,6 +1,7 @@
 """Bad input gets a clear Python exception naming the bad value, before any kernel runs, on every backend."""
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -33,15 +34,24 @@ def _inputs(device, vocab=10, width=8, dtype=torch.float32):
     return ids, weight
 
 
+def _nested_rows(t):
+    """``t``'s rows as a nested tensor (torch.nested: 2-D, no sizes of its own)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # (its API "in prototype stage")
+        return torch.nested.nested_tensor(list(t.unbind(0)))
+
+
 BAD_CALLS = [
     # (name, exception, message fragment, call(ids, weight) -> kwargs / replacement)
     ("float_ids", TypeError, "float32", lambda ids, w: dict(ids=ids.float())),
     ("int16_ids", TypeError, "int16", lambda ids, w: dict(ids=ids.short())),
+    ("nested_ids", TypeError, "nested", lambda ids, w: dict(ids=_nested_rows(ids))),
     ("id_too_large", IndexError, "id 10 ", lambda ids, w: dict(ids=torch.where(ids == ids[0, 0], 10, ids))),
     ("negative_id", IndexError, "id -3", lambda ids, w: dict(ids=torch.where(ids == ids[0, 0], -3, ids))),
     ("weight_1d", ValueError, "[80]", lambda ids, w: dict(weight=w.reshape(-1))),
     ("weight_3d", ValueError, "[2, 5, 8]", lambda ids, w: dict(weight=w.reshape(2, 5, 8))),
     ("weight_int", TypeError, "int64", lambda ids, w: dict(weight=w.long())),
+    ("weight_nested", TypeError, "nested", lambda ids, w: dict(weight=_nested_rows(w))),
     ("unknown_mode", ValueError, "'sum'", lambda ids, w: dict(mode="sum")),
     ("unknown_layout", ValueError, "'blocked'", lambda ids, w: dict(layout="blocked")),
     ("concat_without_d_pos", ValueError, "d_pos", lambda ids, w: dict(mode="concat")),
