@@ -609,8 +609,8 @@ struct ForwardPositions {
   }
 };
 
-// Tokens per work item of ForwardTokens: enough to amortise the per-item scratch, small enough to
-// balance threads.
+// Tokens per work item of ForwardTokens at least: enough to amortise the per-item scratch, small enough to
+// balance threads (and at least kGroupElements output elements: forward_typed).
 constexpr int64_t kTokenGrain = 16;
 
 // Output elements per sequence group at least: torch's own grain (at::internal::GRAIN_SIZE), below which
@@ -624,10 +624,13 @@ constexpr int64_t kGroupElements = 32768;
 POSENC_INLINE PositionWork position_work(const ForwardArgs& a, int64_t width) {
   PositionWork w;
   const int64_t items = 4 * static_cast<int64_t>(a.num_threads > 0 ? a.num_threads : 1);
-  const int64_t grain = (a.seq_len + items - 1) / items;
+  w.num_sequences = (a.num_tokens + a.seq_len - 1) / a.seq_len;
+  // A chunk holds at least kGroupElements output elements over its sequences too (a small batch, 2 x 64 at
+  // width 64, stays one item on the calling thread, as the groups below).
+  const int64_t min_chunk = (kGroupElements + w.num_sequences * width - 1) / max_of(w.num_sequences * width, 1);
+  const int64_t grain = max_of((a.seq_len + items - 1) / items, min_chunk);
   w.chunk = (grain + kPositionBlock - 1) / kPositionBlock * kPositionBlock;
   const int64_t num_chunks = (a.seq_len + w.chunk - 1) / w.chunk;
-  w.num_sequences = (a.num_tokens + a.seq_len - 1) / a.seq_len;
   // Groups of at least kGroupElements output elements: a smaller split costs more to hand to another thread
   // than it saves (37 x 1 at d 512: 3 us on one thread, 6 us split in two).
   const int64_t rows_per_sequence = min_of(w.chunk, a.seq_len);
@@ -671,7 +674,11 @@ const char* forward_typed(const ForwardArgs& a) {
     p.positions = position_work(a, p.width);
     parallel_for(p.positions.num_items, 1, a.num_threads, &ForwardPositions<T, Math, IdT>::run, &p);
   } else {
-    parallel_for(a.num_tokens, kTokenGrain, a.num_threads, &ForwardTokens<T, Math, IdT>::run, &p);
+    // Work items of at least kGroupElements output elements too (torch's grain), as position_work's groups: a
+    // small batch (64 tokens of 64 columns: 4096 elements, a microsecond) stays on the calling thread, where a
+    // split waits for a second thread (under load from another process, milliseconds).
+    const int64_t token_grain = max_of(kTokenGrain, (kGroupElements + p.width - 1) / max_of(p.width, 1));
+    parallel_for(a.num_tokens, token_grain, a.num_threads, &ForwardTokens<T, Math, IdT>::run, &p);
   }
   return __atomic_load_n(&scratch_failed, __ATOMIC_RELAXED) ? "out of memory (a work item's scratch)" : nullptr;
 }
