@@ -2,6 +2,7 @@
 
     python bench/host_overhead.py [--calls N] [--json PATH] [--entry-points]
     python bench/host_overhead.py --real cuda [--calls N] [--json PATH]      (on a GPU)
+    python bench/host_overhead.py --smoke [--entry-points]      (small tables: the harness runs; tests/test_benchmark.py)
 
 A decoding step calls the layer with a handful of tokens (the benchmark's decode case: 64 sequences
 of one token, d_model 4096, vocabulary 262144), so the host path, not the GPU, sets its speed, and
@@ -247,9 +248,10 @@ def _device_zero() -> int:
     return 0
 
 
-def entry_point_table(calls: int):
+def entry_point_table(calls: int, gpu_case=(4096, 262144)):
     """{backend: {entry point: {"inference": us, "training": us}}} and eager's own, id check off; and
-    {backend: what its rows time} where that is not said above (triton)."""
+    {backend: what its rows time} where that is not said above (triton).  ``gpu_case``: the width and
+    vocabulary of the ``cuda`` and ``triton`` rows."""
     table, timed = {}, {}
     for backend in ("cuda", "triton", "cpu", "torch"):
         restore_triton = None
@@ -259,7 +261,7 @@ def entry_point_table(calls: int):
                 continue  # Triton not installed
             timed["triton"], restore_triton = triton_setup
         try:
-            width, vocab = (4096, 262144) if backend in ("cuda", "triton") else (TABLE_WIDTH, TABLE_VOCAB)
+            width, vocab = gpu_case if backend in ("cuda", "triton") else (TABLE_WIDTH, TABLE_VOCAB)
             rows = table[f"{backend} (d {width})"] = {}
             # Each entry point made and timed twice, the better kept: on the 2-core VM a whole entry point
             # (inference, all seven repeats) sometimes read about 5 us slow, in one run and not the next,
@@ -290,9 +292,14 @@ def main(argv=None) -> int:
                         help="time real calls on DEVICE (cuda on a GPU; cpu for a dry run) instead of stubbed launches")
     parser.add_argument("--entry-points", action="store_true",
                         help="also time every backend and entry point, inference and training (issue 26)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="a run of the harness on small tables (d_model 64, vocab 1000; 4 GiB tables otherwise) "
+                             "with few calls: it checks that everything runs, its numbers mean little")
     args = parser.parse_args(argv)
 
-    num_sequences, d_model, vocab = 64, 4096, 262144
+    num_sequences, d_model, vocab = (64, 64, 1000) if args.smoke else (64, 4096, 262144)
+    if args.smoke and args.calls == parser.get_default("calls"):
+        args.calls = 20
     if args.real:
         return _main_real(torch.device(args.real), args, num_sequences, d_model, vocab)
     cuda_backend.use_host_emulation(_build.build_host_emulation())
@@ -322,7 +329,7 @@ def main(argv=None) -> int:
     eager = baselines.EagerSinusoidalEmbedding(vocab, 8, max_len=8)
     with torch.no_grad():
         rows["eager module, CPU, width 8 (host work + tiny compute)"] = per_call_us(lambda: eager(ids), args.calls)
-    table, timed = entry_point_table(args.calls) if args.entry_points else (None, None)
+    table, timed = entry_point_table(args.calls, (d_model, vocab)) if args.entry_points else (None, None)
     cuda_backend.use_host_emulation(None)
 
     print(f"host time per call, decode case ({num_sequences} tokens, d_model {d_model}, vocab {vocab}), "
@@ -342,7 +349,7 @@ def main(argv=None) -> int:
     print(f"target < {TARGET_US:g} us with the id check off: {'met' if off < TARGET_US else 'MISSED'} ({off:.1f} us)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"case": {"tokens": num_sequences, "d_model": d_model, "vocab": vocab},
+            json.dump({"case": {"tokens": num_sequences, "d_model": d_model, "vocab": vocab}, "smoke": args.smoke,
                        "device": _cpu_name(), "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d"),
                        "torch": torch.__version__, "clock": "time.thread_time, best of 7 (entry points: of 2 x 7, made twice)",
                        "us_per_call": rows, "target_us": TARGET_US,

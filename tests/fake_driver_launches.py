@@ -150,10 +150,9 @@ def main() -> None:
     # kernel, with the FMA contraction it was compiled with.  (Nothing recorded: the parameter widths set
     # above are the forward kernel's.)
     fake_cuda_driver.record_parameters([])
-    dropout_free = triton_backend.forward(ids[:16], weight, turns, None, None, 3, 16, params, None)
+    triton_backend.forward(ids[:16], weight, turns, None, None, 3, 16, params, None)  # (outputs not read)
     triton_backend.backward(torch.randn(16, WIDTH, generator=generator), ids[:16], 1000, WIDTH, 3.0, -1,
                             torch.float32, None)
-    del dropout_free
     fma_contraction = {}
     for kernel_name in ("forward_kernel", "grad_chunk_kernel", "grad_carry_kernel"):
         jit_function = getattr(triton_backend._kernels, kernel_name)

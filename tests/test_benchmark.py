@@ -370,6 +370,37 @@ def test_sparse_gradient_cost_script_smoke(tmp_path):
     assert all(row["backward_ms"] > 0 for row in doc["rows"]) and doc["device"].startswith("CPU")
 
 
+def test_host_overhead_script_smoke(tmp_path):
+    """bench/host_overhead.py (issue 26's host-time table) runs end to end on small tables: every backend and
+    entry point, inference and training, and eager's row (a run of the harness, not a timing)."""
+    import subprocess
+    import sys
+
+    from cases import cuda_host_emulation_problem
+
+    problem = cuda_host_emulation_problem()
+    if problem is not None:
+        pytest.skip(f"the harness times the cuda backend's host-emulation build: {problem}")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("TRITON_INTERPRET", None)  # (the harness compiles Triton's kernels onto its stand-in driver)
+    out = tmp_path / "host.json"
+    result = subprocess.run([sys.executable, os.path.join(root, "bench", "host_overhead.py"), "--smoke",
+                             "--entry-points", "--json", str(out)], capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["smoke"] and doc["case"]["d_model"] == 64
+    assert all(us > 0 for us in doc["us_per_call"].values()) and len(doc["us_per_call"]) == 5
+    entry_points = {"SinusoidalEmbedding", "sinusoidal_embedding", "add_sinusoidal", "SinusoidalPositionalEncoding"}
+    backends = {"cuda (d 64)", "cpu (d 8)", "torch (d 8)"} | ({"triton (d 64)"} if doc["triton"] else set())
+    rows = doc["entry_points_us_per_call"]
+    assert set(rows) == backends | {"eager (nn.Embedding + scale + add, d 8)"}
+    for backend in backends:
+        assert set(rows[backend]) == entry_points, backend
+        assert all(us["inference"] > 0 and us["training"] > 0 for us in rows[backend].values()), backend
+    assert bool(doc["entry_points_timed"]) == bool(doc["triton"])  # what the triton rows timed, said
+
+
 @pytest.mark.slow
 def test_cpu_kernel_ab_script_smoke():
     """bench/cpu_kernel_ab.py builds HEAD's and the working tree's CPU kernel into one program and times both
