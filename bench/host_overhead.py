@@ -95,10 +95,13 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def per_call_us(fn, calls: int, repeats: int = 7, warmup: int = 200, sync=lambda: None) -> float:
+WARMUP_CALLS = 200  # before each repeat (--smoke: 20)
+
+
+def per_call_us(fn, calls: int, repeats: int = 7, sync=lambda: None) -> float:
     best = float("inf")
     for _ in range(repeats):
-        for _ in range(warmup):
+        for _ in range(WARMUP_CALLS):
             fn()
         sync()
         start = time.thread_time()
@@ -298,8 +301,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     num_sequences, d_model, vocab = (64, 64, 1000) if args.smoke else (64, 4096, 262144)
-    if args.smoke and args.calls == parser.get_default("calls"):
-        args.calls = 20
+    if args.smoke:
+        global WARMUP_CALLS
+        WARMUP_CALLS = 20
+        if args.calls == parser.get_default("calls"):
+            args.calls = 20
     if args.real:
         return _main_real(torch.device(args.real), args, num_sequences, d_model, vocab)
     cuda_backend.use_host_emulation(_build.build_host_emulation())

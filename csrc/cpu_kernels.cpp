@@ -617,7 +617,8 @@ constexpr int64_t kTokenGrain = 16;
 // at::parallel_for stays on one thread.
 constexpr int64_t kGroupElements = 32768;
 
-// The cut of position-major work (ForwardPositions): about four items per thread.  Items are chunks of
+// The cut of position-major work (ForwardPositions): at most about four items per thread, each of at least
+// kGroupElements output elements where the batch has them (the last of a row of chunks may be smaller).  Items are chunks of
 // whole position blocks; where a sequence has too few positions for that many chunks (short sequences, a
 // one-token decoding step over a large batch), each chunk's sequences are split into groups too, and each
 // group computes its chunk's sins and coses again (a few rows).  `width`: of an output row.

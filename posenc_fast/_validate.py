@@ -265,11 +265,17 @@ def _check_memory_backed(name: str, t: torch.Tensor) -> None:
                          f"materialised tensor ({name}.clone())")
 
 
+def refuse_nested(name: str, t, shape_hint: str = "") -> None:
+    """A nested tensor (torch.nested) has no sizes of its own: reading its shape raises torch's internal error,
+    so it is named first, wherever ``name`` may be one."""
+    if isinstance(t, torch.Tensor) and t.is_nested:
+        raise TypeError(f"{name} must be a dense tensor{shape_hint}, got a nested tensor (torch.nested)")
+
+
 def check_weight(weight) -> None:
     if not isinstance(weight, torch.Tensor):
         raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
-    if weight.is_nested:
-        raise TypeError("weight must be a dense tensor [num_embeddings, width], got a nested tensor (torch.nested)")
+    refuse_nested("weight", weight, " [num_embeddings, width]")
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D [num_embeddings, width], got shape {list(weight.shape)}")
     if not weight.is_floating_point():
@@ -340,8 +346,7 @@ def make_batch(ids, weight: torch.Tensor, spec: PESpec, positions, offset) -> Ba
         raise TypeError(f"ids must be int32 or int64, got dtype {ids.dtype}")
     if ids.layout != torch.strided:
         raise TypeError(f"ids must be a dense (strided) tensor, got layout {ids.layout}")
-    if ids.is_nested:
-        raise TypeError("ids must be a dense tensor, got a nested tensor (torch.nested)")
+    refuse_nested("ids", ids)
     if ids.device != weight.device:
         raise ValueError(f"ids are on {ids.device} but weight is on {weight.device}; move them to one device")
     _check_memory_backed("ids", ids)

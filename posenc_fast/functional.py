@@ -15,7 +15,7 @@ from ._prepared import functional_addition, functional_embedding, remember_addit
 from ._routing import eager_call as _eager_call, in_onnx_export as _in_onnx_export, jit_tracing as _jit_tracing
 from ._routing import tracing as _tracing
 from ._spec import PESpec, dispatch_mode_depth
-from ._validate import check_offset, check_weight, check_weight_for_spec, make_batch, make_spec
+from ._validate import check_offset, check_weight, check_weight_for_spec, make_batch, make_spec, refuse_nested
 from .backends import kernel_params as _kernel_params
 from .ops import (AddSinusoidalFunction, EmbeddingFunction, add_sinusoidal_forward, add_sinusoidal_op,
                   add_sinusoidal_standard_ops, run_forward, sinusoidal_embedding_op, standard_ops_forward)
@@ -91,7 +91,7 @@ def sinusoidal_embedding(
     """
     # A repeated call (a decoding step): see posenc_fast._prepared (never under torch.compile or jit.trace, which
     # trace the op and its checks).  Its spec was made before, so its arguments are valid; the prepared launch
-    # checks what check_weight does (a dense table with memory, of the float dtype it was prepared for).
+    # checks what check_weight does (a dense table with memory, not nested, of the float dtype it was prepared for).
     # (Where the spec is not cached that way, frequencies given, it is tried after the checks.)
     simple_call = positions is None and cu_seqlens is None and not _tracing()
     spec = None
@@ -232,6 +232,7 @@ def apply_spec(ids, weight, spec: PESpec, turns: torch.Tensor, positions, offset
     op (patch_model's position modules: an exported model then runs without posenc_fast).
     """
     _refuse_jit_trace(positions, offset, cu_seqlens, position_rule)
+    refuse_nested("ids", ids)  # (before a position rule or cu_seqlens reads its shape)
     if sparse is not False and sparse is not True:
         raise TypeError(f"sparse must be a bool, got {sparse!r}")
     dropout_p = check_dropout_p(dropout_p)  # checked even when not training, as F.dropout does
@@ -325,8 +326,7 @@ def add_sinusoidal(
                 return out
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if x.is_nested:  # (before its shape is read: a nested tensor's raises)
-        raise TypeError("x must be a dense tensor [..., D], got a nested tensor (torch.nested)")
+    refuse_nested("x", x, " [..., D]")  # (before its shape is read)
     if x.dim() < 1 or not x.is_floating_point():
         raise TypeError(f"x must be a floating-point tensor [..., D], got dtype {x.dtype} and shape {list(x.shape)}")
     if spec is None:
@@ -346,8 +346,7 @@ def add_sinusoidal(
 def apply_add_spec(x, spec: PESpec, turns: torch.Tensor, positions, offset, cu_seqlens, backend: str) -> torch.Tensor:
     """Run :func:`add_sinusoidal` as ``spec`` describes it (``spec.embed_scale`` is ``x_scale``)."""
     _refuse_jit_trace(positions, offset, cu_seqlens)
-    if x.is_nested:  # (the modules' calls come here first)
-        raise TypeError("x must be a dense tensor [..., D], got a nested tensor (torch.nested)")
+    refuse_nested("x", x, " [..., D]")  # (the modules' calls come here first)
     if x.shape[-1] != spec.pe_width:
         raise ValueError(f"x has width {x.shape[-1]} but the PE has width {spec.pe_width}")
     rows = x.reshape(-1, x.shape[-1]).contiguous()  # the kernels read rows of x as rows of a dense table

@@ -80,10 +80,12 @@ def _run(ids, weight, grad_out, threads, **kwargs):
 
 
 # Shapes whose position-major work is cut differently with the thread count: long sequences (chunks of
-# positions), and few or one position per sequence (chunks that also split the sequences into groups of
-# unequal sizes, here 4, 8 and 11 groups of 1200 one-token sequences on 1, 2 and 5 threads: groups hold at
-# least 32768 output elements, csrc/cpu_kernels.cpp position_work).
-THREAD_SHAPES = [(3, 150), (1200, 1), (300, 3)]
+# positions: 600 positions in chunks of 152, 80 and 40 on 1, 2 and 5 threads, the last one partial; 150 in
+# chunks of 40, the floor of 32768 output elements per chunk), and few or one position per sequence (chunks
+# that also split the sequences into groups of unequal sizes, here 4, 8 and 11 groups of 1200 one-token
+# sequences on 1, 2 and 5 threads: groups hold at least 32768 output elements too; csrc/cpu_kernels.cpp
+# position_work).
+THREAD_SHAPES = [(3, 150), (3, 600), (1200, 1), (300, 3)]
 
 
 @pytest.mark.parametrize("shape", THREAD_SHAPES, ids=lambda s: "x".join(map(str, s)))
@@ -176,9 +178,11 @@ def _per_token_positions(kind, shape, g):
     return positions, dict(positions=positions)
 
 
-# With a scalar offset, the last three split their sequences into groups (of unequal sizes) on two threads or
-# more; with per-token positions, 2000 x 8 does (shorter sequences take the token-major path).
-@pytest.mark.parametrize("shape", [(4, 33), (3, 150), (2000, 8), (5000, 1), (2000, 3)],
+# With a scalar offset, 2000 x 8, 5000 x 1 and 2000 x 3 split their sequences into groups (of unequal sizes) on two
+# threads or more; with per-token positions, 2000 x 8 does (shorter sequences take the token-major path).  4 x 4000
+# is cut into chunks of positions that differ with the thread count (smaller batches are one item: 32768 output
+# elements at least).
+@pytest.mark.parametrize("shape", [(4, 33), (3, 150), (4, 4000), (2000, 8), (5000, 1), (2000, 3)],
                          ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("kind", ["offset", "offsets", "positions"])
 @pytest.mark.parametrize("mode", ["add", "concat"])

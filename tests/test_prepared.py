@@ -461,13 +461,15 @@ def test_functional_calls_alternating_kinds_of_table(make_call, shape, frequenci
 
 
 @pytest.mark.parametrize("backend,device", TARGETS)
+@pytest.mark.parametrize("frequencies", [None, [0.9 ** i for i in range(8)]], ids=["base", "frequencies"])
 @pytest.mark.parametrize("make_call,shape", [(_embedding_call, (50, 16)), (_addition_call, (3, 5, 16))],
                          ids=["sinusoidal_embedding", "add_sinusoidal"])
-def test_functional_bad_tables_after_prepared_calls_raise_as_the_general_path(make_call, shape, backend, device,
-                                                                             monkeypatch):
-    """The functional entry points try their prepared launch before checking the table (or x): a bad one right
-    after good calls (a launch prepared for a good one of the same shape) gives what the general path gives
-    for it: the same error, or the same output."""
+def test_functional_bad_tables_after_prepared_calls_raise_as_the_general_path(make_call, shape, frequencies, backend,
+                                                                             device, monkeypatch):
+    """The functional entry points try their prepared launch before checking the table (or x), or after the
+    checks where their spec is not found without them (frequencies given): a bad one right after good calls
+    (a launch prepared for a good one of the same shape) gives what the general path gives for it: the same
+    error, or the same output."""
     good = torch.randn(shape, generator=torch.Generator().manual_seed(6)).to(device)
     bad_inputs = {
         "integer": good.to(torch.int64), "float64": good.double(), "meta": good.to("meta"),
@@ -486,7 +488,7 @@ def test_functional_bad_tables_after_prepared_calls_raise_as_the_general_path(ma
         return out.dtype, out.shape, out.device, out.cpu() if out.device.type != "meta" else None
 
     for name, bad in bad_inputs.items():
-        call = make_call(backend)
+        call = make_call(backend, frequencies)
         first = call(good)
         call(good)
         got = outcome(call, bad)
