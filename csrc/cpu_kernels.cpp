@@ -618,8 +618,8 @@ constexpr int64_t kTokenGrain = 16;
 constexpr int64_t kGroupElements = 32768;
 
 // The cut of position-major work (ForwardPositions): at most about four items per thread, each of at least
-// kGroupElements output elements where the batch has them (the last of a row of chunks may be smaller).  Items are chunks of
-// whole position blocks; where a sequence has too few positions for that many chunks (short sequences, a
+// kGroupElements output elements where the batch has them (the last chunk may be smaller).  Items are chunks
+// of whole position blocks; where a sequence has too few positions for that many chunks (short sequences, a
 // one-token decoding step over a large batch), each chunk's sequences are split into groups too, and each
 // group computes its chunk's sins and coses again (a few rows).  `width`: of an output row.
 POSENC_INLINE PositionWork position_work(const ForwardArgs& a, int64_t width) {

@@ -334,4 +334,5 @@ def functional_addition(spec, backend: str, x, offset):
 def remember_addition(spec, backend: str, x, offset) -> None:
     if type(backend) is str and type(offset) is int and type(x) is torch.Tensor and eager_call(x, x):
         _keep(spec, ("add", backend), ("add", backend, x.dtype, x.device),
-              lambda prepared: prepared.prepared_for(spec, backend, x), lambda: PreparedAddition.build(spec, backend, x))
+              lambda prepared: prepared.prepared_for(spec, backend, x),
+              lambda: PreparedAddition.build(spec, backend, x))
