@@ -116,7 +116,8 @@ def install() -> Callable[[], None]:
 class LastLaunch(ctypes.Structure):
     """fake_libcuda.c's record of the last launch."""
     _fields_ = [("launches", ctypes.c_uint64), ("grid", ctypes.c_uint32 * 3), ("block", ctypes.c_uint32 * 3),
-                ("shared_bytes", ctypes.c_uint32), ("num_params", ctypes.c_uint32), ("params", ctypes.c_uint64 * 64)]
+                ("shared_bytes", ctypes.c_uint32), ("num_params", ctypes.c_uint32), ("params", ctypes.c_uint64 * 64),
+                ("function", ctypes.c_uint64)]
 
 
 def record_parameters(sizes) -> None:
@@ -126,7 +127,9 @@ def record_parameters(sizes) -> None:
 
 
 def last_launch() -> dict:
-    """The last launch the stand-in saw: launches so far, grid, block, shared bytes, recorded parameters."""
+    """The last launch the stand-in saw: launches so far, the function (kernel handle), grid, block, shared bytes,
+    recorded parameters."""
     record = LastLaunch.in_dll(_library, "fake_last_launch")
-    return {"launches": record.launches, "grid": tuple(record.grid), "block": tuple(record.block),
-            "shared_bytes": record.shared_bytes, "params": tuple(record.params[:record.num_params])}
+    return {"launches": record.launches, "function": record.function, "grid": tuple(record.grid),
+            "block": tuple(record.block), "shared_bytes": record.shared_bytes,
+            "params": tuple(record.params[:record.num_params])}

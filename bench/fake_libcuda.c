@@ -6,7 +6,7 @@
  * built by bench/fake_cuda_driver.py.  Only the entry points that Triton's NVIDIA driver module and its
  * launchers (Triton 3.5 to 3.9) call are here; a device pointer is the host address it is given, so CPU
  * tensors pass Triton's pointer check.  Nothing is ever executed: cuLaunchKernel(Ex) records the launch
- * (grid, block, shared memory and the first words of each parameter) for a test to read, and returns.
+ * (function, grid, block, shared memory and the first words of each parameter) for a test to read, and returns.
  *
  * The device it describes is an H100 (sm_90, 132 SMs, 227 KiB of shared memory per block). */
 
@@ -14,7 +14,7 @@
 #include <stdint.h>
 #include <string.h>
 
-static int fake_context, fake_module, fake_function;
+static int fake_context;
 
 CUresult CUDAAPI cuInit(unsigned int flags) { (void)flags; return CUDA_SUCCESS; }
 CUresult CUDAAPI cuDriverGetVersion(int *version) { *version = 13000; return CUDA_SUCCESS; }
@@ -57,15 +57,18 @@ CUresult CUDAAPI cuGetErrorString(CUresult error, const char **text) {
 }
 CUresult CUDAAPI cuGetErrorName(CUresult error, const char **text) { return cuGetErrorString(error, text); }
 
+/* Handles are never dereferenced: one per loaded binary (each compiled kernel's own, so that a test can tell
+ * which kernel a launch ran), its function the next address. */
+static uintptr_t fake_modules_loaded;
 CUresult CUDAAPI cuModuleLoadData(CUmodule *module, const void *image) {
   (void)image;
-  *module = (CUmodule)&fake_module;
+  *module = (CUmodule)(0x10000 + 16 * ++fake_modules_loaded);
   return CUDA_SUCCESS;
 }
 CUresult CUDAAPI cuModuleUnload(CUmodule module) { (void)module; return CUDA_SUCCESS; }
 CUresult CUDAAPI cuModuleGetFunction(CUfunction *function, CUmodule module, const char *name) {
-  (void)module; (void)name;
-  *function = (CUfunction)&fake_function;
+  (void)name;
+  *function = (CUfunction)((uintptr_t)module + 1);
   return CUDA_SUCCESS;
 }
 CUresult CUDAAPI cuFuncGetAttribute(int *value, CUfunction_attribute attribute, CUfunction function) {
@@ -119,6 +122,7 @@ struct fake_launch {
   uint32_t grid[3], block[3], shared_bytes;
   uint32_t num_params;
   uint64_t params[FAKE_MAX_PARAMS];
+  uint64_t function; /* the CUfunction launched (which compiled kernel) */
 };
 struct fake_launch fake_last_launch;
 static uint32_t fake_params_recorded = 0; /* how many parameters to record: set by a test (0: none) */
@@ -129,9 +133,10 @@ void fake_record_params(uint32_t count, const uint8_t *sizes) {
   for (uint32_t i = 0; i < fake_params_recorded; ++i) fake_param_sizes[i] = sizes[i] <= 8 ? sizes[i] : 8;
 }
 
-static void record(unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz, unsigned shared,
-                   void **params) {
+static void record(CUfunction function, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                   unsigned bz, unsigned shared, void **params) {
   fake_last_launch.launches += 1;
+  fake_last_launch.function = (uint64_t)(uintptr_t)function;
   fake_last_launch.grid[0] = gx; fake_last_launch.grid[1] = gy; fake_last_launch.grid[2] = gz;
   fake_last_launch.block[0] = bx; fake_last_launch.block[1] = by; fake_last_launch.block[2] = bz;
   fake_last_launch.shared_bytes = shared;
@@ -143,14 +148,14 @@ static void record(unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned 
 }
 
 CUresult CUDAAPI cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction function, void **params, void **extra) {
-  (void)function; (void)extra;
-  record(config->gridDimX, config->gridDimY, config->gridDimZ, config->blockDimX, config->blockDimY,
+  (void)extra;
+  record(function, config->gridDimX, config->gridDimY, config->gridDimZ, config->blockDimX, config->blockDimY,
          config->blockDimZ, config->sharedMemBytes, params);
   return CUDA_SUCCESS;
 }
 CUresult CUDAAPI cuLaunchKernel(CUfunction function, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                                 unsigned bz, unsigned shared, CUstream stream, void **params, void **extra) {
-  (void)function; (void)stream; (void)extra;
-  record(gx, gy, gz, bx, by, bz, shared, params);
+  (void)stream; (void)extra;
+  record(function, gx, gy, gz, bx, by, bz, shared, params);
   return CUDA_SUCCESS;
 }

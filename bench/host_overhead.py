@@ -24,8 +24,9 @@ plus a negligible computation, about what eager spends on the host before its ke
 ``--entry-points`` adds issue 26's table: every entry point (module, functional, ``add_sinusoidal`` and
 its module), in inference and in training, on ``cuda`` (zero-token launches, as above), on ``triton``
 (Triton's real JIT and launcher, the kernels compiled for an H100, onto a stand-in CUDA driver whose
-launch returns at once: bench/fake_cuda_driver.py; so, like the ``cuda`` rows, everything but the
-driver's launch call; where that driver cannot be built, the kernels are stubbed and only our host work
+launch returns at once: bench/fake_cuda_driver.py; a prepared launch's repeated calls go through the host
+extension's launch, csrc/driver_launch.h, onto the same stand-in; so, like the ``cuda`` rows, everything but
+the driver's launch call; where that driver cannot be built, the kernels are stubbed and only our host work
 is timed, as the output says) and on ``cpu`` and ``torch`` (their kernels run for real on a tiny case,
 so a few us of compute are included).
 

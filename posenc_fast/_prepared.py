@@ -25,8 +25,9 @@ What a prepared launch holds does not depend on the table's data: its pointer an
 read on every call, so in-place updates, ``.data`` swaps and a new Parameter of the same shape need
 no invalidation.  (A zero tensor, which has no memory, is refused by the binding itself.)  Every
 backend's launch is called the same way (``backends.PreparedLaunch``: the call's tensors, offset, length
-and token count); ``cpu`` and ``cuda`` hand pointers to their binding's ``ForwardLaunch``, ``triton`` calls
-its kernel with the rest worked out once.  The ``torch`` reference has none: its entry points always take
+and token count); ``cpu`` and ``cuda`` hand pointers to their binding's ``ForwardLaunch``, ``triton`` hands its
+kept kernel's launch the call's pointers (the host extension's, csrc/driver_launch.h, or Triton's own), the
+rest worked out once.  The ``torch`` reference has none: its entry points always take
 the general path.
 """
 
@@ -46,6 +47,7 @@ from .backends import kernel_params
 from .ops import LaunchedAdditionFunction, LaunchedEmbeddingFunction, check_ids_if_enabled
 
 _STRIDED, _CONTIGUOUS = torch.strided, torch.contiguous_format
+_TENSOR, _grad_enabled = torch.Tensor, torch.is_grad_enabled  # (module names: each attribute lookup costs)
 _INT64_MIN, _INT64_END = -(2**63), 2**63
 # add_sinusoidal's launch reads rows 0..N-1 that it numbers itself, so the table's row count is only
 # a bound: the largest for which the CUDA kernels keep 32-bit row arithmetic (forward_kernels.cuh).
@@ -115,7 +117,7 @@ class PreparedForward:
         """The layer's output for ``ids`` at ``offset`` when this launch was prepared for that call
         (positions ``offset + t``, no dropout applied); else None, and the caller takes the general path."""
         # The checks of prepared_for, inline (a decoding step pays each Python call), then the call's own.
-        if (type(offset) is not int or type(ids) is not torch.Tensor or not _INT64_MIN <= offset < _INT64_END
+        if (type(offset) is not int or type(ids) is not _TENSOR or not _INT64_MIN <= offset < _INT64_END
                 or spec is not self.spec or backend != self.backend or type(dropout) is not float
                 or dropout != self.dropout or (training and dropout) or (sparse is not False and sparse is not True)):
             return None
@@ -126,7 +128,7 @@ class PreparedForward:
                 return None
         except RuntimeError:  # a table without sizes (a nested tensor's shape raises): the general path names it
             return None
-        if weight.requires_grad and torch.is_grad_enabled():
+        if weight.requires_grad and _grad_enabled():
             return LaunchedEmbeddingFunction.apply(weight, ids, self._output, offset, (sparse,) + self.gradient)
         return self._output(weight, ids, offset)
 
@@ -201,7 +203,7 @@ class PreparedAddition:
     def run(self, spec, backend: str, x, offset) -> Optional[torch.Tensor]:
         """``x_scale * x + pe_scale * PE(offset + t)`` when this launch was prepared for that call; else None."""
         try:
-            if (type(offset) is not int or type(x) is not torch.Tensor or not _INT64_MIN <= offset < _INT64_END
+            if (type(offset) is not int or type(x) is not _TENSOR or not _INT64_MIN <= offset < _INT64_END
                     or spec is not self.spec or backend != self.backend or x.dtype is not self.dtype
                     or x.dim() < 2 or x.shape[-1] != self.width or not _dense(x) or x.device != self.device
                     or not eager_call(x, x) or not self.is_current()):
@@ -215,7 +217,7 @@ class PreparedAddition:
         rows = self._row_numbers(num_rows, last_argument)
         if rows is None:
             return None
-        if x.requires_grad and torch.is_grad_enabled():
+        if x.requires_grad and _grad_enabled():
             return LaunchedAdditionFunction.apply(x, self.x_scale, self._output, offset, rows, last_argument)
         return self._output(x, offset, rows, last_argument)
 

@@ -1,11 +1,12 @@
 """Run in its own process by tests/test_triton_backend.py: the ``triton`` backend's prepared launch compiled for
 an H100 and launched through Triton's real launcher onto the stand-in CUDA driver (bench/fake_cuda_driver.py),
 which records each launch.  For each call (across Triton's specializations of the varying arguments and
-across shapes) the launch that the JIT makes and the one the compiled path makes (``_CompiledLaunches``)
-must hand the driver the same grid, block, shared memory and parameters, with the call's own tensors'
-addresses among them.
+across shapes) the launch that the JIT makes, the one the compiled path makes (``_CompiledLaunches``) and the
+host extension's (``_CompiledLaunches.launch_direct``, csrc/driver_launch.h) must hand the driver the same grid,
+block, shared memory and parameters (the scratch pointers included), with the call's own tensors' addresses
+among them.
 
-Prints one JSON object: {"triton": version, "calls": [{"call", "jit", "compiled", "direct"}...], "hooked":
+Prints one JSON object: {"triton": version, "calls": [{"call", "jit", "compiled", "direct", "host_extension"...}...], "hooked":
 the first call again with a launch hook set, "compile_warnings": [what the first launches warned],
 "fma_contraction": {kernel: [each compiled kernel's enable_fp_fusion]}}.  Its own
 process, because the stand-in replaces Triton's driver and the kernels are compiled, not interpreted."""
@@ -37,13 +38,14 @@ _PARAMETER_BYTES = {"i1": 1, "i8": 1, "u1": 1, "u8": 1, "i16": 2, "u16": 2, "fp1
 
 
 def parameter_bytes(compiled) -> list:
-    """The kernel's parameters' widths, in order: its arguments less the constexprs (scratch pointers left out)."""
+    """The kernel's parameters' widths, in order: its arguments less the constexprs, then the global and profile
+    scratch pointers that Triton's launcher appends (Triton 3.5 to 3.9)."""
     sizes = []
     for kind in compiled.src.signature.values():
         if kind == "constexpr":
             continue
         sizes.append(8 if kind.startswith("*") else _PARAMETER_BYTES[kind])
-    return sizes
+    return sizes + [8, 8]
 
 
 def main() -> None:
@@ -56,16 +58,22 @@ def main() -> None:
     triton_backend._load_kernels()
     assert triton_backend._kernels_interpreted is False
     torch._C._cuda_getDevice = lambda: 0  # the prepared device is current (CPU torch has no CUDA state)
-    served = []
-    real_launch = triton_backend._CompiledLaunches.launch
-    jit_only = [False]
+    served, served_directly = [], []
+    real_launch, real_launch_direct = triton_backend._CompiledLaunches.launch, triton_backend._CompiledLaunches.launch_direct
+    jit_only, direct_on = [False], [False]
 
     def counting_launch(self, *args):
         took = False if jit_only[0] else real_launch(self, *args)
         served.append(took)
         return took
 
+    def counting_launch_direct(self, *args):
+        took = direct_on[0] and real_launch_direct(self, *args)
+        served_directly.append(took)
+        return took
+
     triton_backend._CompiledLaunches.launch = counting_launch
+    triton_backend._CompiledLaunches.launch_direct = counting_launch_direct
     generator = torch.Generator().manual_seed(int(os.environ.get("POSENC_FAST_TEST_SEED", "0")))
     layer = pf.SinusoidalEmbedding(1000, WIDTH, embed_scale=3.0)
     params = kernel_params(layer.spec, False)
@@ -132,6 +140,15 @@ def main() -> None:
             "direct": kept_for[name].launch.__name__ == "launch",  # (not the launcher's Python frame)
             "addresses": [call["ids"].data_ptr(), call["weight"].data_ptr(), call["out"].data_ptr()],
         })
+    # Then each through the host extension's launch (csrc/driver_launch.h), which must hand the driver the same.
+    direct_on[0] = True
+    for (name, call), result in zip(calls, results):
+        fake_cuda_driver.record_parameters(parameter_bytes(kept_for[name].compiled))
+        served_before, directly_before = served.count(True), served_directly.count(True)
+        result["host_extension"] = launch(call)
+        result["served_by_host_extension"] = served_directly.count(True) - directly_before
+        result["served_by_compiled_after"] = served.count(True) - served_before
+    direct_on[0] = False
     # With a launch hook (a profiler's), the compiled path gives it the metadata and launches the same.
     seen_by_hook = []
     hooks = triton.knobs.runtime.launch_enter_hook
@@ -139,12 +156,15 @@ def main() -> None:
     try:
         name, call = calls[0]
         fake_cuda_driver.record_parameters(parameter_bytes(kept_for[name].compiled))
-        served_before = served.count(True)
+        served_before, directly_before = served.count(True), served_directly.count(True)
+        direct_on[0] = True  # (the host extension's launch steps aside: a hook calls something)
         hooked = {"call": name, "jit": through_jit[name], "compiled": launch(call),
                   "served_by_compiled": served.count(True) - served_before,
+                  "served_by_host_extension": served_directly.count(True) - directly_before,
                   "metadata": [{key: str(value) for key, value in dict(metadata.get()).items()}
                                for metadata in seen_by_hook]}
     finally:
+        direct_on[0] = False
         hooks.remove(seen_by_hook.append)
     # The general path's forward and the weight gradient's kernels too: every kernel compiled here, by
     # kernel, with the FMA contraction it was compiled with.  (Nothing recorded: the parameter widths set

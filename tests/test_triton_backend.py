@@ -5,7 +5,8 @@ would pass it, and reuses a compiled kernel only for calls that Triton specialis
 halves are checked here without a GPU: the key against Triton's own specialization, the arguments against
 the kernel's signature (a stand-in for the GPU kernel records what each path passes).  Triton's real
 launcher runs too, onto a stand-in CUDA driver that records what it is handed (``fake_driver_launches.py``,
-in its own process): both paths must hand it the same launch.  On a GPU, the last test runs the real
+in its own process): the JIT, the compiled path and the host extension's own launch of the kept kernel
+(csrc/driver_launch.h) must hand it the same launch.  On a GPU, the last test runs the real
 launcher across specializations against the JIT path, bit for bit.
 """
 
@@ -340,12 +341,15 @@ def _fake_driver_unavailable():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the next test runs the real driver")
-def test_tritons_launcher_gets_the_same_launch_from_both_paths():
+def test_the_driver_gets_the_same_launch_from_every_path():
     """The prepared launch compiled for an H100 by Triton, launched by Triton's own launcher onto a stand-in
-    driver (no GPU): for each call across specializations and shapes, the JIT's launch and the compiled
-    path's (Triton's launch function called directly, with the kernel kept for the call's key) hand the
-    driver the same grid, block, shared memory and parameters, the call's own ids, table and output first;
-    with a launch hook set too, which gets the metadata.  Every kernel is compiled with FMA contraction."""
+    driver (no GPU): for each call across specializations and shapes, the JIT's launch, the compiled
+    path's (Triton's launch function called directly, with the kernel kept for the call's key) and the host
+    extension's (csrc/driver_launch.h: its own parameter block per key, cuLaunchKernel) hand the driver the
+    same kernel (each call's own: no key merges two of Triton's specializations), grid, block, shared memory
+    and parameters, the call's own ids, table and output first, the scratch
+    pointers null last; with a launch hook set too, which gets the metadata (the host extension's launch steps
+    aside).  Every kernel is compiled with FMA contraction."""
     why = _fake_driver_unavailable()
     if why is not None:
         pytest.skip(why)
@@ -360,18 +364,27 @@ def test_tritons_launcher_gets_the_same_launch_from_both_paths():
         jit, compiled = call["jit"], call["compiled"]
         assert compiled["launches"] > jit["launches"], call["call"]
         assert call["served_by_compiled"] == 1 and call["direct"], call["call"]
-        for field in ("grid", "block", "shared_bytes", "params"):
+        # The host extension's launch served the third round, and alone.
+        host_extension = call["host_extension"]
+        assert call["served_by_host_extension"] == 1 and call["served_by_compiled_after"] == 0, call["call"]
+        assert host_extension["launches"] > compiled["launches"], call["call"]
+        for field in ("function", "grid", "block", "shared_bytes", "params"):
             assert compiled[field] == jit[field], (call["call"], field)
+            assert host_extension[field] == jit[field], (call["call"], field)
         assert jit["params"][:3] == call["addresses"], call["call"]
+        assert jit["params"][-2:] == [0, 0], call["call"]  # no scratch memory
         assert jit["block"][0] >= 32
     hooked = report["hooked"]  # the first call again, with a launch hook set
     assert hooked["served_by_compiled"] == 1 and hooked["compiled"]["params"] == hooked["jit"]["params"]
+    assert hooked["served_by_host_extension"] == 0
     assert [metadata["name"] for metadata in hooked["metadata"]] == ["forward_kernel"], hooked
     # Every kernel compiled (the prepared and general forwards, the weight gradient's two) with FMA
     # contraction, and without Triton 3.9's warning where a launch leaves that to the default.
     assert all(report["fma_contraction"][name] for name in ("forward_kernel", "grad_chunk_kernel", "grad_carry_kernel"))
     assert all(all(flags) for flags in report["fma_contraction"].values()), report["fma_contraction"]
     assert not [message for message in report["compile_warnings"] if "FP_FUSION" in message], report
+    # The ten calls that differ from the usual one in a specialization (the first ten) ran ten kernels.
+    assert len({call["jit"]["function"] for call in report["calls"][:10]}) == 10
     grids = {tuple(call["jit"]["grid"]) for call in report["calls"]}
     assert any(x > 1 and y > 1 for x, y, _ in grids), grids  # both grid dimensions told apart
 
@@ -385,17 +398,16 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def test_compiled_launches_match_the_jit_path_on_a_gpu(dtype, seed, monkeypatch):
     """The real launcher: calls across Triton's specializations (offsets 1, 16 | value, 64-bit; length 1;
     misaligned ids, table and output; int32 ids) and shapes (tokens, table rows), each made twice (the
-    second through the compiled kernel), into poisoned outputs, bit for bit against the JIT path
-    (``_forward``)."""
+    second through the compiled kernel: the host extension's launch, csrc/driver_launch.h, where it is built),
+    into poisoned outputs, bit for bit against the JIT path (``_forward``)."""
     served = []
-    real_launch = triton_backend._CompiledLaunches.launch
+    for name in ("launch", "launch_direct"):  # Triton's launch function, the host extension's launch
+        def counting(self, *args, _real=getattr(triton_backend._CompiledLaunches, name), _name=name):
+            took = _real(self, *args)
+            served.append((_name, took))
+            return took
 
-    def counting_launch(self, *args):
-        took = real_launch(self, *args)
-        served.append(took)
-        return took
-
-    monkeypatch.setattr(triton_backend._CompiledLaunches, "launch", counting_launch)
+        monkeypatch.setattr(triton_backend._CompiledLaunches, name, counting)
     g = torch.Generator().manual_seed(seed)
     layer = pf.SinusoidalEmbedding(1000, 96, embed_scale=3.0)
     params = kernel_params(layer.spec, False)
@@ -421,4 +433,6 @@ def test_compiled_launches_match_the_jit_path_on_a_gpu(dtype, seed, monkeypatch)
                                 prepared.last_argument())
                 torch.cuda.synchronize()
                 assert torch.equal(_bits(got), _bits(want)), (offset, seq_len, output_start)
-    assert served.count(True) >= len(calls) * 2  # the compiled path served the repeats
+    # The compiled path served the repeats: the host extension's launch where the host extension is built.
+    direct = triton_backend.cpu_backend.extension() is not None
+    assert served.count(("launch_direct" if direct else "launch", True)) >= len(calls) * 2, served

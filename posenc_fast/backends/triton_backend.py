@@ -5,10 +5,14 @@ Triton decides between compiling and interpreting when a kernel is *defined*, so
 kernel module is imported lazily, at the first launch, and the mode it was defined
 in is remembered: ``import posenc_fast`` never imports Triton.
 
-A prepared launch (``prepare_forward``) on a GPU launches a compiled kernel through that kernel's own
-launch function from its second call with the same specialization on: Triton's JIT call (binding the
-arguments, specialising them, looking up its cache: most of a launch's host time) runs once per
-specialization.  Every launch asks for the same compile options (``compile_options``).
+A prepared launch (``prepare_forward``) on a GPU launches a compiled kernel without the JIT from its second
+call with the same specialization on: Triton's JIT call (binding the arguments, specialising them, looking
+up its cache: most of a launch's host time) runs once per specialization.  The launch is the host
+extension's (``posenc_fast._cpu``, csrc/driver_launch.h: the kernel's parameters packed once per
+specialization, the five that vary written per call, cuLaunchKernel), checked against Triton's own launch
+on a stand-in driver (tests/test_triton_backend.py); without that extension, or with a launch hook set,
+the kernel's own launch function (``_CompiledLaunches``).  Every launch asks for the same compile options
+(``compile_options``).
 
 Threads: the lazy load is done once, under a lock.  Triton's interpreter is not thread-safe
 (each launch patches ``triton.language`` module-wide for its duration and runs on one global
@@ -21,12 +25,14 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import os
+import re
 import threading
 import weakref
 from typing import Callable, NamedTuple, Optional
 
 import torch
 
+from . import cpu_backend
 from . import (ID_DTYPES, KernelParams, PreparedLaunch, current_stream_function, gradient_rows, new_buffer,
                sort_ids_for_gradient)
 
@@ -315,6 +321,12 @@ def prepare_forward(dtype, num_rows: int, device, turns, params: KernelParams) -
         # device, so Triton's per-pointer check that the address is one the device can use (a driver call
         # each, made for tensors only) has nothing to find.
         ids_address, weight_address, out_address = ids.data_ptr(), weight.data_ptr(), out.data_ptr()
+        # The host extension's launch of the kept kernel, where it has one for this call (csrc/driver_launch.h:
+        # the key below, worked out in C, and the kernel's parameters packed once); else Triton's launch function.
+        if compiled_launches.direct is not None and compiled_launches.launch_direct(
+                last_argument, ids.dtype, ids_address, weight_address, out_address, offset, seq_len, num_tokens,
+                table_rows, weight_row_stride):
+            return
         # The key: the shape, and what Triton specialises the call's tensors, offset and length on (the
         # alignments: True where 16 divides all three addresses, the usual case, else one flag each).
         key = (num_tokens, table_rows, weight_row_stride, ids.dtype,
@@ -329,7 +341,9 @@ def prepare_forward(dtype, num_rows: int, device, turns, params: KernelParams) -
                 (num_tokens, table_rows, weight_row_stride))
             compiled_launches.keep(key, kernels.forward_kernel[grid](ids, weight, out, *fixed_before, offset, seq_len,
                                                                      *arguments_after, **constexprs),
-                                   grid, launcher_arguments_after)
+                                   grid, launcher_arguments_after,
+                                   (ids.dtype, ids_address, weight_address, out_address, offset, seq_len, num_tokens,
+                                    table_rows, weight_row_stride), varying)
 
     def is_current() -> bool:  # the same kernels (their mode is fixed once loaded); on CPU the interpreter still on
         return _kernels is kernels and (on_gpu or interpreting())
@@ -360,7 +374,9 @@ class _CompiledLaunches:
     *arguments)``, every parameter in signature order, constexprs included; the same in Triton 3.5 to
     3.9), tensors as their addresses, through the launcher's own launch function where it can
     (``_launch_function``).  A key's first call goes through the JIT, which compiles or finds the kernel
-    and returns it.
+    and returns it.  Where no launch hook calls anything, the host extension launches it instead
+    (``direct``: the same parameters, packed once per key, ``_direct_parameters``), from a key worked out in
+    C from the call's addresses and ints by the same rules as the prepared launch's.
 
     Only plain launches go this way: the JIT path serves every call while a setting that it reads on every
     call is in force (debug, an instrumentation mode such as Proton's, a stages-inspection hook, a pre-run
@@ -375,6 +391,8 @@ class _CompiledLaunches:
         self._kernel = kernel
         self._kernels = {}
         self._constexpr_names = []
+        # The host extension's launch of kept kernels (csrc/driver_launch.h), or None: Triton's launch function.
+        self.direct = self._direct_owner = None
         low, high = _COMPILED_LAUNCH_TRITON
         version = tuple(int(part) for part in triton.__version__.split(".")[:2])
         self._enabled = device_index is not None and torch.version.hip is None and low <= version < high
@@ -392,6 +410,10 @@ class _CompiledLaunches:
             self._launcher_type, self._launcher_call = _nvidia_launcher()
             # (torch.cuda.current_device less its lazy-init check: a prepared launch runs after CUDA's use)
             self._current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
+            host = cpu_backend.extension()
+            if hasattr(host, "kept_launches"):
+                self._direct_owner, self.direct = host.kept_launches()
+                self._keep_direct = host.keep_launch
 
     def constexpr_values(self, constexprs: dict) -> tuple:
         """The constexpr arguments, in signature order, that the launcher takes after the others."""
@@ -427,16 +449,36 @@ class _CompiledLaunches:
             kept.launch(stream, varying, enter_hook, exit_hook)
         return True
 
-    def keep(self, key, compiled, grid, arguments_after: tuple) -> None:
+    def launch_direct(self, stream: int, *call) -> bool:
+        """Launch through ``direct`` the kernel kept there for ``call`` (``direct``'s arguments after the stream)
+        where the launch is plain and no launch hook calls anything (the JIT's launch then calls nothing but
+        the kernel); False where it does not, and the caller goes on as before."""
+        runtime = self._runtime
+        enter_hook, exit_hook = runtime.launch_enter_hook, runtime.launch_exit_hook
+        return ((enter_hook is None or not getattr(enter_hook, "calls", True))
+                and (exit_hook is None or not getattr(exit_hook, "calls", True))
+                and self._plain() and self.direct(stream, *call))
+
+    def keep(self, key, compiled, grid, arguments_after: tuple, direct_call: tuple, varying: tuple) -> None:
         """Keep what the JIT's plain launch returned: a compiled kernel, launched and so loaded on the
         current device (not a hook's None or an asynchronous compile's future), with its grid and the
-        arguments after the varying ones."""
+        arguments after the varying ones; and in ``direct`` too, for calls like ``direct_call`` (its
+        arguments after the stream), where it can make the launch (``_direct_parameters``)."""
         if not self._enabled or not isinstance(compiled, self._compiled_type) or not self._plain():
             return
         if len(self._kernels) >= self._KEPT:
             self._kernels.clear()
         self._kernels[key] = _KeptKernel(compiled, _launch_function(compiled, self._launcher_type, grid,
                                                                     arguments_after))
+        parameters = None if self.direct is None else _direct_parameters(compiled, self._launcher_type,
+                                                                         varying + arguments_after)
+        if parameters is not None:
+            metadata = compiled.metadata
+            try:
+                self._keep_direct(self._direct_owner, *direct_call, compiled, compiled.function, grid[0], grid[1],
+                                  32 * metadata.num_warps, metadata.shared, *parameters)
+            except (TypeError, ValueError, OverflowError, RuntimeError):
+                pass  # a value it does not pack: this key's calls keep Triton's launch function
 
 
 def _hooks_to_call(hook) -> bool:
@@ -513,6 +555,50 @@ def _launch_function(compiled, launcher_type, grid, arguments_after: tuple) -> C
 
 
 _BUILTIN_FUNCTION = type(len)
+
+# The varying arguments (the prepared launch's ``varying``, by position) that the direct launch fills on each
+# call, in the slot order of csrc/driver_launch.h: ids, weight, out, offset, seq_len.
+_DIRECT_SLOTS = (0, 1, 2, 9, 10)
+# Triton's types of kernel parameters that the direct launch packs, and their widths in the PTX (bits).
+_DIRECT_PARAMETER_BITS = {"i32": 32, "u32": 32, "fp32": 32, "i64": 64, "u64": 64, "fp64": 64}
+_PTX_ENTRY_PARAMETERS = re.compile(r"\.entry\s+[\w$]+\s*\(([^)]*)\)")
+_PTX_PARAMETER_BITS = re.compile(r"\.param\s+\.[a-z]+(\d+)\b")
+
+
+def _direct_parameters(compiled, launcher_type, arguments: tuple):
+    """(parameters, slots) for ``keep_launch`` (csrc/driver_launch.h): ``compiled``'s kernel parameters as
+    Triton's launcher packs them (Triton 3.5 to 3.9: the arguments less the constexprs, in signature order,
+    then the global and profile scratch pointers, here none) and the parameter each slot fills; or None where
+    the direct launch would not be the launcher's: another launcher, scratch memory, a sanitizer, cluster,
+    cooperative or PDL launches, oversized shared memory, a parameter type it does not pack, or parameters
+    that do not match the compiled kernel's own (its PTX entry's list, read here)."""
+    launcher = compiled.run
+    if launcher_type is None or type(launcher) is not launcher_type:
+        return None
+    metadata, signature = compiled.metadata, getattr(getattr(compiled, "src", None), "signature", None)
+    if (launcher.global_scratch_size or launcher.profile_scratch_size or getattr(launcher, "gsan_enabled", False)
+            or getattr(metadata, "num_ctas", 1) != 1 or metadata.launch_cooperative_grid or metadata.launch_pdl
+            or metadata.shared > 228 * 1024 or not isinstance(signature, dict) or len(signature) != len(arguments)):
+        return None
+    parameters, slots, bits = [], [-1] * len(_DIRECT_SLOTS), []
+    for index, (kind, value) in enumerate(zip(signature.values(), arguments)):
+        if kind == "constexpr":
+            continue
+        if index in _DIRECT_SLOTS:
+            slots[_DIRECT_SLOTS.index(index)] = len(parameters)
+        if kind.startswith("*"):
+            bits.append(64)
+        elif kind in _DIRECT_PARAMETER_BITS:
+            bits.append(_DIRECT_PARAMETER_BITS[kind])
+        else:
+            return None
+        parameters.append((kind, value))
+    parameters += [("*i8", None), ("*i8", None)]  # no global or profile scratch
+    bits += [64, 64]
+    entry = _PTX_ENTRY_PARAMETERS.search(compiled.asm.get("ptx", "") if hasattr(compiled.asm, "get") else "")
+    if entry is None or [int(width) for width in _PTX_PARAMETER_BITS.findall(entry.group(1))] != bits:
+        return None
+    return parameters, slots
 
 
 def _backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype, dropout, sorted_ids):
