@@ -222,7 +222,8 @@ def _triton_on_a_stand_in_driver():
                 self._current_device = _device_zero
 
         triton_backend._CompiledLaunches = OnDeviceZero
-        timed = "Triton's JIT and launcher, onto a stand-in driver (bench/fake_cuda_driver.py)"
+        timed = ("Triton's JIT, then the host extension's launch of the kept kernel (csrc/driver_launch.h; Triton's "
+                 "launcher where that extension is not built), onto a stand-in driver (bench/fake_cuda_driver.py)")
     else:
         restore_driver = None
         stub = SimpleNamespace(forward_kernel=_NoTritonLaunch(), grad_chunk_kernel=_NoTritonLaunch(),

@@ -6,10 +6,11 @@
 // position offset and the sequence length.  `kept_launches()` returns a function of those (plus what picks
 // the specialization: the ids' dtype object, the token count, the table's rows and row stride) that finds
 // the parameter block kept for the call's specialization (`keep_launch`), writes the five into a copy and
-// calls cuLaunchKernel, all in one C call (METH_FASTCALL: no pybind11 conversion, which alone costs about
-// 0.4 us per call).  It returns False, launching nothing, where no block is kept for the call, where the
-// driver is not loaded in the process, or where the calling thread has no current context: the caller then
-// goes through Triton, which handles those cases.
+// calls cuLaunchKernel on the stream it is given, all in one C call (METH_FASTCALL: no pybind11 conversion,
+// which alone costs about 0.4 us per call).  `kept_launches()` returns that function with its owner (a capsule
+// holding the kept blocks).  The function returns False, launching nothing, where an argument does not
+// convert, where no block is kept for the call, where the driver is not loaded in the process, or where the
+// calling thread has no current context: the caller then goes through Triton, which handles those cases.
 //
 // Host code only, no CUDA headers: the three driver functions are looked up in the libcuda.so.1 that
 // Triton already loaded (never loaded here), with the driver API's stable C signatures.
@@ -128,10 +129,18 @@ constexpr const char* kCapsuleName = "posenc_fast.kept_launches";
 
 inline bool read_call(PyObject* const* args, uint64_t* addresses, int64_t* ints) {
   // args: stream, ids_dtype, ids, weight, out, offset, seq_len, num_tokens, table_rows, row_stride
+  // (Stops at the first that does not convert: no conversion runs with an error set.)
   addresses[0] = PyLong_AsUnsignedLongLong(args[0]);  // the stream
-  for (int k = 0; k < 3; ++k) addresses[k + 1] = PyLong_AsUnsignedLongLong(args[2 + k]);
-  for (int k = 0; k < 5; ++k) ints[k] = PyLong_AsLongLong(args[5 + k]);
-  return PyErr_Occurred() == nullptr;
+  if (PyErr_Occurred() != nullptr) return false;
+  for (int k = 0; k < 3; ++k) {
+    addresses[k + 1] = PyLong_AsUnsignedLongLong(args[2 + k]);
+    if (PyErr_Occurred() != nullptr) return false;
+  }
+  for (int k = 0; k < 5; ++k) {
+    ints[k] = PyLong_AsLongLong(args[5 + k]);
+    if (PyErr_Occurred() != nullptr) return false;
+  }
+  return true;
 }
 
 // launch(stream, ids_dtype, ids, weight, out, offset, seq_len, num_tokens, table_rows, row_stride) -> bool
@@ -151,7 +160,10 @@ inline PyObject* launch(PyObject* self, PyObject* const* args, Py_ssize_t num_ar
   auto found = launches->kernels.find(make_key(ints[2], ints[3], ints[4], args[1], addresses[1], addresses[2],
                                                addresses[3], ints[0], ints[1]));
   const Driver* driver = loaded_driver();
-  if (found == launches->kernels.end() || driver == nullptr) Py_RETURN_FALSE;
+  if (found == launches->kernels.end() || driver == nullptr || found->second.grid_x == 0 ||
+      found->second.grid_y == 0) {
+    Py_RETURN_FALSE;  // (an empty grid: Triton's launcher skips it)
+  }
   void* context = nullptr;
   if (driver->current_context(&context) != 0 || context == nullptr) Py_RETURN_FALSE;
   const KeptKernel& kept = found->second;

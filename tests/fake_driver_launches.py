@@ -104,6 +104,19 @@ def main() -> None:
         call["out"] = out[start:start + call["num_tokens"] * WIDTH].view(call["num_tokens"], WIDTH)
         calls.append((name, call))
 
+    def moved(call):
+        """``call`` with other values that Triton specialises the same way: ids and output in new buffers at the
+        same address modulo 16, offset and length 16 on (1, a constant, stays 1)."""
+        def same_alignment(like, values):  # (CPU allocations start 64-byte aligned)
+            start, count = like.data_ptr() % 16 // like.element_size(), like.numel()
+            fresh = torch.empty(count + 16, dtype=like.dtype)
+            fresh[start:start + count] = values.reshape(-1)
+            return fresh[start:start + count].view(like.shape)
+        return dict(call, ids=same_alignment(call["ids"], call["ids"].flip(0)),
+                    out=same_alignment(call["out"], call["out"]),
+                    offset=call["offset"] if call["offset"] == 1 else call["offset"] + 16,
+                    seq_len=call["seq_len"] if call["seq_len"] == 1 else call["seq_len"] + 16)
+
     def launch(call):
         prepared.launch(call["ids"], call["weight"], WIDTH, call["out"], call["offset"], call["seq_len"],
                         call["num_tokens"], 0)
@@ -140,15 +153,27 @@ def main() -> None:
             "direct": kept_for[name].launch.__name__ == "launch",  # (not the launcher's Python frame)
             "addresses": [call["ids"].data_ptr(), call["weight"].data_ptr(), call["out"].data_ptr()],
         })
-    # Then each through the host extension's launch (csrc/driver_launch.h), which must hand the driver the same.
-    direct_on[0] = True
+    # Then each through the host extension's launch (csrc/driver_launch.h), which must hand the driver the same:
+    # the call itself, then the call moved to other values of the same specialization (other addresses with the
+    # same alignment, offset and length 16 on), which the kept parameter block does not hold, against the JIT.
     for (name, call), result in zip(calls, results):
-        fake_cuda_driver.record_parameters(parameter_bytes(kept_for[name].compiled))
-        served_before, directly_before = served.count(True), served_directly.count(True)
-        result["host_extension"] = launch(call)
-        result["served_by_host_extension"] = served_directly.count(True) - directly_before
-        result["served_by_compiled_after"] = served.count(True) - served_before
-    direct_on[0] = False
+        record = parameter_bytes(kept_for[name].compiled)
+        fake_cuda_driver.record_parameters(record)
+        for which, this_call in (("host_extension", call), ("moved", moved(call))):
+            if which == "moved":
+                jit_only[0] = True
+                result["moved_jit"] = launch(this_call)
+                jit_only[0] = False
+            direct_on[0] = True
+            served_before, directly_before = served.count(True), served_directly.count(True)
+            launches_before = fake_cuda_driver.last_launch()["launches"]
+            result[which] = launch(this_call)
+            direct_on[0] = False
+            result[which + "_launches"] = result[which]["launches"] - launches_before
+            result[which + "_served_by_host_extension"] = served_directly.count(True) - directly_before
+            result[which + "_served_by_compiled"] = served.count(True) - served_before
+        result["moved_addresses"] = [moved_tensor.data_ptr() for moved_tensor in (this_call["ids"], this_call["weight"],
+                                                                                   this_call["out"])]
     # With a launch hook (a profiler's), the compiled path gives it the metadata and launches the same.
     seen_by_hook = []
     hooks = triton.knobs.runtime.launch_enter_hook

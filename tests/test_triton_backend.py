@@ -364,14 +364,19 @@ def test_the_driver_gets_the_same_launch_from_every_path():
         jit, compiled = call["jit"], call["compiled"]
         assert compiled["launches"] > jit["launches"], call["call"]
         assert call["served_by_compiled"] == 1 and call["direct"], call["call"]
-        # The host extension's launch served the third round, and alone.
-        host_extension = call["host_extension"]
-        assert call["served_by_host_extension"] == 1 and call["served_by_compiled_after"] == 0, call["call"]
-        assert host_extension["launches"] > compiled["launches"], call["call"]
+        # The host extension's launch served the third round alone, one launch per call, the call itself and the
+        # call moved to other values of its specialization (against the JIT's launch of the moved call).
+        for which in ("host_extension", "moved"):
+            assert call[which + "_served_by_host_extension"] == 1, (call["call"], which)
+            assert call[which + "_served_by_compiled"] == 0 and call[which + "_launches"] == 1, (call["call"], which)
         for field in ("function", "grid", "block", "shared_bytes", "params"):
             assert compiled[field] == jit[field], (call["call"], field)
-            assert host_extension[field] == jit[field], (call["call"], field)
+            assert call["host_extension"][field] == jit[field], (call["call"], field)
+            assert call["moved"][field] == call["moved_jit"][field], (call["call"], field)
+        assert call["moved"]["function"] == jit["function"], call["call"]  # the same kernel, kept once
         assert jit["params"][:3] == call["addresses"], call["call"]
+        assert call["moved_jit"]["params"][:3] == call["moved_addresses"], call["call"]
+        assert call["moved"]["params"] != jit["params"], call["call"]  # other values, not the kept ones
         assert jit["params"][-2:] == [0, 0], call["call"]  # no scratch memory
         assert jit["block"][0] >= 32
     hooked = report["hooked"]  # the first call again, with a launch hook set

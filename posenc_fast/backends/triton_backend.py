@@ -10,8 +10,9 @@ call with the same specialization on: Triton's JIT call (binding the arguments, 
 up its cache: most of a launch's host time) runs once per specialization.  The launch is the host
 extension's (``posenc_fast._cpu``, csrc/driver_launch.h: the kernel's parameters packed once per
 specialization, the five that vary written per call, cuLaunchKernel), checked against Triton's own launch
-on a stand-in driver (tests/test_triton_backend.py); without that extension, or with a launch hook set,
-the kernel's own launch function (``_CompiledLaunches``).  Every launch asks for the same compile options
+on a stand-in driver (tests/test_triton_backend.py); without that extension, with a launch hook set, for a
+kernel it does not pack or a thread with no current CUDA context, the kernel's own launch function
+(``_CompiledLaunches``).  Every launch asks for the same compile options
 (``compile_options``).
 
 Threads: the lazy load is done once, under a lock.  Triton's interpreter is not thread-safe
@@ -477,8 +478,8 @@ class _CompiledLaunches:
             try:
                 self._keep_direct(self._direct_owner, *direct_call, compiled, compiled.function, grid[0], grid[1],
                                   32 * metadata.num_warps, metadata.shared, *parameters)
-            except (TypeError, ValueError, OverflowError, RuntimeError):
-                pass  # a value it does not pack: this key's calls keep Triton's launch function
+            except ValueError:
+                pass  # a parameter it refuses (csrc/driver_launch.h): this key's calls keep Triton's launch function
 
 
 def _hooks_to_call(hook) -> bool:
@@ -573,8 +574,9 @@ def _direct_parameters(compiled, launcher_type, arguments: tuple):
     cooperative or PDL launches, oversized shared memory, a parameter type it does not pack, or parameters
     that do not match the compiled kernel's own (its PTX entry's list, read here)."""
     launcher = compiled.run
-    if launcher_type is None or type(launcher) is not launcher_type:
-        return None
+    if (launcher_type is None or type(launcher) is not launcher_type
+            or not isinstance(getattr(launcher, "launch", None), _BUILTIN_FUNCTION)):
+        return None  # (a launch function that is not Triton's own C one: a tool's wrapper, which must be called)
     metadata, signature = compiled.metadata, getattr(getattr(compiled, "src", None), "signature", None)
     if (launcher.global_scratch_size or launcher.profile_scratch_size or getattr(launcher, "gsan_enabled", False)
             or getattr(metadata, "num_ctas", 1) != 1 or metadata.launch_cooperative_grid or metadata.launch_pdl
