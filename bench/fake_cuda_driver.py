@@ -77,22 +77,29 @@ def _build() -> str:
     return folder
 
 
+def load() -> str:
+    """Build the stand-in and load it into the process, by its soname (libcuda.so.1, RTLD_GLOBAL), so that what
+    looks for the process's driver finds it (Triton's modules, which link libcuda.so.1; the host extension's
+    launch, csrc/driver_launch.h); returns its folder.  Triton's active driver is left as it is (``install``)."""
+    global _library
+    folder = _build()
+    if _library is None:
+        _library = ctypes.CDLL(os.path.join(folder, "libcuda.so.1"), mode=ctypes.RTLD_GLOBAL)
+    return folder
+
+
 def install() -> Callable[[], None]:
     """Make Triton's active driver the NVIDIA one over the stand-in, on device 0 (sm_90) and stream 0.
     Returns a function that restores the previous active driver and TRITON_LIBCUDA_PATH; the stand-in
     stays loaded, and what Triton compiled or cached meanwhile (its JIT's per-device caches, its
     library-folder lookup) stays too: a process that used it should not then look for a real GPU."""
-    global _library
     why = unavailable()
     if why is not None:
         raise RuntimeError(f"the stand-in CUDA driver cannot be used here: {why}")
     import triton
     from triton.backends.nvidia.driver import CudaDriver
 
-    folder = _build()
-    if _library is None:
-        # Loaded first, by its soname: Triton's modules link libcuda.so.1 and find this one already loaded.
-        _library = ctypes.CDLL(os.path.join(folder, "libcuda.so.1"), mode=ctypes.RTLD_GLOBAL)
+    folder = load()
     saved_path = os.environ.get("TRITON_LIBCUDA_PATH")
     os.environ["TRITON_LIBCUDA_PATH"] = folder
     nvidia = CudaDriver()
@@ -117,7 +124,7 @@ class LastLaunch(ctypes.Structure):
     """fake_libcuda.c's record of the last launch."""
     _fields_ = [("launches", ctypes.c_uint64), ("grid", ctypes.c_uint32 * 3), ("block", ctypes.c_uint32 * 3),
                 ("shared_bytes", ctypes.c_uint32), ("num_params", ctypes.c_uint32), ("params", ctypes.c_uint64 * 64),
-                ("function", ctypes.c_uint64)]
+                ("function", ctypes.c_uint64), ("stream", ctypes.c_uint64)]
 
 
 def record_parameters(sizes) -> None:
@@ -127,9 +134,20 @@ def record_parameters(sizes) -> None:
 
 
 def last_launch() -> dict:
-    """The last launch the stand-in saw: launches so far, the function (kernel handle), grid, block, shared bytes,
-    recorded parameters."""
+    """The last launch the stand-in saw: launches so far, the function (kernel handle), stream, grid, block, shared
+    bytes, recorded parameters."""
     record = LastLaunch.in_dll(_library, "fake_last_launch")
-    return {"launches": record.launches, "function": record.function, "grid": tuple(record.grid),
+    return {"launches": record.launches, "function": record.function, "stream": record.stream,
+            "grid": tuple(record.grid),
             "block": tuple(record.block), "shared_bytes": record.shared_bytes,
             "params": tuple(record.params[:record.num_params])}
+
+
+def set_no_context(no_context: bool) -> None:
+    """Make cuCtxGetCurrent answer that the calling thread has no current context (or has one again)."""
+    _library.fake_set_no_context(ctypes.c_int(int(no_context)))
+
+
+def set_launch_result(result: int) -> None:
+    """What the next launches return (0: CUDA_SUCCESS; say 700, CUDA_ERROR_ILLEGAL_ADDRESS)."""
+    _library.fake_set_launch_result(ctypes.c_int(result))

@@ -44,7 +44,16 @@ CUresult CUDAAPI cuDevicePrimaryCtxRetain(CUcontext *context, CUdevice device) {
   *context = (CUcontext)&fake_context;
   return CUDA_SUCCESS;
 }
-CUresult CUDAAPI cuCtxGetCurrent(CUcontext *context) { *context = (CUcontext)&fake_context; return CUDA_SUCCESS; }
+/* Set by a test: whether the calling thread has no current context, and what launches return. */
+static int fake_no_context = 0;
+static CUresult fake_launch_result = CUDA_SUCCESS;
+void fake_set_no_context(int no_context) { fake_no_context = no_context; }
+void fake_set_launch_result(int result) { fake_launch_result = (CUresult)result; }
+
+CUresult CUDAAPI cuCtxGetCurrent(CUcontext *context) {
+  *context = fake_no_context ? NULL : (CUcontext)&fake_context;
+  return CUDA_SUCCESS;
+}
 CUresult CUDAAPI cuCtxSetCurrent(CUcontext context) { (void)context; return CUDA_SUCCESS; }
 CUresult CUDAAPI cuCtxGetDevice(CUdevice *device) { *device = 0; return CUDA_SUCCESS; }
 CUresult CUDAAPI cuCtxGetLimit(size_t *value, CUlimit limit) { (void)limit; *value = 0; return CUDA_SUCCESS; }
@@ -123,6 +132,7 @@ struct fake_launch {
   uint32_t num_params;
   uint64_t params[FAKE_MAX_PARAMS];
   uint64_t function; /* the CUfunction launched (which compiled kernel) */
+  uint64_t stream;
 };
 struct fake_launch fake_last_launch;
 static uint32_t fake_params_recorded = 0; /* how many parameters to record: set by a test (0: none) */
@@ -133,10 +143,11 @@ void fake_record_params(uint32_t count, const uint8_t *sizes) {
   for (uint32_t i = 0; i < fake_params_recorded; ++i) fake_param_sizes[i] = sizes[i] <= 8 ? sizes[i] : 8;
 }
 
-static void record(CUfunction function, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
-                   unsigned bz, unsigned shared, void **params) {
+static void record(CUfunction function, CUstream stream, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
+                   unsigned by, unsigned bz, unsigned shared, void **params) {
   fake_last_launch.launches += 1;
   fake_last_launch.function = (uint64_t)(uintptr_t)function;
+  fake_last_launch.stream = (uint64_t)(uintptr_t)stream;
   fake_last_launch.grid[0] = gx; fake_last_launch.grid[1] = gy; fake_last_launch.grid[2] = gz;
   fake_last_launch.block[0] = bx; fake_last_launch.block[1] = by; fake_last_launch.block[2] = bz;
   fake_last_launch.shared_bytes = shared;
@@ -149,13 +160,13 @@ static void record(CUfunction function, unsigned gx, unsigned gy, unsigned gz, u
 
 CUresult CUDAAPI cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction function, void **params, void **extra) {
   (void)extra;
-  record(function, config->gridDimX, config->gridDimY, config->gridDimZ, config->blockDimX, config->blockDimY,
-         config->blockDimZ, config->sharedMemBytes, params);
-  return CUDA_SUCCESS;
+  record(function, config->hStream, config->gridDimX, config->gridDimY, config->gridDimZ, config->blockDimX,
+         config->blockDimY, config->blockDimZ, config->sharedMemBytes, params);
+  return fake_launch_result;
 }
 CUresult CUDAAPI cuLaunchKernel(CUfunction function, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                                 unsigned bz, unsigned shared, CUstream stream, void **params, void **extra) {
-  (void)stream; (void)extra;
-  record(function, gx, gy, gz, bx, by, bz, shared, params);
-  return CUDA_SUCCESS;
+  (void)extra;
+  record(function, stream, gx, gy, gz, bx, by, bz, shared, params);
+  return fake_launch_result;
 }

@@ -27,8 +27,9 @@ its module), in inference and in training, on ``cuda`` (zero-token launches, as 
 launch returns at once: bench/fake_cuda_driver.py; a prepared launch's repeated calls go through the host
 extension's launch, csrc/driver_launch.h, onto the same stand-in; so, like the ``cuda`` rows, everything but
 the driver's launch call; where that driver cannot be built, the kernels are stubbed and only our host work
-is timed, as the output says) and on ``cpu`` and ``torch`` (their kernels run for real on a tiny case,
-so a few us of compute are included).
+is timed, as the output says), on ``cpu`` twice (with zero-token launches on the same case as ``cuda``: its
+host work alone; then running its kernel on a tiny case) and on ``torch`` (its kernels run for real on the
+tiny case, so a few us of compute are included).
 
 ``--real cuda`` times the decode case as a user runs it on a GPU instead: real tensors, real launches
 (Triton's launcher and cudaLaunchKernel included), the calling thread's CPU time per call for
@@ -54,7 +55,7 @@ sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))  # fake_cuda_driv
 
 import posenc_fast as pf  # noqa: E402
 from posenc_fast import _build, _prepared, baselines  # noqa: E402
-from posenc_fast.backends import cuda_backend  # noqa: E402
+from posenc_fast.backends import cpu_backend, cuda_backend  # noqa: E402
 
 TARGET_US = 10.0  # issue 15: under 10 us per call with the id check off
 _NUM_TOKENS_ARGUMENT = 12  # position of num_tokens in _C.forward's arguments (cuda_backend._launch_forward)
@@ -147,8 +148,8 @@ def real_device_table(device: torch.device, calls: int, num_sequences: int, d_mo
 
 
 # Issue 26's table: every entry point, inference (no autograd) and training (autograd node), per backend.
-# ``cuda``: the host-emulation build with zero-token launches, as above (host work only).  ``cpu`` and
-# ``torch`` run their kernels for real on a tiny case (TABLE_* below: a few us of compute included).
+# ``cuda``: the host-emulation build with zero-token launches, as above (host work only); ``cpu`` so too, then,
+# with ``torch``, running its kernels for real on a tiny case (TABLE_* below: a few us of compute included).
 TABLE_TOKENS, TABLE_WIDTH, TABLE_VOCAB = 64, 8, 1000
 
 
@@ -258,16 +259,29 @@ def entry_point_table(calls: int, gpu_case=(4096, 262144)):
     {backend: what its rows time} where that is not said above (triton).  ``gpu_case``: the width and
     vocabulary of the ``cuda`` and ``triton`` rows."""
     table, timed = {}, {}
-    for backend in ("cuda", "triton", "cpu", "torch"):
-        restore_triton = None
+    # The host extension, built here where a checkout has none yet: the cpu rows run it, and the triton rows'
+    # repeated calls launch through it (csrc/driver_launch.h).
+    cpu_backend.build_on_demand()
+    # (backend, whether its kernels are left out): ``cpu`` twice, its launches made with zero tokens as the
+    # ``cuda`` rows' (its host work alone, on the same case), then running its kernel on a tiny case.
+    for backend, host_only in (("cuda", True), ("triton", True), ("cpu", True), ("cpu", False), ("torch", False)):
+        restore = None
         if backend == "triton":
             triton_setup = _triton_on_a_stand_in_driver()
             if triton_setup is None:
                 continue  # Triton not installed
-            timed["triton"], restore_triton = triton_setup
+            timed["triton"], restore = triton_setup
+        elif backend == "cpu" and host_only:
+            if cpu_backend.extension() is None:
+                continue  # (the tiny case's rows say why)
+            real_state = cpu_backend._state
+            cpu_backend._state = real_state._replace(module=_ZeroTokenLaunches(real_state.module))
+            restore = lambda: setattr(cpu_backend, "_state", real_state)  # noqa: E731
         try:
-            width, vocab = gpu_case if backend in ("cuda", "triton") else (TABLE_WIDTH, TABLE_VOCAB)
-            rows = table[f"{backend} (d {width})"] = {}
+            width, vocab = gpu_case if host_only else (TABLE_WIDTH, TABLE_VOCAB)
+            label = f"{backend} (d {width}, zero-token launches)" if backend == "cpu" and host_only else \
+                f"{backend} (d {width})"
+            rows = table[label] = {}
             # Each entry point made and timed twice, the better kept: on the 2-core VM a whole entry point
             # (inference, all seven repeats) sometimes read about 5 us slow, in one run and not the next,
             # and not again when made afresh; the cause was not found (no system call per call).
@@ -279,8 +293,8 @@ def entry_point_table(calls: int, gpu_case=(4096, 262144)):
                     best = rows.get(name, us)
                     rows[name] = {part: min(us[part], best[part]) for part in us}
         finally:
-            if restore_triton is not None:
-                restore_triton()  # launches prepared on the stubs are no longer current (their kernel module)
+            if restore is not None:
+                restore()  # (triton: launches prepared on the stubs are no longer current, their kernel module)
     eager = baselines.EagerSinusoidalEmbedding(TABLE_VOCAB, TABLE_WIDTH, max_len=32, embed_scale=TABLE_WIDTH ** 0.5)
     ids = torch.randint(0, TABLE_VOCAB, (TABLE_TOKENS, 1))
     table[f"eager (nn.Embedding + scale + add, d {TABLE_WIDTH})"] = {
@@ -345,9 +359,9 @@ def main(argv=None) -> int:
     for label, us in rows.items():
         print(f"  {label:56s} {us:6.1f} us")
     if table is not None:
-        print(f"every entry point, {TABLE_TOKENS} tokens, id check off (cuda: host work only; triton: as below; "
-              "cpu, torch: "
-              f"vocab {TABLE_VOCAB}, tiny compute included): inference / training us per call")
+        print(f"every entry point, {TABLE_TOKENS} tokens, id check off (cuda and cpu zero-token launches: host work "
+              f"only; triton: as below; cpu, torch: vocab {TABLE_VOCAB}, tiny compute included): inference / training "
+              "us per call")
         for backend, what in timed.items():
             print(f"  ({backend}: {what})")
         for backend, entries in table.items():

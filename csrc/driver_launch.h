@@ -324,7 +324,8 @@ inline void define(py::module_& m) {
         "(owner, launch): a new set of kept kernel launches and its launch function (csrc/driver_launch.h).");
   m.def("keep_launch", &keep_launch, py::arg("owner"), py::arg("ids_dtype"), py::arg("ids"), py::arg("weight"),
         py::arg("out"), py::arg("offset"), py::arg("seq_len"), py::arg("num_tokens"), py::arg("table_rows"),
-        py::arg("row_stride"), py::arg("compiled"), py::arg("function"), py::arg("grid_x"), py::arg("grid_y"), py::arg("block_x"),
+        py::arg("row_stride"), py::arg("compiled"), py::arg("function"), py::arg("grid_x"), py::arg("grid_y"),
+        py::arg("block_x"),
         py::arg("shared_bytes"), py::arg("parameters"), py::arg("slots"),
         "Keep a compiled kernel's launch for calls specialised as this one (csrc/driver_launch.h).");
 }

@@ -122,9 +122,12 @@ class PreparedForward:
                 or dropout != self.dropout or (training and dropout) or (sparse is not False and sparse is not True)):
             return None
         try:
+            # (_dense of ids and weight, inline: a decoding step pays each Python call)
             if (ids.dtype not in self.id_dtypes or weight.dtype is not self.dtype or weight.shape != self.shape
-                    or not _dense(ids) or ids.is_nested or not _dense(weight) or ids.device != self.device
-                    or weight.device != self.device or not eager_call(ids, weight) or not self.is_current()):
+                    or ids.layout is not _STRIDED or not ids.is_contiguous() or ids.is_neg() or ids._is_zerotensor()
+                    or ids.is_nested or weight.layout is not _STRIDED or not weight.is_contiguous() or weight.is_neg()
+                    or weight._is_zerotensor() or ids.device != self.device or weight.device != self.device
+                    or not eager_call(ids, weight) or not self.is_current()):
                 return None
         except RuntimeError:  # a table without sizes (a nested tensor's shape raises): the general path names it
             return None

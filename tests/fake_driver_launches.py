@@ -6,7 +6,8 @@ host extension's (``_CompiledLaunches.launch_direct``, csrc/driver_launch.h) mus
 block, shared memory and parameters (the scratch pointers included), with the call's own tensors' addresses
 among them.
 
-Prints one JSON object: {"triton": version, "calls": [{"call", "jit", "compiled", "direct", "host_extension"...}...], "hooked":
+Prints one JSON object: {"triton": version, "host_extension_built": whether posenc_fast._cpu is there, "calls":
+[{"call", "jit", "compiled", "direct", "host_extension", "moved"...}...], "hooked":
 the first call again with a launch hook set, "compile_warnings": [what the first launches warned],
 "fma_contraction": {kernel: [each compiled kernel's enable_fp_fusion]}}.  Its own
 process, because the stand-in replaces Triton's driver and the kernels are compiled, not interpreted."""
@@ -59,7 +60,8 @@ def main() -> None:
     assert triton_backend._kernels_interpreted is False
     torch._C._cuda_getDevice = lambda: 0  # the prepared device is current (CPU torch has no CUDA state)
     served, served_directly = [], []
-    real_launch, real_launch_direct = triton_backend._CompiledLaunches.launch, triton_backend._CompiledLaunches.launch_direct
+    real_launch = triton_backend._CompiledLaunches.launch
+    real_launch_direct = triton_backend._CompiledLaunches.launch_direct
     jit_only, direct_on = [False], [False]
 
     def counting_launch(self, *args):
@@ -205,8 +207,9 @@ def main() -> None:
                                         for caches in jit_function.device_caches.values()
                                         for compiled in caches[0].values()]
     restore()
-    print(json.dumps({"triton": triton.__version__, "calls": results, "hooked": hooked,
-                      "compile_warnings": compile_warnings, "fma_contraction": fma_contraction}))
+    print(json.dumps({"triton": triton.__version__, "host_extension_built": kept.direct is not None,
+                      "calls": results, "hooked": hooked, "compile_warnings": compile_warnings,
+                      "fma_contraction": fma_contraction}))
 
 
 if __name__ == "__main__":

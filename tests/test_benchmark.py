@@ -392,7 +392,8 @@ def test_host_overhead_script_smoke(tmp_path):
     assert doc["smoke"] and doc["case"]["d_model"] == 64
     assert all(us > 0 for us in doc["us_per_call"].values()) and len(doc["us_per_call"]) == 5
     entry_points = {"SinusoidalEmbedding", "sinusoidal_embedding", "add_sinusoidal", "SinusoidalPositionalEncoding"}
-    backends = {"cuda (d 64)", "cpu (d 8)", "torch (d 8)"} | ({"triton (d 64)"} if doc["triton"] else set())
+    backends = ({"cuda (d 64)", "cpu (d 64, zero-token launches)", "cpu (d 8)", "torch (d 8)"}
+                | ({"triton (d 64)"} if doc["triton"] else set()))
     rows = doc["entry_points_us_per_call"]
     assert set(rows) == backends | {"eager (nn.Embedding + scale + add, d 8)"}
     for backend in backends:

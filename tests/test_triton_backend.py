@@ -132,6 +132,18 @@ def recording_gpu_launch(monkeypatch):
     return prepared, kernel, layer.weight.detach()
 
 
+@pytest.mark.parametrize("chosen", ["", "triton"])
+def test_the_environment_can_keep_tritons_launch_function(monkeypatch, chosen):
+    """POSENC_FAST_TRITON_LAUNCH=triton: no host extension's launch (csrc/driver_launch.h) for kernels kept from
+    then on; left unset, the host extension's where it is built."""
+    from posenc_fast.backends import cpu_backend
+
+    monkeypatch.setenv("POSENC_FAST_TRITON_LAUNCH", chosen)
+    launches = triton_backend._CompiledLaunches(triton_backend._load_kernels().forward_kernel, 0)
+    uses_host = chosen != "triton" and cpu_backend.extension() is not None
+    assert (launches.direct is not None) == uses_host
+
+
 def test_compiled_launch_passes_what_the_jit_passes(recording_gpu_launch):
     """A key's second call goes to the compiled kernel's launcher with the grid, the stream and every
     parameter in signature order (constexprs included; num_warps and the compile options not), as
@@ -360,6 +372,11 @@ def test_the_driver_gets_the_same_launch_from_every_path():
     assert done.returncode == 0, done.stderr[-4000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert len(report["calls"]) == 13
+    from posenc_fast.backends import cpu_backend
+
+    # The host extension's rounds count where it is built (as in this process); else its launch is never tried.
+    host_extension = report["host_extension_built"]
+    assert host_extension == (cpu_backend.extension() is not None)
     for call in report["calls"]:
         jit, compiled = call["jit"], call["compiled"]
         assert compiled["launches"] > jit["launches"], call["call"]
@@ -367,8 +384,9 @@ def test_the_driver_gets_the_same_launch_from_every_path():
         # The host extension's launch served the third round alone, one launch per call, the call itself and the
         # call moved to other values of its specialization (against the JIT's launch of the moved call).
         for which in ("host_extension", "moved"):
-            assert call[which + "_served_by_host_extension"] == 1, (call["call"], which)
-            assert call[which + "_served_by_compiled"] == 0 and call[which + "_launches"] == 1, (call["call"], which)
+            assert call[which + "_served_by_host_extension"] == int(host_extension), (call["call"], which)
+            assert call[which + "_served_by_compiled"] == int(not host_extension), (call["call"], which)
+            assert call[which + "_launches"] == 1, (call["call"], which)
         for field in ("function", "grid", "block", "shared_bytes", "params"):
             assert compiled[field] == jit[field], (call["call"], field)
             assert call["host_extension"][field] == jit[field], (call["call"], field)
@@ -392,6 +410,27 @@ def test_the_driver_gets_the_same_launch_from_every_path():
     assert len({call["jit"]["function"] for call in report["calls"][:10]}) == 10
     grids = {tuple(call["jit"]["grid"]) for call in report["calls"]}
     assert any(x > 1 and y > 1 for x, y, _ in grids), grids  # both grid dimensions told apart
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the stand-in driver would replace its driver")
+def test_the_host_extensions_launch_on_the_stand_in_driver():
+    """csrc/driver_launch.h alone, with a handmade kernel description (tests/driver_launch_cases.py, in its own
+    process): every parameter type packed, the five slots written per call, each part of the key told apart,
+    bad arguments, refusals, no context, a driver error, the cap on kept kernels, the compiled kernel's
+    reference."""
+    why = _fake_driver_unavailable()
+    if why is not None:
+        pytest.skip(why)
+    from posenc_fast.backends import cpu_backend
+
+    if cpu_backend.extension() is None:
+        pytest.skip(f"no host extension: {cpu_backend.extension_problem()}")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))  # this checkout's
+    done = subprocess.run([sys.executable, os.path.join(root, "tests", "driver_launch_cases.py")],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert "all checks hold" in done.stdout
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

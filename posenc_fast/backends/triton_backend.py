@@ -12,8 +12,8 @@ extension's (``posenc_fast._cpu``, csrc/driver_launch.h: the kernel's parameters
 specialization, the five that vary written per call, cuLaunchKernel), checked against Triton's own launch
 on a stand-in driver (tests/test_triton_backend.py); without that extension, with a launch hook set, for a
 kernel it does not pack or a thread with no current CUDA context, the kernel's own launch function
-(``_CompiledLaunches``).  Every launch asks for the same compile options
-(``compile_options``).
+(``_CompiledLaunches``), which ``POSENC_FAST_TRITON_LAUNCH=triton`` in the environment chooses always.
+Every launch asks for the same compile options (``compile_options``).
 
 Threads: the lazy load is done once, under a lock.  Triton's interpreter is not thread-safe
 (each launch patches ``triton.language`` module-wide for its duration and runs on one global
@@ -303,6 +303,7 @@ def prepare_forward(dtype, num_rows: int, device, turns, params: KernelParams) -
     on_gpu = device.type == "cuda"
     compiled_launches = _CompiledLaunches(kernels.forward_kernel, device.index if on_gpu else None)
     turns_address, turn_low_address, turn_high_address = fixed_before_addresses[:3]
+    launch_direct = None if compiled_launches.direct is None else compiled_launches.launch_direct
 
     def launch(ids, weight, weight_row_stride, out, offset, seq_len, num_tokens, last_argument):
         if num_tokens == 0:
@@ -324,9 +325,9 @@ def prepare_forward(dtype, num_rows: int, device, turns, params: KernelParams) -
         ids_address, weight_address, out_address = ids.data_ptr(), weight.data_ptr(), out.data_ptr()
         # The host extension's launch of the kept kernel, where it has one for this call (csrc/driver_launch.h:
         # the key below, worked out in C, and the kernel's parameters packed once); else Triton's launch function.
-        if compiled_launches.direct is not None and compiled_launches.launch_direct(
-                last_argument, ids.dtype, ids_address, weight_address, out_address, offset, seq_len, num_tokens,
-                table_rows, weight_row_stride):
+        if launch_direct is not None and launch_direct(last_argument, ids.dtype, ids_address, weight_address,
+                                                       out_address, offset, seq_len, num_tokens, table_rows,
+                                                       weight_row_stride):
             return
         # The key: the shape, and what Triton specialises the call's tensors, offset and length on (the
         # alignments: True where 16 divides all three addresses, the usual case, else one flag each).
@@ -411,7 +412,8 @@ class _CompiledLaunches:
             self._launcher_type, self._launcher_call = _nvidia_launcher()
             # (torch.cuda.current_device less its lazy-init check: a prepared launch runs after CUDA's use)
             self._current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
-            host = cpu_backend.extension()
+            chosen = os.environ.get("POSENC_FAST_TRITON_LAUNCH", "").strip()
+            host = None if chosen == "triton" else cpu_backend.extension()
             if hasattr(host, "kept_launches"):
                 self._direct_owner, self.direct = host.kept_launches()
                 self._keep_direct = host.keep_launch
@@ -450,15 +452,17 @@ class _CompiledLaunches:
             kept.launch(stream, varying, enter_hook, exit_hook)
         return True
 
-    def launch_direct(self, stream: int, *call) -> bool:
-        """Launch through ``direct`` the kernel kept there for ``call`` (``direct``'s arguments after the stream)
+    def launch_direct(self, stream: int, ids_dtype, ids: int, weight: int, out: int, offset: int, seq_len: int,
+                      num_tokens: int, table_rows: int, row_stride: int) -> bool:
+        """Launch through ``direct`` the kernel kept there for this call (its arguments, as ``direct`` takes them)
         where the launch is plain and no launch hook calls anything (the JIT's launch then calls nothing but
         the kernel); False where it does not, and the caller goes on as before."""
         runtime = self._runtime
         enter_hook, exit_hook = runtime.launch_enter_hook, runtime.launch_exit_hook
         return ((enter_hook is None or not getattr(enter_hook, "calls", True))
                 and (exit_hook is None or not getattr(exit_hook, "calls", True))
-                and self._plain() and self.direct(stream, *call))
+                and self._plain() and self.direct(stream, ids_dtype, ids, weight, out, offset, seq_len, num_tokens,
+                                                  table_rows, row_stride))
 
     def keep(self, key, compiled, grid, arguments_after: tuple, direct_call: tuple, varying: tuple) -> None:
         """Keep what the JIT's plain launch returned: a compiled kernel, launched and so loaded on the
