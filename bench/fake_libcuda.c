@@ -6,7 +6,9 @@
  * built by bench/fake_cuda_driver.py.  Only the entry points that Triton's NVIDIA driver module and its
  * launchers (Triton 3.5 to 3.9) call are here; a device pointer is the host address it is given, so CPU
  * tensors pass Triton's pointer check.  Nothing is ever executed: cuLaunchKernel(Ex) records the launch
- * (function, grid, block, shared memory and the first words of each parameter) for a test to read, and returns.
+ * (function, stream, grid, block, shared memory and the first words of each parameter) for a test to read, and
+ * returns what a test set (success by default); a test can also make cuCtxGetCurrent answer "no context"
+ * (tests/driver_launch_cases.py, for the host extension's launch, csrc/driver_launch.h).
  *
  * The device it describes is an H100 (sm_90, 132 SMs, 227 KiB of shared memory per block). */
 

@@ -257,7 +257,7 @@ def _device_zero() -> int:
 def entry_point_table(calls: int, gpu_case=(4096, 262144)):
     """{backend: {entry point: {"inference": us, "training": us}}} and eager's own, id check off; and
     {backend: what its rows time} where that is not said above (triton).  ``gpu_case``: the width and
-    vocabulary of the ``cuda`` and ``triton`` rows."""
+    vocabulary of the ``cuda`` and ``triton`` rows and of ``cpu``'s zero-token rows."""
     table, timed = {}, {}
     # The host extension, built here where a checkout has none yet: the cpu rows run it, and the triton rows'
     # repeated calls launch through it (csrc/driver_launch.h).
@@ -273,7 +273,7 @@ def entry_point_table(calls: int, gpu_case=(4096, 262144)):
             timed["triton"], restore = triton_setup
         elif backend == "cpu" and host_only:
             if cpu_backend.extension() is None:
-                continue  # (the tiny case's rows say why)
+                continue  # (no zero-token rows; the tiny case's rows then fail, naming why)
             real_state = cpu_backend._state
             cpu_backend._state = real_state._replace(module=_ZeroTokenLaunches(real_state.module))
             restore = lambda: setattr(cpu_backend, "_state", real_state)  # noqa: E731

@@ -68,7 +68,8 @@ def _bind(spec, backend: str, dtype, num_rows: int, device, zero_pe_at_padding: 
 
 def _dense(t: torch.Tensor) -> bool:
     """Memory a kernel reads as rows in order: strided, contiguous, no lazy negation, not a zero tensor
-    (which has no memory: the general path names it)."""
+    (which has no memory: the general path names it).  ``PreparedForward.run`` has these checks inline: a
+    new one goes there too."""
     return t.layout is _STRIDED and t.is_contiguous() and not t.is_neg() and not t._is_zerotensor()
 
 

@@ -3,7 +3,7 @@
 
 A handmade kernel description with every parameter type the launch packs: each call must hand the driver
 the kept function, grid, block, shared memory and stream, the fixed parameters packed once and the five
-slots written per call; a call that Triton would specialise apart (each part of the key) launches nothing;
+slots written per call (only the addresses where the offset and length are the constant 1); a call that Triton would specialise apart (each part of the key) launches nothing;
 arguments that do not convert launch nothing and leave no error set; refusals, a thread without a context,
 a driver error, the cap on kept kernels and the reference to the compiled kernel behave as documented.
 Exits non-zero with the first failed check; its own process, because the stand-in replaces the process's
@@ -128,12 +128,31 @@ def main() -> None:
     finally:
         fake_cuda_driver.set_launch_result(0)
 
-    # At most 64 kept: the 65th clears the others.
-    for rows in range(2000, 2064):
+    # An offset and a length of 1 are constants, not parameters (slots -1): a kernel kept for them gets only
+    # the addresses written.
+    constant_parameters = [PARAMETERS[index] for index in range(len(PARAMETERS)) if index not in (10, 11)]
+    constant_call = (*KEPT_CALL[:4], 1, 1, *KEPT_CALL[6:])
+    host.keep_launch(owner, *constant_call, Compiled(), FUNCTION + 16, *GRID, BLOCK, SHARED, constant_parameters,
+                     [0, 1, 2, -1, -1])
+    fake_cuda_driver.record_parameters([width for index, width in enumerate(WIDTHS) if index not in (10, 11)])
+    check(launch(0, torch.int64, 0x1010, 0x2020, 0x3030, 1, 1, *KEPT_CALL[6:]) is True, "offset and length 1")
+    last = fake_cuda_driver.last_launch()
+    wanted = expected_parameters(0x1010, 0x2020, 0x3030, 0, 0)
+    check(last["function"] == FUNCTION + 16 and last["params"] == wanted[:10] + wanted[12:],
+          f"offset and length 1: {last}")
+    fake_cuda_driver.record_parameters(WIDTHS)
+
+    # At most 64 kept, then all cleared: with the two above, 62 more fit; the next clears them.
+    for rows in range(2000, 2062):
         call = (*KEPT_CALL[:7], rows, KEPT_CALL[8])
         host.keep_launch(owner, *call, Compiled(), FUNCTION, *GRID, BLOCK, SHARED, PARAMETERS, SLOTS)
-    check(launch(0, *KEPT_CALL) is False, "a 65th kept kernel did not clear the others")
-    check(launch(0, *KEPT_CALL[:7], 2063, KEPT_CALL[8]) is True, "the last kept kernel")
+    check(launch(0, *KEPT_CALL) is True and launch(0, *KEPT_CALL[:7], 2000, KEPT_CALL[8]) is True,
+          "64 kept kernels, the first and the third still there")
+    host.keep_launch(owner, *KEPT_CALL[:7], 2062, KEPT_CALL[8], Compiled(), FUNCTION, *GRID, BLOCK, SHARED,
+                     PARAMETERS, SLOTS)
+    check(launch(0, *KEPT_CALL) is False and launch(0, *KEPT_CALL[:7], 2000, KEPT_CALL[8]) is False,
+          "a 65th kept kernel did not clear the others")
+    check(launch(0, *KEPT_CALL[:7], 2062, KEPT_CALL[8]) is True, "the last kept kernel")
     check(compiled_alive() is None, "a cleared entry still holds its compiled kernel")
     del owner, launch
     print("driver_launch_cases: all checks hold")

@@ -6,7 +6,7 @@ host extension's (``_CompiledLaunches.launch_direct``, csrc/driver_launch.h) mus
 block, shared memory and parameters (the scratch pointers included), with the call's own tensors' addresses
 among them.
 
-Prints one JSON object: {"triton": version, "host_extension_built": whether posenc_fast._cpu is there, "calls":
+Prints one JSON object: {"triton": version, "host_extension_built": whether the launches use posenc_fast._cpu's, "calls":
 [{"call", "jit", "compiled", "direct", "host_extension", "moved"...}...], "hooked":
 the first call again with a launch hook set, "compile_warnings": [what the first launches warned],
 "fma_contraction": {kernel: [each compiled kernel's enable_fp_fusion]}}.  Its own
@@ -27,7 +27,7 @@ os.environ.pop("TRITON_INTERPRET", None)  # compiled kernels (the tests' process
 # Triton's settings that would change what is checked: the package's own compile options (FMA contraction),
 # and plain launches (debug and an instrumentation mode send every launch through the JIT).
 for setting in ("TRITON_DEFAULT_FP_FUSION", "TRITON_FORCE_DISABLE_FP_FUSION", "TRITON_DEBUG",
-                "TRITON_INSTRUMENTATION_MODE"):
+                "TRITON_INSTRUMENTATION_MODE", "POSENC_FAST_TRITON_LAUNCH"):
     os.environ.pop(setting, None)
 
 import fake_cuda_driver  # noqa: E402

@@ -12,7 +12,8 @@ extension's (``posenc_fast._cpu``, csrc/driver_launch.h: the kernel's parameters
 specialization, the five that vary written per call, cuLaunchKernel), checked against Triton's own launch
 on a stand-in driver (tests/test_triton_backend.py); without that extension, with a launch hook set, for a
 kernel it does not pack or a thread with no current CUDA context, the kernel's own launch function
-(``_CompiledLaunches``), which ``POSENC_FAST_TRITON_LAUNCH=triton`` in the environment chooses always.
+(``_CompiledLaunches``), which ``POSENC_FAST_TRITON_LAUNCH=triton`` in the environment chooses for every
+launch prepared while it is set.
 Every launch asks for the same compile options (``compile_options``).
 
 Threads: the lazy load is done once, under a lock.  Triton's interpreter is not thread-safe
@@ -264,7 +265,8 @@ def prepare_forward(dtype, num_rows: int, device, turns, params: KernelParams) -
     ``_forward`` works out per call from the parameters (frequency words, columns, constexpr flags) done
     once, and the tile shape, grid and 64-bit-index decision once per token count and table size.  What
     stays per call is the call's own tensors, offset and length, and Triton's launcher (on a GPU: argument
-    specialisation and the driver launch), which every Triton kernel pays."""
+    specialisation and the driver launch), which every Triton kernel pays.  (``_CompiledLaunches.launch_direct``
+    is bound here: a replacement of it made later does not reach this launch.)"""
     kernels = _load_kernels()
     interpreted = _kernels_interpreted
     turn_low, turn_high = _turn_words(turns)
@@ -412,7 +414,7 @@ class _CompiledLaunches:
             self._launcher_type, self._launcher_call = _nvidia_launcher()
             # (torch.cuda.current_device less its lazy-init check: a prepared launch runs after CUDA's use)
             self._current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
-            chosen = os.environ.get("POSENC_FAST_TRITON_LAUNCH", "").strip()
+            chosen = os.environ.get("POSENC_FAST_TRITON_LAUNCH", "").strip().lower()
             host = None if chosen == "triton" else cpu_backend.extension()
             if hasattr(host, "kept_launches"):
                 self._direct_owner, self.direct = host.kept_launches()
