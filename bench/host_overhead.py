@@ -259,9 +259,12 @@ def entry_point_table(calls: int, gpu_case=(4096, 262144)):
     {backend: what its rows time} where that is not said above (triton).  ``gpu_case``: the width and
     vocabulary of the ``cuda`` and ``triton`` rows and of ``cpu``'s zero-token rows."""
     table, timed = {}, {}
-    # The host extension, built here where a checkout has none yet: the cpu rows run it, and the triton rows'
-    # repeated calls launch through it (csrc/driver_launch.h).
-    cpu_backend.build_on_demand()
+    # The host extension, built here where a checkout has none yet (as backend='cpu' builds it: not with
+    # POSENC_FAST_BUILD_ON_DEMAND=0): the cpu rows run it, and the triton rows' repeated calls launch through
+    # it (csrc/driver_launch.h).  Without it the triton rows time Triton's own launch function.
+    cpu_backend.prepare(torch.device("cpu"))
+    if cpu_backend.extension_problem() is not None:
+        print(f"host_overhead: no host extension ({cpu_backend.extension_problem()})", file=sys.stderr)
     # (backend, whether its kernels are left out): ``cpu`` twice, its launches made with zero tokens as the
     # ``cuda`` rows' (its host work alone, on the same case), then running its kernel on a tiny case.
     for backend, host_only in (("cuda", True), ("triton", True), ("cpu", True), ("cpu", False), ("torch", False)):

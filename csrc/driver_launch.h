@@ -109,7 +109,9 @@ inline Key make_key(int64_t num_tokens, int64_t table_rows, int64_t row_stride, 
 enum Slot { kIds, kWeight, kOut, kOffset, kSeqLen, kNumSlots };
 constexpr size_t kMaxParameterBytes = 1024;
 constexpr size_t kMaxParameters = 128;
-constexpr size_t kMaxKept = 64;  // kernels kept per launch function: a decoding loop needs one or two
+// Kernels kept per launch function (a decoding loop needs one or two); a backstop: the Python side, at its own
+// cap of 64, starts a new set (triton_backend._CompiledLaunches.keep).
+constexpr size_t kMaxKept = 64;
 
 struct KeptKernel {
   py::object compiled;  // what owns `function` (Triton's compiled kernel unloads its module when it dies)

@@ -8,7 +8,8 @@ among them.
 
 Prints one JSON object: {"triton": version, "host_extension_built": whether the launches use posenc_fast._cpu's, "calls":
 [{"call", "jit", "compiled", "direct", "host_extension", "moved"...}...], "hooked":
-the first call again with a launch hook set, "compile_warnings": [what the first launches warned],
+the first call again with a launch hook set, "capped": the first call twice after the kept kernels' cap,
+"compile_warnings": [what the first launches warned],
 "fma_contraction": {kernel: [each compiled kernel's enable_fp_fusion]}}.  Its own
 process, because the stand-in replaces Triton's driver and the kernels are compiled, not interpreted."""
 
@@ -193,6 +194,26 @@ def main() -> None:
     finally:
         direct_on[0] = False
         hooks.remove(seen_by_hook.append)
+    # The kept kernels at their cap: a new key's keep drops the host extension's kept launches with the Python
+    # side's, and the next calls keep theirs again.  (The first call's kept launch is gone from both, so its next
+    # call goes through the JIT; the one after through the host extension again.)
+    capped = {"kept_before": len(kept._kernels)}
+    kept._KEPT = len(kept._kernels)
+    direct_on[0] = True
+    try:
+        launch(dict(calls[0][1], ids=ids[:24], num_tokens=24, out=out[:24 * WIDTH].view(24, WIDTH)))  # a new key
+        capped["kept_after_new_key"] = len(kept._kernels)
+        name, call = calls[0]
+        for which in ("first", "second"):
+            served_before, directly_before = served.count(True), served_directly.count(True)
+            fake_cuda_driver.record_parameters(parameter_bytes(kept_for[name].compiled))
+            capped[which] = launch(call)
+            capped[which + "_served_by_host_extension"] = served_directly.count(True) - directly_before
+            capped[which + "_served_by_compiled"] = served.count(True) - served_before
+    finally:
+        direct_on[0] = False
+        del kept._KEPT
+    capped["jit"] = through_jit[name]
     # The general path's forward and the weight gradient's kernels too: every kernel compiled here, by
     # kernel, with the FMA contraction it was compiled with.  (Nothing recorded: the parameter widths set
     # above are the forward kernel's.)
@@ -208,7 +229,7 @@ def main() -> None:
                                         for compiled in caches[0].values()]
     restore()
     print(json.dumps({"triton": triton.__version__, "host_extension_built": kept.direct is not None,
-                      "calls": results, "hooked": hooked, "compile_warnings": compile_warnings,
+                      "calls": results, "hooked": hooked, "capped": capped, "compile_warnings": compile_warnings,
                       "fma_contraction": fma_contraction}))
 
 

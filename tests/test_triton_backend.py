@@ -399,6 +399,16 @@ def test_the_driver_gets_the_same_launch_from_every_path():
     assert hooked["served_by_compiled"] == 1 and hooked["compiled"]["params"] == hooked["jit"]["params"]
     assert hooked["served_by_host_extension"] == 0
     assert [metadata["name"] for metadata in hooked["metadata"]] == ["forward_kernel"], hooked
+    # At the kept kernels' cap both sides forget together: the first call's launch, gone from the host
+    # extension's too, goes through the JIT once (neither kept path serves it), then the host extension again.
+    capped = report["capped"]
+    assert capped["kept_before"] == 13 and capped["kept_after_new_key"] == 1, capped
+    assert capped["first_served_by_host_extension"] == 0 and capped["first_served_by_compiled"] == 0, capped
+    assert capped["second_served_by_host_extension"] == int(host_extension), capped
+    assert capped["second_served_by_compiled"] == int(not host_extension), capped
+    for which in ("first", "second"):
+        for field in ("function", "grid", "block", "shared_bytes", "params"):
+            assert capped[which][field] == capped["jit"][field], (which, field)
     # Every kernel compiled (the prepared and general forwards, the weight gradient's two) with FMA
     # contraction, and without Triton 3.9's warning where a launch leaves that to the default.
     assert all(report["fma_contraction"][name] for name in ("forward_kernel", "grad_chunk_kernel", "grad_carry_kernel"))

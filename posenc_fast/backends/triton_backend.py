@@ -418,7 +418,7 @@ class _CompiledLaunches:
             host = None if chosen == "triton" else cpu_backend.extension()
             if hasattr(host, "kept_launches"):
                 self._direct_owner, self.direct = host.kept_launches()
-                self._keep_direct = host.keep_launch
+                self._host = host
 
     def constexpr_values(self, constexprs: dict) -> tuple:
         """The constexpr arguments, in signature order, that the launcher takes after the others."""
@@ -475,6 +475,11 @@ class _CompiledLaunches:
             return
         if len(self._kernels) >= self._KEPT:
             self._kernels.clear()
+            if self.direct is not None:
+                # The host extension's kept launches go too (a new, empty set; a call in flight holds the old):
+                # kept apart, the C side would drop at its own cap keys that this side still holds, and calls
+                # for them would stay on Triton's launch function, since only the JIT path keeps a key again.
+                self._direct_owner, self.direct = self._host.kept_launches()
         self._kernels[key] = _KeptKernel(compiled, _launch_function(compiled, self._launcher_type, grid,
                                                                     arguments_after))
         parameters = None if self.direct is None else _direct_parameters(compiled, self._launcher_type,
@@ -482,8 +487,8 @@ class _CompiledLaunches:
         if parameters is not None:
             metadata = compiled.metadata
             try:
-                self._keep_direct(self._direct_owner, *direct_call, compiled, compiled.function, grid[0], grid[1],
-                                  32 * metadata.num_warps, metadata.shared, *parameters)
+                self._host.keep_launch(self._direct_owner, *direct_call, compiled, compiled.function, grid[0],
+                                       grid[1], 32 * metadata.num_warps, metadata.shared, *parameters)
             except ValueError:
                 pass  # a parameter it refuses (csrc/driver_launch.h): this key's calls keep Triton's launch function
 
