@@ -223,8 +223,10 @@ def _triton_on_a_stand_in_driver():
                 self._current_device = _device_zero
 
         triton_backend._CompiledLaunches = OnDeviceZero
-        timed = ("Triton's JIT, then the host extension's launch of the kept kernel (csrc/driver_launch.h; Triton's "
-                 "launcher where that extension is not built), onto a stand-in driver (bench/fake_cuda_driver.py)")
+        host_problem = cpu_backend.extension_problem()
+        launched_by = ("the host extension's launch of the kept kernel (csrc/driver_launch.h)" if host_problem is None
+                       else f"Triton's launch function for the kept kernel (no host extension: {host_problem})")
+        timed = f"Triton's JIT, then {launched_by}, onto a stand-in driver (bench/fake_cuda_driver.py)"
     else:
         restore_driver = None
         stub = SimpleNamespace(forward_kernel=_NoTritonLaunch(), grad_chunk_kernel=_NoTritonLaunch(),
@@ -263,8 +265,9 @@ def entry_point_table(calls: int, gpu_case=(4096, 262144)):
     # POSENC_FAST_BUILD_ON_DEMAND=0): the cpu rows run it, and the triton rows' repeated calls launch through
     # it (csrc/driver_launch.h).  Without it the triton rows time Triton's own launch function.
     cpu_backend.prepare(torch.device("cpu"))
-    if cpu_backend.extension_problem() is not None:
-        print(f"host_overhead: no host extension ({cpu_backend.extension_problem()})", file=sys.stderr)
+    host_problem = cpu_backend.extension_problem()
+    if host_problem is not None:
+        print(f"host_overhead: no host extension ({host_problem}); the cpu rows fail", file=sys.stderr)
     # (backend, whether its kernels are left out): ``cpu`` twice, its launches made with zero tokens as the
     # ``cuda`` rows' (its host work alone, on the same case), then running its kernel on a tiny case.
     for backend, host_only in (("cuda", True), ("triton", True), ("cpu", True), ("cpu", False), ("torch", False)):

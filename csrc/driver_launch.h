@@ -322,6 +322,7 @@ inline void keep_launch(py::capsule owner, py::handle ids_dtype, uint64_t ids, u
 }
 
 inline void define(py::module_& m) {
+  m.attr("MAX_KEPT_LAUNCHES") = kMaxKept;  // (the Python side's cap stays at or below it: tests/test_triton_backend.py)
   m.def("kept_launches", &kept_launches,
         "(owner, launch): a new set of kept kernel launches and its launch function (csrc/driver_launch.h).");
   m.def("keep_launch", &keep_launch, py::arg("owner"), py::arg("ids_dtype"), py::arg("ids"), py::arg("weight"),

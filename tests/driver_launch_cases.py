@@ -3,8 +3,9 @@
 
 A handmade kernel description with every parameter type the launch packs: each call must hand the driver
 the kept function, grid, block, shared memory and stream, the fixed parameters packed once and the five
-slots written per call (only the addresses where the offset and length are the constant 1); a call that Triton would specialise apart (each part of the key) launches nothing;
-arguments that do not convert launch nothing and leave no error set; refusals, a thread without a context,
+slots written per call (only the addresses where the offset and length are the constant 1); a call that
+Triton would specialise apart (each part of the key) launches nothing; arguments that do not convert
+launch nothing and leave no error set; refusals, a thread without a context,
 a driver error, the cap on kept kernels and the reference to the compiled kernel behave as documented.
 Exits non-zero with the first failed check; its own process, because the stand-in replaces the process's
 libcuda."""
@@ -143,6 +144,7 @@ def main() -> None:
     fake_cuda_driver.record_parameters(WIDTHS)
 
     # At most 64 kept, then all cleared: with the two above, 62 more fit; the next clears them.
+    check(host.MAX_KEPT_LAUNCHES == 64, f"the module says it keeps {host.MAX_KEPT_LAUNCHES}")
     for rows in range(2000, 2062):
         call = (*KEPT_CALL[:7], rows, KEPT_CALL[8])
         host.keep_launch(owner, *call, Compiled(), FUNCTION, *GRID, BLOCK, SHARED, PARAMETERS, SLOTS)

@@ -207,7 +207,9 @@ def main() -> None:
         for which in ("first", "second"):
             served_before, directly_before = served.count(True), served_directly.count(True)
             fake_cuda_driver.record_parameters(parameter_bytes(kept_for[name].compiled))
+            launches_before = fake_cuda_driver.last_launch()["launches"]
             capped[which] = launch(call)
+            capped[which + "_launches"] = capped[which]["launches"] - launches_before
             capped[which + "_served_by_host_extension"] = served_directly.count(True) - directly_before
             capped[which + "_served_by_compiled"] = served.count(True) - served_before
     finally:

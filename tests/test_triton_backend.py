@@ -24,7 +24,7 @@ triton = pytest.importorskip("triton")
 
 import cases  # noqa: E402
 import posenc_fast as pf  # noqa: E402
-from posenc_fast.backends import kernel_params, triton_backend  # noqa: E402
+from posenc_fast.backends import cpu_backend, kernel_params, triton_backend  # noqa: E402
 
 
 def _triton_specialization():
@@ -361,7 +361,8 @@ def test_the_driver_gets_the_same_launch_from_every_path():
     same kernel (each call's own: no key merges two of Triton's specializations), grid, block, shared memory
     and parameters, the call's own ids, table and output first, the scratch
     pointers null last; with a launch hook set too, which gets the metadata (the host extension's launch steps
-    aside).  Every kernel is compiled with FMA contraction."""
+    aside); and at the kept kernels' cap, where both sides drop theirs at once.  Every kernel is compiled with
+    FMA contraction."""
     why = _fake_driver_unavailable()
     if why is not None:
         pytest.skip(why)
@@ -401,8 +402,10 @@ def test_the_driver_gets_the_same_launch_from_every_path():
     assert [metadata["name"] for metadata in hooked["metadata"]] == ["forward_kernel"], hooked
     # At the kept kernels' cap both sides forget together: the first call's launch, gone from the host
     # extension's too, goes through the JIT once (neither kept path serves it), then the host extension again.
+    # (The first call's launch is the JIT's by construction; what counts there is that neither kept path served it.)
     capped = report["capped"]
     assert capped["kept_before"] == 13 and capped["kept_after_new_key"] == 1, capped
+    assert capped["first_launches"] == 1 and capped["second_launches"] == 1, capped
     assert capped["first_served_by_host_extension"] == 0 and capped["first_served_by_compiled"] == 0, capped
     assert capped["second_served_by_host_extension"] == int(host_extension), capped
     assert capped["second_served_by_compiled"] == int(not host_extension), capped
@@ -438,6 +441,9 @@ def test_the_host_extensions_launch_on_the_stand_in_driver():
                           capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert "all checks hold" in done.stdout
+    # The Python side's cap is the one that drops kept kernels, both sides' at once (_CompiledLaunches.keep): the
+    # C side's must not be below it, or it would drop alone keys the Python side still holds.
+    assert triton_backend._CompiledLaunches._KEPT <= cpu_backend.extension().MAX_KEPT_LAUNCHES
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

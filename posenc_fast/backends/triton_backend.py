@@ -388,7 +388,9 @@ class _CompiledLaunches:
     prepared one (whose stream the launch is given), on ROCm (whose backend specialises tensors on more
     than their address), and on Triton releases outside ``_COMPILED_LAUNCH_TRITON``."""
 
-    _KEPT = 64  # kernels kept: a decoding loop needs one or two
+    # Kernels kept (a decoding loop needs one or two); at the cap both sides' are dropped, the host extension's
+    # by a new set, which is why ``direct`` is read on each call (keep).
+    _KEPT = 64
 
     def __init__(self, kernel, device_index: Optional[int]):
         self._device_index = device_index
@@ -396,7 +398,8 @@ class _CompiledLaunches:
         self._kernels = {}
         self._constexpr_names = []
         # The host extension's launch of kept kernels (csrc/driver_launch.h), or None: Triton's launch function.
-        self.direct = self._direct_owner = None
+        self.direct = self._direct_owner = self._host = None
+        self._keeping = threading.Lock()  # keep's clear and insert on both sides, as one step
         low, high = _COMPILED_LAUNCH_TRITON
         version = tuple(int(part) for part in triton.__version__.split(".")[:2])
         self._enabled = device_index is not None and torch.version.hip is None and low <= version < high
@@ -473,24 +476,26 @@ class _CompiledLaunches:
         arguments after the stream), where it can make the launch (``_direct_parameters``)."""
         if not self._enabled or not isinstance(compiled, self._compiled_type) or not self._plain():
             return
-        if len(self._kernels) >= self._KEPT:
-            self._kernels.clear()
-            if self.direct is not None:
-                # The host extension's kept launches go too (a new, empty set; a call in flight holds the old):
-                # kept apart, the C side would drop at its own cap keys that this side still holds, and calls
-                # for them would stay on Triton's launch function, since only the JIT path keeps a key again.
-                self._direct_owner, self.direct = self._host.kept_launches()
-        self._kernels[key] = _KeptKernel(compiled, _launch_function(compiled, self._launcher_type, grid,
-                                                                    arguments_after))
-        parameters = None if self.direct is None else _direct_parameters(compiled, self._launcher_type,
+        kept = _KeptKernel(compiled, _launch_function(compiled, self._launcher_type, grid, arguments_after))
+        parameters = None if self._host is None else _direct_parameters(compiled, self._launcher_type,
                                                                          varying + arguments_after)
-        if parameters is not None:
-            metadata = compiled.metadata
-            try:
-                self._host.keep_launch(self._direct_owner, *direct_call, compiled, compiled.function, grid[0],
-                                       grid[1], 32 * metadata.num_warps, metadata.shared, *parameters)
-            except ValueError:
-                pass  # a parameter it refuses (csrc/driver_launch.h): this key's calls keep Triton's launch function
+        with self._keeping:  # (threads that keep at once: no key kept in one side's set and not the other's)
+            if len(self._kernels) >= self._KEPT:
+                self._kernels.clear()
+                if self._host is not None:
+                    # The host extension's kept launches go too (a new, empty set; a call in flight holds the
+                    # old): kept apart, the C side would drop at its own cap keys that this side still holds,
+                    # and calls for them would stay on Triton's launch function, since only the JIT path keeps
+                    # a key again.
+                    self._direct_owner, self.direct = self._host.kept_launches()
+            self._kernels[key] = kept
+            if parameters is not None:
+                metadata = compiled.metadata
+                try:
+                    self._host.keep_launch(self._direct_owner, *direct_call, compiled, compiled.function, grid[0],
+                                           grid[1], 32 * metadata.num_warps, metadata.shared, *parameters)
+                except ValueError:
+                    pass  # a parameter it refuses (csrc/driver_launch.h): its calls keep Triton's launch function
 
 
 def _hooks_to_call(hook) -> bool:
