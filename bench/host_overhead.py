@@ -153,26 +153,28 @@ def real_device_table(device: torch.device, calls: int, num_sequences: int, d_mo
 TABLE_TOKENS, TABLE_WIDTH, TABLE_VOCAB = 64, 8, 1000
 
 
-def _entry_points(backend: str, width: int, vocab: int):
-    """name -> (make() -> (call(), trainable tensor)) for each entry point."""
+def _entry_points(backend: str, width: int, vocab: int, device=None, dtype=None, tokens: int = TABLE_TOKENS):
+    """name -> (make() -> (call(), trainable tensor)) for each entry point (CPU fp32 tensors by default)."""
+    on = dict(device=device, dtype=dtype)
+
     def module():
-        layer = pf.SinusoidalEmbedding(vocab, width, embed_scale=width ** 0.5, backend=backend)
-        ids = torch.randint(0, vocab, (TABLE_TOKENS, 1))
+        layer = pf.SinusoidalEmbedding(vocab, width, embed_scale=width ** 0.5, backend=backend, **on)
+        ids = torch.randint(0, vocab, (tokens, 1), device=device)
         return (lambda: layer(ids, offset=17)), layer.weight
 
     def functional():
-        weight = torch.randn(vocab, width, requires_grad=True)
-        ids = torch.randint(0, vocab, (TABLE_TOKENS, 1))
+        weight = torch.randn(vocab, width, requires_grad=True, **on)
+        ids = torch.randint(0, vocab, (tokens, 1), device=device)
         return (lambda: pf.sinusoidal_embedding(ids, weight, offset=17, embed_scale=width ** 0.5,
                                                 backend=backend)), weight
 
     def add_function():
-        x = torch.randn(TABLE_TOKENS, 1, width, requires_grad=True)
+        x = torch.randn(tokens, 1, width, requires_grad=True, **on)
         return (lambda: pf.add_sinusoidal(x, offset=17, backend=backend)), x
 
     def add_module():
-        layer = pf.SinusoidalPositionalEncoding(width, backend=backend)
-        x = torch.randn(TABLE_TOKENS, 1, width, requires_grad=True)
+        layer = pf.SinusoidalPositionalEncoding(width, backend=backend, device=device)
+        x = torch.randn(tokens, 1, width, requires_grad=True, **on)
         return (lambda: layer(x, offset=17)), x
 
     return {"SinusoidalEmbedding": module, "sinusoidal_embedding": functional, "add_sinusoidal": add_function,
@@ -308,6 +310,88 @@ def entry_point_table(calls: int, gpu_case=(4096, 262144)):
     return table, timed
 
 
+# The triton backend's launch routes on a real GPU, timed side by side: the default (the kept kernel through
+# the host extension), Triton's launch function for the kept kernel, and the JIT's ``kernel[grid]`` alone.
+TRITON_ROUTES = ("host extension", "Triton's launch function", "JIT kernel[grid]")
+
+
+def _triton_route(route: str):
+    """Make launches prepared from now on take ``route``; returns a function that restores the default."""
+    from posenc_fast.backends import triton_backend
+    saved_range, saved_env = triton_backend._COMPILED_LAUNCH_TRITON, os.environ.get("POSENC_FAST_TRITON_LAUNCH")
+    if route == "Triton's launch function":
+        os.environ["POSENC_FAST_TRITON_LAUNCH"] = "triton"
+    elif route == "JIT kernel[grid]":
+        triton_backend._COMPILED_LAUNCH_TRITON = ((0, 0), (0, 0))  # no release in range: nothing is kept
+
+    def restore():
+        triton_backend._COMPILED_LAUNCH_TRITON = saved_range
+        if saved_env is None:
+            os.environ.pop("POSENC_FAST_TRITON_LAUNCH", None)
+        else:
+            os.environ["POSENC_FAST_TRITON_LAUNCH"] = saved_env
+    return restore
+
+
+def real_entry_point_table(device: torch.device, calls: int, tokens: int, width: int, vocab: int) -> dict:
+    """{row: {entry point: {"inference": us, "training": us}}}: every entry point with real launches on
+    ``device`` (bf16 on a GPU), each backend (triton once per launch route) and eager's equivalents timed in
+    the same run: ``nn.Embedding`` + scale + add of a table slice for the embeddings, ``x`` + a table slice for
+    ``add_sinusoidal`` and its module."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    rows = [("auto", "auto", None), ("cuda", "cuda", None)] if device.type == "cuda" else [("auto", "auto", None)]
+    if _triton_version() is not None:
+        rows += [(f"triton ({route})", "triton", route) for route in TRITON_ROUTES]
+    table = {}
+    for label, backend, route in rows:
+        restore = _triton_route(route) if route is not None else None
+        try:
+            entries = table[label] = {}
+            for _ in range(2):  # made and timed twice, the better kept (entry_point_table says why)
+                for name, make in _entry_points(backend, width, vocab, device, dtype, tokens).items():
+                    try:
+                        call, trainable = make()
+                        call()
+                    except Exception as error:  # a backend this machine cannot run: said, not timed
+                        entries[name] = {"unavailable": f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"}
+                        continue
+                    us = inference_and_training_us(call, calls, sync=sync)
+                    del call, trainable
+                    best = entries.get(name, us)
+                    entries[name] = {part: min(us[part], best[part]) for part in us}
+        finally:
+            if restore is not None:
+                restore()
+    eager = baselines.EagerSinusoidalEmbedding(vocab, width, max_len=64, embed_scale=width ** 0.5, device=device,
+                                               dtype=dtype)
+    ids = torch.randint(0, vocab, (tokens, 1), device=device)
+    pe = eager.pe
+    x = torch.randn(tokens, 1, width, device=device, dtype=dtype, requires_grad=True)
+    table["eager"] = {
+        "embedding (nn.Embedding + scale + add)": inference_and_training_us(lambda: eager(ids), calls, sync=sync),
+        "add (x + table slice)": inference_and_training_us(lambda: (x + pe[17:18]).to(x.dtype), calls, sync=sync)}
+    return table
+
+
+def print_real_entry_point_table(table: dict) -> None:
+    """Each row against eager's equivalent: inference / training us, and the ratios."""
+    eager = table["eager"]
+    eager_of = {"SinusoidalEmbedding": "embedding (nn.Embedding + scale + add)",
+                "sinusoidal_embedding": "embedding (nn.Embedding + scale + add)",
+                "add_sinusoidal": "add (x + table slice)", "SinusoidalPositionalEncoding": "add (x + table slice)"}
+    for label, entries in table.items():
+        for name, us in entries.items():
+            if "unavailable" in us:
+                print(f"  {label:36s} {name:40s} unavailable: {us['unavailable']}")
+            elif label == "eager":
+                print(f"  {label:36s} {name:40s} {us['inference']:6.1f} / {us['training']:6.1f}")
+            else:
+                base = eager[eager_of[name]]
+                print(f"  {label:36s} {name:40s} {us['inference']:6.1f} / {us['training']:6.1f}   "
+                      f"{us['inference'] / base['inference']:.2f}x / {us['training'] / base['training']:.2f}x eager")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -388,6 +472,9 @@ def main(argv=None) -> int:
 
 def _main_real(device, args, num_sequences, d_model, vocab) -> int:
     table = real_device_table(device, args.calls, num_sequences, d_model, vocab)
+    entry_points = None
+    if args.entry_points:
+        entry_points = real_entry_point_table(device, args.calls, num_sequences, d_model, vocab)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
     print(f"host time per call (thread CPU time, real launches), decode case ({num_sequences} tokens, d_model "
           f"{d_model}, vocab {vocab}), id check off, on {name}; torch {torch.__version__}: inference / training us")
@@ -396,6 +483,10 @@ def _main_real(device, args, num_sequences, d_model, vocab) -> int:
             print(f"  {impl:40s} unavailable: {us['unavailable']}")
         else:
             print(f"  {impl:40s} {us['inference']:6.1f} / {us['training']:6.1f}")
+    if entry_points is not None:
+        print("every entry point, real launches, id check off: inference / training us per call, and against "
+              "eager's equivalent timed in the same run")
+        print_real_entry_point_table(entry_points)
     auto = table["auto"].get("inference")
     if auto is not None:
         print(f"target < {TARGET_US:g} us on auto (inference): {'met' if auto < TARGET_US else 'MISSED'} ({auto:.1f} us)")
@@ -404,7 +495,8 @@ def _main_real(device, args, num_sequences, d_model, vocab) -> int:
             json.dump({"case": {"tokens": num_sequences, "d_model": d_model, "vocab": vocab}, "device": name,
                        "host": _cpu_name(), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
                        "clock": "time.thread_time, best of 7, real launches", "target_us": TARGET_US,
-                       "us_per_call": table}, f, indent=2)
+                       "us_per_call": table, "entry_points_us_per_call": entry_points,
+                       "triton": _triton_version()}, f, indent=2)
     return 0
 
 

@@ -62,28 +62,43 @@ def cpu_extension_problem():
     return cpu_backend.build_on_demand()
 
 
-_host_emulation = []  # [problem or None], once per session
+_host_emulation_build = []  # [(path, None) or (None, problem)], once per session
+_host_emulation_loaded = []  # [problem or None], once per session
 
 
-def cuda_host_emulation_problem():
-    """Build (or find cached) and load the host-emulation build of the CUDA kernels into the cuda
-    backend; None on success, else why it is unavailable."""
-    if not _host_emulation:
+def host_emulation_build():
+    """(path, None) for the host-emulation build of the CUDA kernels, built or found cached, else (None, why
+    not).  Loads nothing: on a GPU, the cuda backend keeps the real extension."""
+    if not _host_emulation_build:
         import os
 
         from posenc_fast import _build
-        from posenc_fast.backends import cuda_backend
 
-        problem = None
         if os.environ.get("POSENC_FAST_TEST_CUDA_EMULATION", "1") == "0":
-            problem = "POSENC_FAST_TEST_CUDA_EMULATION=0"
+            _host_emulation_build.append((None, "POSENC_FAST_TEST_CUDA_EMULATION=0"))
         else:
             try:
-                cuda_backend.use_host_emulation(_build.build_host_emulation())
+                _host_emulation_build.append((_build.build_host_emulation(), None))
             except Exception as error:  # no compiler, no CUDA headers, no pybind11: the target is left out
+                _host_emulation_build.append((None, f"{type(error).__name__}: {error}"))
+    return _host_emulation_build[0]
+
+
+def cuda_host_emulation_problem():
+    """Load the host-emulation build of the CUDA kernels into the cuda backend (machines without a GPU:
+    backend='cuda' then runs on CPU tensors only, for the rest of the process); None on success, else why
+    it is unavailable."""
+    if not _host_emulation_loaded:
+        from posenc_fast.backends import cuda_backend
+
+        path, problem = host_emulation_build()
+        if problem is None:
+            try:
+                cuda_backend.use_host_emulation(path)
+            except Exception as error:
                 problem = f"{type(error).__name__}: {error}"
-        _host_emulation.append(problem)
-    return _host_emulation[0]
+        _host_emulation_loaded.append(problem)
+    return _host_emulation_loaded[0]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -376,9 +376,10 @@ def test_host_overhead_script_smoke(tmp_path):
     import subprocess
     import sys
 
-    from cases import cpu_extension_problem, cuda_host_emulation_problem
+    from cases import cpu_extension_problem, host_emulation_build
 
-    problem = cuda_host_emulation_problem()
+    # (Built, not loaded here: on a GPU this process's cuda backend must keep the real extension.)
+    _, problem = host_emulation_build()
     if problem is not None:
         pytest.skip(f"the harness times the cuda backend's host-emulation build: {problem}")
     # The host extension, built here where a checkout has none (the harness builds it only as backend='cpu'
