@@ -79,8 +79,7 @@ def _build() -> str:
 
 def load() -> str:
     """Build the stand-in and load it into the process, by its soname (libcuda.so.1, RTLD_GLOBAL), so that what
-    looks for the process's driver finds it (Triton's modules, which link libcuda.so.1; the host extension's
-    launch, csrc/driver_launch.h); returns its folder.  Triton's active driver is left as it is (``install``)."""
+    looks for the process's driver finds it (Triton's modules, which link libcuda.so.1); returns its folder.  Triton's active driver is left as it is (``install``)."""
     global _library
     folder = _build()
     if _library is None:
@@ -141,13 +140,3 @@ def last_launch() -> dict:
             "grid": tuple(record.grid),
             "block": tuple(record.block), "shared_bytes": record.shared_bytes,
             "params": tuple(record.params[:record.num_params])}
-
-
-def set_no_context(no_context: bool) -> None:
-    """Make cuCtxGetCurrent answer that the calling thread has no current context (or has one again)."""
-    _library.fake_set_no_context(ctypes.c_int(int(no_context)))
-
-
-def set_launch_result(result: int) -> None:
-    """What the next launches return (0: CUDA_SUCCESS; say 700, CUDA_ERROR_ILLEGAL_ADDRESS)."""
-    _library.fake_set_launch_result(ctypes.c_int(result))

@@ -7,8 +7,7 @@
  * launchers (Triton 3.5 to 3.9) call are here; a device pointer is the host address it is given, so CPU
  * tensors pass Triton's pointer check.  Nothing is ever executed: cuLaunchKernel(Ex) records the launch
  * (function, stream, grid, block, shared memory and the first words of each parameter) for a test to read, and
- * returns what a test set (success by default); a test can also make cuCtxGetCurrent answer "no context"
- * (tests/driver_launch_cases.py, for the host extension's launch, csrc/driver_launch.h).
+ * returns success.
  *
  * The device it describes is an H100 (sm_90, 132 SMs, 227 KiB of shared memory per block). */
 
@@ -46,14 +45,8 @@ CUresult CUDAAPI cuDevicePrimaryCtxRetain(CUcontext *context, CUdevice device) {
   *context = (CUcontext)&fake_context;
   return CUDA_SUCCESS;
 }
-/* Set by a test: whether the calling thread has no current context, and what launches return. */
-static int fake_no_context = 0;
-static CUresult fake_launch_result = CUDA_SUCCESS;
-void fake_set_no_context(int no_context) { fake_no_context = no_context; }
-void fake_set_launch_result(int result) { fake_launch_result = (CUresult)result; }
-
 CUresult CUDAAPI cuCtxGetCurrent(CUcontext *context) {
-  *context = fake_no_context ? NULL : (CUcontext)&fake_context;
+  *context = (CUcontext)&fake_context;
   return CUDA_SUCCESS;
 }
 CUresult CUDAAPI cuCtxSetCurrent(CUcontext context) { (void)context; return CUDA_SUCCESS; }
@@ -164,11 +157,11 @@ CUresult CUDAAPI cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction funct
   (void)extra;
   record(function, config->hStream, config->gridDimX, config->gridDimY, config->gridDimZ, config->blockDimX,
          config->blockDimY, config->blockDimZ, config->sharedMemBytes, params);
-  return fake_launch_result;
+  return CUDA_SUCCESS;
 }
 CUresult CUDAAPI cuLaunchKernel(CUfunction function, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                                 unsigned bz, unsigned shared, CUstream stream, void **params, void **extra) {
   (void)extra;
   record(function, stream, gx, gy, gz, bx, by, bz, shared, params);
-  return fake_launch_result;
+  return CUDA_SUCCESS;
 }

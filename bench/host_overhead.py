@@ -1,4 +1,4 @@
-"""Host time per call of the layer with the kernel launch stubbed out, on any machine (issue 15 item 4).
+"""Host time per call of the layer with the kernel launch stubbed out, on any machine.
 
     python bench/host_overhead.py [--calls N] [--json PATH] [--entry-points]
     python bench/host_overhead.py --real cuda [--calls N] [--json PATH]      (on a GPU)
@@ -21,12 +21,12 @@ processes on a shared machine inflate it less than wall time.  For scale, the ea
 (nn.Embedding + scale + PE table add) is timed on CPU tensors of width 8: its aten ops' host work
 plus a negligible computation, about what eager spends on the host before its kernels launch.
 
-``--entry-points`` adds issue 26's table: every entry point (module, functional, ``add_sinusoidal`` and
+``--entry-points`` adds a table of every entry point (module, functional, ``add_sinusoidal`` and
 its module), in inference and in training, on ``cuda`` (zero-token launches, as above), on ``triton``
 (Triton's real JIT and launcher, the kernels compiled for an H100, onto a stand-in CUDA driver whose
-launch returns at once: bench/fake_cuda_driver.py; a prepared launch's repeated calls go through the host
-extension's launch, csrc/driver_launch.h, onto the same stand-in; so, like the ``cuda`` rows, everything but
-the driver's launch call; where that driver cannot be built, the kernels are stubbed and only our host work
+launch returns at once: bench/fake_cuda_driver.py; a prepared launch's repeated calls go through the kept
+kernel's launch function onto the same stand-in; so, like the ``cuda`` rows, everything but the driver's
+launch call; where that driver cannot be built, the kernels are stubbed and only our host work
 is timed, as the output says), on ``cpu`` twice (with zero-token launches on the same case as ``cuda``: its
 host work alone; then running its kernel on a tiny case) and on ``torch`` (its kernels run for real on the
 tiny case, so a few us of compute are included).
@@ -57,7 +57,7 @@ import posenc_fast as pf  # noqa: E402
 from posenc_fast import _build, _prepared, baselines  # noqa: E402
 from posenc_fast.backends import cpu_backend, cuda_backend  # noqa: E402
 
-TARGET_US = 10.0  # issue 15: under 10 us per call with the id check off
+TARGET_US = 10.0  # a decoding call under 10 us of host time with the id check off
 _NUM_TOKENS_ARGUMENT = 12  # position of num_tokens in _C.forward's arguments (cuda_backend._launch_forward)
 
 
@@ -208,14 +208,14 @@ def _triton_on_a_stand_in_driver():
     from posenc_fast.backends import triton_backend
 
     saved = (triton_backend.triton, triton_backend._kernels, triton_backend._kernels_interpreted,
-             triton_backend.available, triton_backend.interpreting, triton_backend._CompiledLaunches)
+             triton_backend.available, triton_backend.interpreting, triton_backend.KeptLaunches)
     why_not = fake_cuda_driver.unavailable()
     if why_not is None and (triton_backend._kernels_interpreted or triton_backend.interpreting()):
         why_not = "Triton's interpreter is on (TRITON_INTERPRET)"
     if why_not is None:
         restore_driver = fake_cuda_driver.install()
         triton_backend._load_kernels()  # compiled, not interpreted (checked above)
-        real_compiled_launches = triton_backend._CompiledLaunches
+        real_compiled_launches = triton_backend.KeptLaunches
 
         class OnDeviceZero(real_compiled_launches):
             """The prepared launch's compiled kernels as on device 0 (the tensors are on the CPU here)."""
@@ -224,11 +224,9 @@ def _triton_on_a_stand_in_driver():
                 super().__init__(kernel, 0)
                 self._current_device = _device_zero
 
-        triton_backend._CompiledLaunches = OnDeviceZero
-        host_problem = cpu_backend.extension_problem()
-        launched_by = ("the host extension's launch of the kept kernel (csrc/driver_launch.h)" if host_problem is None
-                       else f"Triton's launch function for the kept kernel (no host extension: {host_problem})")
-        timed = f"Triton's JIT, then {launched_by}, onto a stand-in driver (bench/fake_cuda_driver.py)"
+        triton_backend.KeptLaunches = OnDeviceZero
+        timed = ("Triton's JIT, then the kept kernel's launch function, onto a stand-in driver "
+                 "(bench/fake_cuda_driver.py)")
     else:
         restore_driver = None
         stub = SimpleNamespace(forward_kernel=_NoTritonLaunch(), grad_chunk_kernel=_NoTritonLaunch(),
@@ -240,7 +238,7 @@ def _triton_on_a_stand_in_driver():
 
     def restore():
         (triton_backend.triton, triton_backend._kernels, triton_backend._kernels_interpreted,
-         triton_backend.available, triton_backend.interpreting, triton_backend._CompiledLaunches) = saved
+         triton_backend.available, triton_backend.interpreting, triton_backend.KeptLaunches) = saved
         if restore_driver is not None:
             restore_driver()
     return timed, restore
@@ -264,8 +262,7 @@ def entry_point_table(calls: int, gpu_case=(4096, 262144)):
     vocabulary of the ``cuda`` and ``triton`` rows and of ``cpu``'s zero-token rows."""
     table, timed = {}, {}
     # The host extension, built here where a checkout has none yet (as backend='cpu' builds it: not with
-    # POSENC_FAST_BUILD_ON_DEMAND=0): the cpu rows run it, and the triton rows' repeated calls launch through
-    # it (csrc/driver_launch.h).  Without it the triton rows time Triton's own launch function.
+    # POSENC_FAST_BUILD_ON_DEMAND=0): the cpu rows run it.
     cpu_backend.prepare(torch.device("cpu"))
     host_problem = cpu_backend.extension_problem()
     if host_problem is not None:
@@ -310,26 +307,24 @@ def entry_point_table(calls: int, gpu_case=(4096, 262144)):
     return table, timed
 
 
-# The triton backend's launch routes on a real GPU, timed side by side: the default (the kept kernel through
-# the host extension), Triton's launch function for the kept kernel, and the JIT's ``kernel[grid]`` alone.
-TRITON_ROUTES = ("host extension", "Triton's launch function", "JIT kernel[grid]")
+# The triton backend's launches on a real GPU, timed side by side: the kept compiled kernel through its launch
+# function (the default), and the JIT's ``kernel[grid]`` on every call.
+TRITON_ROUTES = ("kept kernel", "JIT kernel[grid]")
 
 
 def _triton_route(route: str):
-    """Make launches prepared from now on take ``route``; returns a function that restores the default."""
-    from posenc_fast.backends import triton_backend
-    saved_range, saved_env = triton_backend._COMPILED_LAUNCH_TRITON, os.environ.get("POSENC_FAST_TRITON_LAUNCH")
-    if route == "Triton's launch function":
-        os.environ["POSENC_FAST_TRITON_LAUNCH"] = "triton"
-    elif route == "JIT kernel[grid]":
-        triton_backend._COMPILED_LAUNCH_TRITON = ((0, 0), (0, 0))  # no release in range: nothing is kept
+    """Make launches prepared from now on take ``route``, with no launch prepared before (the functional entry
+    points keep theirs on their cached spec); returns a function that restores the default."""
+    from posenc_fast import _validate
+    from posenc_fast.backends import triton_launch
+    saved_range = triton_launch.TESTED_TRITON
+    for spec in list(_validate._VALIDATED_SPECS.values()):
+        spec.prepared_launches.clear()
+    if route == "JIT kernel[grid]":
+        triton_launch.TESTED_TRITON = ((0, 0), (0, 0))  # no release in range: nothing is kept
 
     def restore():
-        triton_backend._COMPILED_LAUNCH_TRITON = saved_range
-        if saved_env is None:
-            os.environ.pop("POSENC_FAST_TRITON_LAUNCH", None)
-        else:
-            os.environ["POSENC_FAST_TRITON_LAUNCH"] = saved_env
+        triton_launch.TESTED_TRITON = saved_range
     return restore
 
 
@@ -400,7 +395,7 @@ def main(argv=None) -> int:
     parser.add_argument("--real", metavar="DEVICE",
                         help="time real calls on DEVICE (cuda on a GPU; cpu for a dry run) instead of stubbed launches")
     parser.add_argument("--entry-points", action="store_true",
-                        help="also time every backend and entry point, inference and training (issue 26)")
+                        help="also time every backend and entry point, inference and training")
     parser.add_argument("--smoke", action="store_true",
                         help="a run of the harness on small tables (d_model 64, vocab 1000; 4 GiB tables otherwise) "
                              "with few calls: it checks that everything runs, its numbers mean little")

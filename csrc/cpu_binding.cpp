@@ -37,7 +37,6 @@
 #include <vector>
 
 #include "cpu_kernels.h"
-#include "driver_launch.h"
 #include "launch_arguments.h"
 
 namespace py = pybind11;
@@ -575,7 +574,6 @@ PYBIND11_MODULE(_cpu, m) {
         "threads) or 'pool' (posenc_fast's own).");
   m.def("set_threading", &cpu::set_threading, py::arg("name"),
         "Use 'openmp' (the loaded runtime) or 'pool' (our own threads); benchmarks compare them.");
-  posenc::driver_launch::define(m);
   m.def("isa", [] { return std::string(cpu::selected.name); }, "The instruction-set variant in use.");
   m.def("supported_isas", &cpu::isa_names, "Variants this CPU and build can run, best first.");
   m.def("set_isa", &cpu::select_variant, py::arg("name"),

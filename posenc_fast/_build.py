@@ -533,7 +533,7 @@ def build_host_emulation(env: Mapping[str, str] = os.environ, log=sys.stderr) ->
 # ---- the CPU extension posenc_fast._cpu (csrc/cpu_*.cpp): any C++17 compiler, no CUDA ----
 
 CPU_SOURCES = ("cpu_kernels.cpp", "cpu_binding.cpp")
-CPU_HEADERS = ("cpu_kernels.h", "driver_launch.h", "launch_arguments.h", "host_device.h", "exact_angle.cuh",
+CPU_HEADERS = ("cpu_kernels.h", "launch_arguments.h", "host_device.h", "exact_angle.cuh",
                "philox.cuh")
 CPU_EXTENSION_NAME = "_cpu"
 # cpu_kernels.cpp is compiled once per variant (its namespace, its flags); cpu_binding.cpp picks the

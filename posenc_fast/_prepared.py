@@ -26,8 +26,7 @@ read on every call, so in-place updates, ``.data`` swaps and a new Parameter of 
 no invalidation.  (A zero tensor, which has no memory, is refused by the binding itself.)  Every
 backend's launch is called the same way (``backends.PreparedLaunch``: the call's tensors, offset, length
 and token count); ``cpu`` and ``cuda`` hand pointers to their binding's ``ForwardLaunch``, ``triton`` hands its
-kept kernel's launch the call's pointers (the host extension's, csrc/driver_launch.h, or Triton's own), the
-rest worked out once.  The ``torch`` reference has none: its entry points always take
+kept kernel's launch function the call's pointers (``triton_launch``), the rest worked out once.  The ``torch`` reference has none: its entry points always take
 the general path.
 """
 

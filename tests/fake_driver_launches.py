@@ -1,17 +1,16 @@
 """Run in its own process by tests/test_triton_backend.py: the ``triton`` backend's prepared launch compiled for
 an H100 and launched through Triton's real launcher onto the stand-in CUDA driver (bench/fake_cuda_driver.py),
 which records each launch.  For each call (across Triton's specializations of the varying arguments and
-across shapes) the launch that the JIT makes, the one the compiled path makes (``_CompiledLaunches``) and the
-host extension's (``_CompiledLaunches.launch_direct``, csrc/driver_launch.h) must hand the driver the same grid,
-block, shared memory and parameters (the scratch pointers included), with the call's own tensors' addresses
-among them.
+across shapes) the launch that the JIT makes and the one the kept kernel makes (``triton_launch.KeptLaunches``)
+must hand the driver the same grid, block, shared memory and parameters (the scratch pointers included), with
+the call's own tensors' addresses among them; so must the kept kernel for the call moved to other values of
+its specialization.
 
-Prints one JSON object: {"triton": version, "host_extension_built": whether the launches use posenc_fast._cpu's, "calls":
-[{"call", "jit", "compiled", "direct", "host_extension", "moved"...}...], "hooked":
-the first call again with a launch hook set, "capped": the first call twice after the kept kernels' cap,
-"compile_warnings": [what the first launches warned],
-"fma_contraction": {kernel: [each compiled kernel's enable_fp_fusion]}}.  Its own
-process, because the stand-in replaces Triton's driver and the kernels are compiled, not interpreted."""
+Prints one JSON object: {"triton": version, "calls": [{"call", "jit", "compiled", "moved", "moved_jit"...}...],
+"hooked": the first call again with a launch hook set, "capped": the first call twice after the kept kernels'
+cap, "compile_warnings": [what the first launches warned], "fma_contraction": {kernel: [each compiled kernel's
+enable_fp_fusion]}}.  Its own process, because the stand-in replaces Triton's driver and the kernels are
+compiled, not interpreted."""
 
 from __future__ import annotations
 
@@ -28,7 +27,7 @@ os.environ.pop("TRITON_INTERPRET", None)  # compiled kernels (the tests' process
 # Triton's settings that would change what is checked: the package's own compile options (FMA contraction),
 # and plain launches (debug and an instrumentation mode send every launch through the JIT).
 for setting in ("TRITON_DEFAULT_FP_FUSION", "TRITON_FORCE_DISABLE_FP_FUSION", "TRITON_DEBUG",
-                "TRITON_INSTRUMENTATION_MODE", "POSENC_FAST_TRITON_LAUNCH"):
+                "TRITON_INSTRUMENTATION_MODE"):
     os.environ.pop(setting, None)
 
 import fake_cuda_driver  # noqa: E402
@@ -55,28 +54,21 @@ def main() -> None:
     import triton
 
     import posenc_fast as pf
-    from posenc_fast.backends import kernel_params, triton_backend
+    from posenc_fast.backends import kernel_params, triton_backend, triton_launch
 
     triton_backend._load_kernels()
     assert triton_backend._kernels_interpreted is False
     torch._C._cuda_getDevice = lambda: 0  # the prepared device is current (CPU torch has no CUDA state)
-    served, served_directly = [], []
-    real_launch = triton_backend._CompiledLaunches.launch
-    real_launch_direct = triton_backend._CompiledLaunches.launch_direct
-    jit_only, direct_on = [False], [False]
+    served = []
+    real_launch = triton_launch.KeptLaunches.launch
+    jit_only = [False]
 
     def counting_launch(self, *args):
         took = False if jit_only[0] else real_launch(self, *args)
         served.append(took)
         return took
 
-    def counting_launch_direct(self, *args):
-        took = direct_on[0] and real_launch_direct(self, *args)
-        served_directly.append(took)
-        return took
-
-    triton_backend._CompiledLaunches.launch = counting_launch
-    triton_backend._CompiledLaunches.launch_direct = counting_launch_direct
+    triton_launch.KeptLaunches.launch = counting_launch
     generator = torch.Generator().manual_seed(int(os.environ.get("POSENC_FAST_TEST_SEED", "0")))
     layer = pf.SinusoidalEmbedding(1000, WIDTH, embed_scale=3.0)
     params = kernel_params(layer.spec, False)
@@ -85,7 +77,7 @@ def main() -> None:
     weight = torch.randn(1000, WIDTH, generator=generator)
     prepared = triton_backend.prepare_forward(torch.float32, 1000, device, turns, params)
     kept = next(cell.cell_contents for cell in prepared.launch.__closure__
-                if isinstance(cell.cell_contents, triton_backend._CompiledLaunches))
+                if isinstance(cell.cell_contents, triton_launch.KeptLaunches))
     ids = torch.randint(0, 1000, (64,), generator=generator)
     table = torch.empty(weight.numel() + 8)
     table[1:1 + weight.numel()] = weight.view(-1)
@@ -153,30 +145,25 @@ def main() -> None:
         results.append({
             "call": name, "jit": through_jit[name], "compiled": through_compiled,
             "served_by_compiled": served.count(True) - served_before,
-            "direct": kept_for[name].launch.__name__ == "launch",  # (not the launcher's Python frame)
+            "launch_function": kept_for[name].launch.__name__ == "launch",  # (not the launcher's Python frame)
             "addresses": [call["ids"].data_ptr(), call["weight"].data_ptr(), call["out"].data_ptr()],
         })
-    # Then each through the host extension's launch (csrc/driver_launch.h), which must hand the driver the same:
-    # the call itself, then the call moved to other values of the same specialization (other addresses with the
-    # same alignment, offset and length 16 on), which the kept parameter block does not hold, against the JIT.
+    # Then each call moved to other values of its specialization (other addresses with the same alignment,
+    # offset and length 16 on), which the kept kernel holds none of: through the JIT, then the kept kernel.
     for (name, call), result in zip(calls, results):
-        record = parameter_bytes(kept_for[name].compiled)
-        fake_cuda_driver.record_parameters(record)
-        for which, this_call in (("host_extension", call), ("moved", moved(call))):
-            if which == "moved":
-                jit_only[0] = True
-                result["moved_jit"] = launch(this_call)
-                jit_only[0] = False
-            direct_on[0] = True
-            served_before, directly_before = served.count(True), served_directly.count(True)
-            launches_before = fake_cuda_driver.last_launch()["launches"]
-            result[which] = launch(this_call)
-            direct_on[0] = False
-            result[which + "_launches"] = result[which]["launches"] - launches_before
-            result[which + "_served_by_host_extension"] = served_directly.count(True) - directly_before
-            result[which + "_served_by_compiled"] = served.count(True) - served_before
-        result["moved_addresses"] = [moved_tensor.data_ptr() for moved_tensor in (this_call["ids"], this_call["weight"],
-                                                                                   this_call["out"])]
+        fake_cuda_driver.record_parameters(parameter_bytes(kept_for[name].compiled))
+        moved_call = moved(call)
+        jit_only[0] = True
+        result["moved_jit"] = launch(moved_call)
+        jit_only[0] = False
+        served_before = served.count(True)
+        launches_before = fake_cuda_driver.last_launch()["launches"]
+        result["moved"] = launch(moved_call)
+        result["moved_launches"] = result["moved"]["launches"] - launches_before
+        result["moved_served_by_compiled"] = served.count(True) - served_before
+        result["moved_addresses"] = [moved_tensor.data_ptr() for moved_tensor in (moved_call["ids"],
+                                                                                   moved_call["weight"],
+                                                                                   moved_call["out"])]
     # With a launch hook (a profiler's), the compiled path gives it the metadata and launches the same.
     seen_by_hook = []
     hooks = triton.knobs.runtime.launch_enter_hook
@@ -184,36 +171,29 @@ def main() -> None:
     try:
         name, call = calls[0]
         fake_cuda_driver.record_parameters(parameter_bytes(kept_for[name].compiled))
-        served_before, directly_before = served.count(True), served_directly.count(True)
-        direct_on[0] = True  # (the host extension's launch steps aside: a hook calls something)
+        served_before = served.count(True)
         hooked = {"call": name, "jit": through_jit[name], "compiled": launch(call),
                   "served_by_compiled": served.count(True) - served_before,
-                  "served_by_host_extension": served_directly.count(True) - directly_before,
                   "metadata": [{key: str(value) for key, value in dict(metadata.get()).items()}
                                for metadata in seen_by_hook]}
     finally:
-        direct_on[0] = False
         hooks.remove(seen_by_hook.append)
-    # The kept kernels at their cap: a new key's keep drops the host extension's kept launches with the Python
-    # side's, and the next calls keep theirs again.  (The first call's kept launch is gone from both, so its next
-    # call goes through the JIT; the one after through the host extension again.)
+    # The kept kernels at their cap: a new key's keep drops them all, so the first call's next launch goes
+    # through the JIT, which keeps it again, and the one after through the kept kernel.
     capped = {"kept_before": len(kept._kernels)}
     kept._KEPT = len(kept._kernels)
-    direct_on[0] = True
     try:
         launch(dict(calls[0][1], ids=ids[:24], num_tokens=24, out=out[:24 * WIDTH].view(24, WIDTH)))  # a new key
         capped["kept_after_new_key"] = len(kept._kernels)
         name, call = calls[0]
         for which in ("first", "second"):
-            served_before, directly_before = served.count(True), served_directly.count(True)
+            served_before = served.count(True)
             fake_cuda_driver.record_parameters(parameter_bytes(kept_for[name].compiled))
             launches_before = fake_cuda_driver.last_launch()["launches"]
             capped[which] = launch(call)
             capped[which + "_launches"] = capped[which]["launches"] - launches_before
-            capped[which + "_served_by_host_extension"] = served_directly.count(True) - directly_before
             capped[which + "_served_by_compiled"] = served.count(True) - served_before
     finally:
-        direct_on[0] = False
         del kept._KEPT
     capped["jit"] = through_jit[name]
     # The general path's forward and the weight gradient's kernels too: every kernel compiled here, by
@@ -230,8 +210,7 @@ def main() -> None:
                                         for caches in jit_function.device_caches.values()
                                         for compiled in caches[0].values()]
     restore()
-    print(json.dumps({"triton": triton.__version__, "host_extension_built": kept.direct is not None,
-                      "calls": results, "hooked": hooked, "capped": capped, "compile_warnings": compile_warnings,
+    print(json.dumps({"triton": triton.__version__, "calls": results, "hooked": hooked, "capped": capped, "compile_warnings": compile_warnings,
                       "fma_contraction": fma_contraction}))
 
 

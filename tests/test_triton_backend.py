@@ -1,13 +1,12 @@
-"""posenc_fast.backends.triton_backend: the prepared launch's compiled-kernel path (``_CompiledLaunches``).
+"""posenc_fast.backends.triton_launch: the prepared launch's kept compiled kernels (``KeptLaunches``).
 
-On a GPU a prepared Triton launch calls a compiled kernel's own launcher with the arguments Triton's JIT
-would pass it, and reuses a compiled kernel only for calls that Triton specialises the same way.  Both
+On a GPU a prepared Triton launch calls a compiled kernel's own launch function with the arguments Triton's
+JIT would pass it, and reuses a compiled kernel only for calls that Triton specialises the same way.  Both
 halves are checked here without a GPU: the key against Triton's own specialization, the arguments against
 the kernel's signature (a stand-in for the GPU kernel records what each path passes).  Triton's real
 launcher runs too, onto a stand-in CUDA driver that records what it is handed (``fake_driver_launches.py``,
-in its own process): the JIT, the compiled path and the host extension's own launch of the kept kernel
-(csrc/driver_launch.h) must hand it the same launch.  On a GPU, the last test runs the real
-launcher across specializations against the JIT path, bit for bit.
+in its own process): the JIT and the kept kernel must hand it the same launch.  On a GPU, the last test runs
+the real launcher across specializations against the JIT, bit for bit.
 """
 
 import inspect
@@ -22,9 +21,8 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-import cases  # noqa: E402
 import posenc_fast as pf  # noqa: E402
-from posenc_fast.backends import cpu_backend, kernel_params, triton_backend  # noqa: E402
+from posenc_fast.backends import kernel_params, triton_backend, triton_launch  # noqa: E402
 
 
 def _triton_specialization():
@@ -49,7 +47,7 @@ def test_int_key_is_as_fine_as_tritons():
     specialization = _triton_specialization()
     by_key = {}
     for value in INT_VALUES:
-        by_key.setdefault(triton_backend._int_specialization(value), set()).add(specialization(value))
+        by_key.setdefault(triton_launch.int_specialization(value), set()).add(specialization(value))
     merged = {key: specs for key, specs in by_key.items() if len(specs) > 1}
     assert not merged, merged
     assert len(by_key) >= 5  # 1; i32 with and without 16 | v; i64; u64: the classes are all reached
@@ -133,17 +131,6 @@ def recording_gpu_launch(monkeypatch):
     return prepared, kernel, layer.weight.detach()
 
 
-@pytest.mark.parametrize("chosen", ["", "triton", " Triton "])
-def test_the_environment_can_keep_tritons_launch_function(monkeypatch, chosen):
-    """POSENC_FAST_TRITON_LAUNCH=triton (any case): no host extension's launch (csrc/driver_launch.h) for launches
-    prepared from then on; left unset, the host extension's where it is built."""
-    monkeypatch.setenv("POSENC_FAST_TRITON_LAUNCH", chosen)
-    launches = triton_backend._CompiledLaunches(triton_backend._load_kernels().forward_kernel, 0)
-    assert launches._enabled  # (Triton 3.5 to 3.9: compiled launches are kept)
-    uses_host = not chosen and cases.cpu_extension_problem() is None
-    assert (launches.direct is not None) == uses_host
-
-
 def test_compiled_launch_passes_what_the_jit_passes(recording_gpu_launch):
     """A key's second call goes to the compiled kernel's launcher with the grid, the stream and every
     parameter in signature order (constexprs included; num_warps and the compile options not), as
@@ -181,7 +168,7 @@ def test_a_launcher_replaced_before_the_launch_is_prepared_is_called(recording_g
         monkeypatch.setattr(driver.CudaLauncher, "__call__", lambda self, *args: None)
     else:
         monkeypatch.setattr(driver, "CudaLauncher", type("CudaLauncher", (driver.CudaLauncher,), {}))
-    assert triton_backend._nvidia_launcher()[1] is None
+    assert triton_launch._nvidia_launcher()[1] is None
     layer = pf.SinusoidalEmbedding(50, 96)
     prepared = triton_backend.prepare_forward(torch.float32, 50, torch.device("cuda", 0),
                                               layer.spec.turns_tensor("cpu"), kernel_params(layer.spec, False))
@@ -355,14 +342,12 @@ def _fake_driver_unavailable():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the next test runs the real driver")
 def test_the_driver_gets_the_same_launch_from_every_path():
     """The prepared launch compiled for an H100 by Triton, launched by Triton's own launcher onto a stand-in
-    driver (no GPU): for each call across specializations and shapes, the JIT's launch, the compiled
-    path's (Triton's launch function called directly, with the kernel kept for the call's key) and the host
-    extension's (csrc/driver_launch.h: its own parameter block per key, cuLaunchKernel) hand the driver the
+    driver (no GPU): for each call across specializations and shapes, the JIT's launch and the kept kernel's
+    (Triton's launch function called directly, with the kernel kept for the call's key) hand the driver the
     same kernel (each call's own: no key merges two of Triton's specializations), grid, block, shared memory
-    and parameters, the call's own ids, table and output first, the scratch
-    pointers null last; with a launch hook set too, which gets the metadata (the host extension's launch steps
-    aside); and at the kept kernels' cap, where both sides drop theirs at once.  Every kernel is compiled with
-    FMA contraction."""
+    and parameters, the call's own ids, table and output first, the scratch pointers null last; so does the
+    kept kernel for the call moved to other values of its specialization; with a launch hook set too, which
+    gets the metadata; and at the kept kernels' cap.  Every kernel is compiled with FMA contraction."""
     why = _fake_driver_unavailable()
     if why is not None:
         pytest.skip(why)
@@ -373,22 +358,13 @@ def test_the_driver_gets_the_same_launch_from_every_path():
     assert done.returncode == 0, done.stderr[-4000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert len(report["calls"]) == 13
-    # The host extension's rounds count where it is built (here, on demand); else its launch is never tried.
-    host_extension = report["host_extension_built"]
-    assert host_extension == (cases.cpu_extension_problem() is None)
     for call in report["calls"]:
         jit, compiled = call["jit"], call["compiled"]
         assert compiled["launches"] > jit["launches"], call["call"]
-        assert call["served_by_compiled"] == 1 and call["direct"], call["call"]
-        # The host extension's launch served the third round alone, one launch per call, the call itself and the
-        # call moved to other values of its specialization (against the JIT's launch of the moved call).
-        for which in ("host_extension", "moved"):
-            assert call[which + "_served_by_host_extension"] == int(host_extension), (call["call"], which)
-            assert call[which + "_served_by_compiled"] == int(not host_extension), (call["call"], which)
-            assert call[which + "_launches"] == 1, (call["call"], which)
+        assert call["served_by_compiled"] == 1 and call["launch_function"], call["call"]
+        assert call["moved_served_by_compiled"] == 1 and call["moved_launches"] == 1, call["call"]
         for field in ("function", "grid", "block", "shared_bytes", "params"):
             assert compiled[field] == jit[field], (call["call"], field)
-            assert call["host_extension"][field] == jit[field], (call["call"], field)
             assert call["moved"][field] == call["moved_jit"][field], (call["call"], field)
         assert call["moved"]["function"] == jit["function"], call["call"]  # the same kernel, kept once
         assert jit["params"][:3] == call["addresses"], call["call"]
@@ -398,17 +374,13 @@ def test_the_driver_gets_the_same_launch_from_every_path():
         assert jit["block"][0] >= 32
     hooked = report["hooked"]  # the first call again, with a launch hook set
     assert hooked["served_by_compiled"] == 1 and hooked["compiled"]["params"] == hooked["jit"]["params"]
-    assert hooked["served_by_host_extension"] == 0
     assert [metadata["name"] for metadata in hooked["metadata"]] == ["forward_kernel"], hooked
-    # At the kept kernels' cap both sides forget together: the first call's launch, gone from the host
-    # extension's too, goes through the JIT once (neither kept path serves it), then the host extension again.
-    # (The first call's launch is the JIT's by construction; what counts there is that neither kept path served it.)
+    # At the kept kernels' cap all are dropped: the first call's launch goes through the JIT once (no kept kernel
+    # serves it), then through its kept kernel again, the same launch both times.
     capped = report["capped"]
     assert capped["kept_before"] == 13 and capped["kept_after_new_key"] == 1, capped
     assert capped["first_launches"] == 1 and capped["second_launches"] == 1, capped
-    assert capped["first_served_by_host_extension"] == 0 and capped["first_served_by_compiled"] == 0, capped
-    assert capped["second_served_by_host_extension"] == int(host_extension), capped
-    assert capped["second_served_by_compiled"] == int(not host_extension), capped
+    assert capped["first_served_by_compiled"] == 0 and capped["second_served_by_compiled"] == 1, capped
     for which in ("first", "second"):
         for field in ("function", "grid", "block", "shared_bytes", "params"):
             assert capped[which][field] == capped["jit"][field], (which, field)
@@ -423,29 +395,6 @@ def test_the_driver_gets_the_same_launch_from_every_path():
     assert any(x > 1 and y > 1 for x, y, _ in grids), grids  # both grid dimensions told apart
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the stand-in driver would replace its driver")
-def test_the_host_extensions_launch_on_the_stand_in_driver():
-    """csrc/driver_launch.h alone, with a handmade kernel description (tests/driver_launch_cases.py, in its own
-    process): every parameter type packed, the five slots written per call, each part of the key told apart,
-    bad arguments, refusals, no context, a driver error, the cap on kept kernels, the compiled kernel's
-    reference."""
-    why = _fake_driver_unavailable()
-    if why is not None:
-        pytest.skip(why)
-    problem = cases.cpu_extension_problem()  # (built here where a checkout has none yet)
-    if problem is not None:
-        pytest.skip(f"no host extension: {problem}")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))  # this checkout's
-    done = subprocess.run([sys.executable, os.path.join(root, "tests", "driver_launch_cases.py")],
-                          capture_output=True, text=True, timeout=600, env=env)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    assert "all checks hold" in done.stdout
-    # The Python side's cap is the one that drops kept kernels, both sides' at once (_CompiledLaunches.keep): the
-    # C side's must not be below it, or it would drop alone keys the Python side still holds.
-    assert triton_backend._CompiledLaunches._KEPT <= cpu_backend.extension().MAX_KEPT_LAUNCHES
-
-
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32 if t.element_size() == 4 else torch.int16)
 
@@ -455,17 +404,15 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def test_compiled_launches_match_the_jit_path_on_a_gpu(dtype, seed, monkeypatch):
     """The real launcher: calls across Triton's specializations (offsets 1, 16 | value, 64-bit; length 1;
     misaligned ids, table and output; int32 ids) and shapes (tokens, table rows), each made twice (the
-    second through the compiled kernel: the host extension's launch, csrc/driver_launch.h, where it is built),
-    into poisoned outputs, bit for bit against the JIT path (``_forward``)."""
-    monkeypatch.delenv("POSENC_FAST_TRITON_LAUNCH", raising=False)
+    second through the kept kernel), into poisoned outputs, bit for bit against the JIT path (``_forward``)."""
     served = []
-    for name in ("launch", "launch_direct"):  # Triton's launch function, the host extension's launch
-        def counting(self, *args, _real=getattr(triton_backend._CompiledLaunches, name), _name=name):
-            took = _real(self, *args)
-            served.append((_name, took))
-            return took
 
-        monkeypatch.setattr(triton_backend._CompiledLaunches, name, counting)
+    def counting(self, *args, _real=triton_launch.KeptLaunches.launch):
+        took = _real(self, *args)
+        served.append(took)
+        return took
+
+    monkeypatch.setattr(triton_launch.KeptLaunches, "launch", counting)
     g = torch.Generator().manual_seed(seed)
     layer = pf.SinusoidalEmbedding(1000, 96, embed_scale=3.0)
     params = kernel_params(layer.spec, False)
@@ -491,6 +438,4 @@ def test_compiled_launches_match_the_jit_path_on_a_gpu(dtype, seed, monkeypatch)
                                 prepared.last_argument())
                 torch.cuda.synchronize()
                 assert torch.equal(_bits(got), _bits(want)), (offset, seq_len, output_start)
-    # The compiled path served the repeats: the host extension's launch where the host extension is built.
-    direct = triton_backend.cpu_backend.extension() is not None
-    assert served.count(("launch_direct" if direct else "launch", True)) >= len(calls) * 2, served
+    assert served.count(True) >= len(calls) * 2, served  # the kept kernels served the repeats

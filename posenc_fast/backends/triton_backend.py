@@ -6,14 +6,7 @@ kernel module is imported lazily, at the first launch, and the mode it was defin
 in is remembered: ``import posenc_fast`` never imports Triton.
 
 A prepared launch (``prepare_forward``) on a GPU launches a compiled kernel without the JIT from its second
-call with the same specialization on: Triton's JIT call (binding the arguments, specialising them, looking
-up its cache: most of a launch's host time) runs once per specialization.  The launch is the host
-extension's (``posenc_fast._cpu``, csrc/driver_launch.h: the kernel's parameters packed once per
-specialization, the five that vary written per call, cuLaunchKernel), checked against Triton's own launch
-on a stand-in driver (tests/test_triton_backend.py); without that extension, with a launch hook set, for a
-kernel it does not pack or a thread with no current CUDA context, the kernel's own launch function
-(``_CompiledLaunches``), which ``POSENC_FAST_TRITON_LAUNCH=triton`` in the environment chooses for every
-launch prepared while it is set.
+call with the same specialization on, through the kernel's own launch function (``triton_launch``).
 Every launch asks for the same compile options (``compile_options``).
 
 Threads: the lazy load is done once, under a lock.  Triton's interpreter is not thread-safe
@@ -25,18 +18,16 @@ on a GPU are not.
 from __future__ import annotations
 
 import importlib.util
-import inspect
 import os
-import re
 import threading
 import weakref
-from typing import Callable, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import torch
 
-from . import cpu_backend
 from . import (ID_DTYPES, KernelParams, PreparedLaunch, current_stream_function, gradient_rows, new_buffer,
                sort_ids_for_gradient)
+from .triton_launch import KeptLaunches, int_specialization
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FLOAT64_MATH = True
@@ -265,8 +256,8 @@ def prepare_forward(dtype, num_rows: int, device, turns, params: KernelParams) -
     ``_forward`` works out per call from the parameters (frequency words, columns, constexpr flags) done
     once, and the tile shape, grid and 64-bit-index decision once per token count and table size.  What
     stays per call is the call's own tensors, offset and length, and Triton's launcher (on a GPU: argument
-    specialisation and the driver launch), which every Triton kernel pays.  (``_CompiledLaunches.launch_direct``
-    is bound here: a replacement of it made later does not reach this launch.)"""
+    specialisation and the driver launch), which every Triton kernel pays: on a GPU, only a new specialization's
+    first call (``triton_launch.KeptLaunches``)."""
     kernels = _load_kernels()
     interpreted = _kernels_interpreted
     turn_low, turn_high = _turn_words(turns)
@@ -303,9 +294,8 @@ def prepare_forward(dtype, num_rows: int, device, turns, params: KernelParams) -
         return shape
 
     on_gpu = device.type == "cuda"
-    compiled_launches = _CompiledLaunches(kernels.forward_kernel, device.index if on_gpu else None)
+    compiled_launches = KeptLaunches(kernels.forward_kernel, device.index if on_gpu else None)
     turns_address, turn_low_address, turn_high_address = fixed_before_addresses[:3]
-    launch_direct = None if compiled_launches.direct is None else compiled_launches.launch_direct
 
     def launch(ids, weight, weight_row_stride, out, offset, seq_len, num_tokens, last_argument):
         if num_tokens == 0:
@@ -325,18 +315,12 @@ def prepare_forward(dtype, num_rows: int, device, turns, params: KernelParams) -
         # device, so Triton's per-pointer check that the address is one the device can use (a driver call
         # each, made for tensors only) has nothing to find.
         ids_address, weight_address, out_address = ids.data_ptr(), weight.data_ptr(), out.data_ptr()
-        # The host extension's launch of the kept kernel, where it has one for this call (csrc/driver_launch.h:
-        # the key below, worked out in C, and the kernel's parameters packed once); else Triton's launch function.
-        if launch_direct is not None and launch_direct(last_argument, ids.dtype, ids_address, weight_address,
-                                                       out_address, offset, seq_len, num_tokens, table_rows,
-                                                       weight_row_stride):
-            return
         # The key: the shape, and what Triton specialises the call's tensors, offset and length on (the
         # alignments: True where 16 divides all three addresses, the usual case, else one flag each).
         key = (num_tokens, table_rows, weight_row_stride, ids.dtype,
                True if not (ids_address | weight_address | out_address) & 15
                else (ids_address & 15 == 0, weight_address & 15 == 0, out_address & 15 == 0),
-               _int_specialization(offset), _int_specialization(seq_len))
+               int_specialization(offset), int_specialization(seq_len))
         # The arguments that vary between calls, in signature order; the kept kernel holds the rest.
         varying = (ids_address, weight_address, out_address, turns_address, turn_low_address, turn_high_address,
                    None, None, None, offset, seq_len)
@@ -345,278 +329,12 @@ def prepare_forward(dtype, num_rows: int, device, turns, params: KernelParams) -
                 (num_tokens, table_rows, weight_row_stride))
             compiled_launches.keep(key, kernels.forward_kernel[grid](ids, weight, out, *fixed_before, offset, seq_len,
                                                                      *arguments_after, **constexprs),
-                                   grid, launcher_arguments_after,
-                                   (ids.dtype, ids_address, weight_address, out_address, offset, seq_len, num_tokens,
-                                    table_rows, weight_row_stride), varying)
+                                   grid, launcher_arguments_after)
 
     def is_current() -> bool:  # the same kernels (their mode is fixed once loaded); on CPU the interpreter still on
         return _kernels is kernels and (on_gpu or interpreting())
 
     return PreparedLaunch(launch, ID_DTYPES, current_stream_function(device), is_current, turns)
-
-
-def _int_specialization(value: int):
-    """What Triton's JIT specialises an int argument on (``specialize_impl`` in triton.runtime.jit, the same in
-    Triton 3.5 to 3.9): 1 is made a constant; otherwise its type by range (i32, u64 or i64) and whether 16
-    divides it.  (For a tensor: its dtype and whether 16 divides its address; the launch's key holds those.)
-    The common case, a 32-bit value, is one comparison and one mask: -1 stands for the constant 1, True and
-    False for an i32 that 16 divides or not; a wider value is a pair (16 | value, u64)."""
-    if -2147483648 <= value <= 2147483647:
-        return -1 if value == 1 else value & 15 == 0
-    return (value % 16 == 0, value >= 2**63)
-
-
-# The Triton releases whose JITFunction.run launches a compiled kernel as _CompiledLaunches does (read in
-# their sources); on others every call takes the JIT.
-_COMPILED_LAUNCH_TRITON = ((3, 5), (3, 10))
-
-
-class _CompiledLaunches:
-    """A Triton kernel's compiled kernels on one GPU, by the specialization of the arguments that vary
-    between a prepared launch's calls, launched with the arguments Triton's JIT gives the compiled
-    kernel's launcher (``JITFunction.run``: ``kernel.run(grid, stream, function, metadata, hooks,
-    *arguments)``, every parameter in signature order, constexprs included; the same in Triton 3.5 to
-    3.9), tensors as their addresses, through the launcher's own launch function where it can
-    (``_launch_function``).  A key's first call goes through the JIT, which compiles or finds the kernel
-    and returns it.  Where no launch hook calls anything, the host extension launches it instead
-    (``direct``: the same parameters, packed once per key, ``_direct_parameters``), from a key worked out in
-    C from the call's addresses and ints by the same rules as the prepared launch's.
-
-    Only plain launches go this way: the JIT path serves every call while a setting that it reads on every
-    call is in force (debug, an instrumentation mode such as Proton's, a stages-inspection hook, a pre-run
-    hook, a replaced ``JITFunction.run`` or ``CudaLauncher.__call__``), on another current device than the
-    prepared one (whose stream the launch is given), on ROCm (whose backend specialises tensors on more
-    than their address), and on Triton releases outside ``_COMPILED_LAUNCH_TRITON``."""
-
-    # Kernels kept (a decoding loop needs one or two); at the cap both sides' are dropped, the host extension's
-    # by a new set, which is why ``direct`` is read on each call (keep).
-    _KEPT = 64
-
-    def __init__(self, kernel, device_index: Optional[int]):
-        self._device_index = device_index
-        self._kernel = kernel
-        self._kernels = {}
-        self._constexpr_names = []
-        # The host extension's launch of kept kernels (csrc/driver_launch.h), or None: Triton's launch function.
-        self.direct = self._direct_owner = self._host = None
-        self._keeping = threading.Lock()  # keep's clear and insert on both sides, as one step
-        low, high = _COMPILED_LAUNCH_TRITON
-        version = tuple(int(part) for part in triton.__version__.split(".")[:2])
-        self._enabled = device_index is not None and torch.version.hip is None and low <= version < high
-        if self._enabled:
-            # (As Triton tells a constexpr parameter: by its annotation.)
-            self._constexpr_names = [param.name for param in inspect.signature(kernel.fn).parameters.values()
-                                     if "constexpr" in str(param.annotation)]
-            from triton import knobs
-            from triton.compiler import CompiledKernel
-            from triton.runtime.jit import JITFunction
-
-            self._runtime, self._compilation = knobs.runtime, knobs.compilation
-            self._compiled_type = CompiledKernel
-            self._jit_run = JITFunction.run
-            self._launcher_type, self._launcher_call = _nvidia_launcher()
-            # (torch.cuda.current_device less its lazy-init check: a prepared launch runs after CUDA's use)
-            self._current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
-            chosen = os.environ.get("POSENC_FAST_TRITON_LAUNCH", "").strip().lower()
-            host = None if chosen == "triton" else cpu_backend.extension()
-            if hasattr(host, "kept_launches"):
-                self._direct_owner, self.direct = host.kept_launches()
-                self._host = host
-
-    def constexpr_values(self, constexprs: dict) -> tuple:
-        """The constexpr arguments, in signature order, that the launcher takes after the others."""
-        return tuple(constexprs[name] for name in self._constexpr_names)
-
-    def _plain(self) -> bool:
-        """Whether the JIT would launch the kept kernel now as it did: on the prepared device, with no
-        per-call setting of the JIT's in force (class docstring)."""
-        runtime = self._runtime
-        return (self._current_device() == self._device_index and not runtime.debug
-                and not getattr(self._compilation, "instrumentation_mode", "")
-                and getattr(runtime, "add_stages_inspection_hook", None) is None
-                and not self._kernel.pre_run_hooks and type(self._kernel).run is self._jit_run
-                and (self._launcher_type is None or self._launcher_type.__call__ is self._launcher_call))
-
-    def launch(self, key, stream: int, varying: tuple) -> bool:
-        """Launch the kernel kept for ``key``, ``varying`` its leading arguments (the kept kernel holds the
-        rest); False where none is kept or the launch is not plain, and the caller goes through the JIT."""
-        kept = self._kernels.get(key)
-        if kept is None or not self._plain():
-            return False
-        runtime = self._runtime
-        enter_hook, exit_hook = runtime.launch_enter_hook, runtime.launch_exit_hook
-        # (_hooks_to_call, inline for the usual case: no hook, or an empty chain of hooks, Triton's default.)
-        if ((enter_hook is None or not getattr(enter_hook, "calls", True))
-                and (exit_hook is None or not getattr(exit_hook, "calls", True))):
-            # None for each, which the launcher skips: the same (nothing is called) without two calls into
-            # Python per launch, and no metadata.
-            kept.launch(stream, varying)
-        else:
-            # The hooks (a profiler's) that call something get metadata made as the JIT makes it.
-            enter_hook, exit_hook = (hook if _hooks_to_call(hook) else None for hook in (enter_hook, exit_hook))
-            kept.launch(stream, varying, enter_hook, exit_hook)
-        return True
-
-    def launch_direct(self, stream: int, ids_dtype, ids: int, weight: int, out: int, offset: int, seq_len: int,
-                      num_tokens: int, table_rows: int, row_stride: int) -> bool:
-        """Launch through ``direct`` the kernel kept there for this call (its arguments, as ``direct`` takes them)
-        where the launch is plain and no launch hook calls anything (the JIT's launch then calls nothing but
-        the kernel); False where it does not, and the caller goes on as before."""
-        runtime = self._runtime
-        enter_hook, exit_hook = runtime.launch_enter_hook, runtime.launch_exit_hook
-        return ((enter_hook is None or not getattr(enter_hook, "calls", True))
-                and (exit_hook is None or not getattr(exit_hook, "calls", True))
-                and self._plain() and self.direct(stream, ids_dtype, ids, weight, out, offset, seq_len, num_tokens,
-                                                  table_rows, row_stride))
-
-    def keep(self, key, compiled, grid, arguments_after: tuple, direct_call: tuple, varying: tuple) -> None:
-        """Keep what the JIT's plain launch returned: a compiled kernel, launched and so loaded on the
-        current device (not a hook's None or an asynchronous compile's future), with its grid and the
-        arguments after the varying ones; and in ``direct`` too, for calls like ``direct_call`` (its
-        arguments after the stream), where it can make the launch (``_direct_parameters``)."""
-        if not self._enabled or not isinstance(compiled, self._compiled_type) or not self._plain():
-            return
-        kept = _KeptKernel(compiled, _launch_function(compiled, self._launcher_type, grid, arguments_after))
-        parameters = None if self._host is None else _direct_parameters(compiled, self._launcher_type,
-                                                                         varying + arguments_after)
-        with self._keeping:  # (threads that keep at once: no key kept in one side's set and not the other's)
-            if len(self._kernels) >= self._KEPT:
-                self._kernels.clear()
-                if self._host is not None:
-                    # The host extension's kept launches go too (a new, empty set; a call in flight holds the
-                    # old): kept apart, the C side would drop at its own cap keys that this side still holds,
-                    # and calls for them would stay on Triton's launch function, since only the JIT path keeps
-                    # a key again.
-                    self._direct_owner, self.direct = self._host.kept_launches()
-            self._kernels[key] = kept
-            if parameters is not None:
-                metadata = compiled.metadata
-                try:
-                    self._host.keep_launch(self._direct_owner, *direct_call, compiled, compiled.function, grid[0],
-                                           grid[1], 32 * metadata.num_warps, metadata.shared, *parameters)
-                except ValueError:
-                    pass  # a parameter it refuses (csrc/driver_launch.h): its calls keep Triton's launch function
-
-
-def _hooks_to_call(hook) -> bool:
-    """Whether a launch hook calls anything: not None, nor an empty chain (``knobs.HookChain``)."""
-    return hook is not None and bool(getattr(hook, "calls", True))
-
-
-class _KeptKernel(NamedTuple):
-    compiled: object  # triton.compiler.CompiledKernel
-    launch: Callable  # (stream, varying arguments[, enter_hook, exit_hook]) -> None
-
-
-def _nvidia_launcher():
-    """Triton's NVIDIA launcher class and its ``__call__``, which ``_launch_function`` may call below.
-    Where the class or the method is not Triton's own (read in Triton 3.5 to 3.9; a tool replaced one), the
-    method is None: no launch is plain (``_CompiledLaunches._plain``), and every one goes through the JIT,
-    which calls the tool's.  (None, None) without an NVIDIA backend."""
-    try:
-        from triton.backends.nvidia import driver
-    except ImportError:
-        return None, None
-    launcher_type = driver.CudaLauncher
-    call = launcher_type.__call__
-    code = getattr(call, "__code__", None)
-    tritons_own = (launcher_type.__module__ == driver.__name__ and launcher_type.__qualname__ == "CudaLauncher"
-                   and code is not None and code.co_name == "__call__"
-                   and os.path.realpath(code.co_filename) == os.path.realpath(driver.__file__))
-    return launcher_type, call if tritons_own else None
-
-
-def _launch_function(compiled, launcher_type, grid, arguments_after: tuple) -> Callable:
-    """``compiled``'s launch on ``grid`` with the arguments ``varying + arguments_after``, as a function of the
-    stream and ``varying`` (and the hooks, when there are some to call: then with the launch metadata, made as
-    the JIT makes it; the addresses in place of the tensors change nothing, as it reads the arguments only for
-    a kernel's own launch_metadata function, which these kernels do not define).
-
-    Through its launcher's own launch function (C), called as the launcher calls it (``CudaLauncher.__call__``,
-    read in Triton 3.5 to 3.9), where that adds nothing else: no scratch memory, no sanitizer, no tensor
-    descriptors.  Otherwise through the launcher itself (its Python frame, about 1.5 us per call, allocates the
-    scratch).  ``launcher_type``: ``_nvidia_launcher``'s class, or None."""
-    launcher = compiled.run
-    function, packed_metadata = compiled.function, compiled.packed_metadata
-    grid_x, grid_y = grid[0], grid[1]
-    launch_metadata = compiled.launch_metadata
-    launch_c = getattr(launcher, "launch", None)
-    if (launcher_type is None or type(launcher) is not launcher_type or launcher.global_scratch_size
-            or launcher.profile_scratch_size or getattr(launcher, "gsan_enabled", False)
-            or not isinstance(launch_c, _BUILTIN_FUNCTION)):
-        def through_launcher(stream, varying, enter_hook=None, exit_hook=None):
-            arguments = varying + arguments_after
-            metadata = None if enter_hook is None and exit_hook is None else launch_metadata(grid, stream, *arguments)
-            launcher(grid_x, grid_y, 1, stream, function, packed_metadata, metadata, enter_hook, exit_hook, *arguments)
-        return through_launcher
-    cooperative, pdl = launcher.launch_cooperative_grid, launcher.launch_pdl
-    if hasattr(launcher, "arg_annotations"):
-        # Triton 3.7 on: one launch function for every kernel, given the kernel's signature and the arguments
-        # as a tuple; the scratch pointers (None: no scratch) after the hooks.
-        annotations, signature = launcher.arg_annotations, launcher.kernel_signature
-
-        def launch(stream, varying, enter_hook=None, exit_hook=None):
-            arguments = varying + arguments_after
-            metadata = None if enter_hook is None and exit_hook is None else launch_metadata(grid, stream, *arguments)
-            launch_c(grid_x, grid_y, 1, stream, function, cooperative, pdl, packed_metadata, metadata, enter_hook,
-                     exit_hook, None, None, annotations, signature, arguments)
-    else:
-        # Triton 3.5 and 3.6: a launch function made for the kernel's signature; the scratch pointers before
-        # the metadata, the arguments spread.
-        def launch(stream, varying, enter_hook=None, exit_hook=None):
-            arguments = varying + arguments_after
-            metadata = None if enter_hook is None and exit_hook is None else launch_metadata(grid, stream, *arguments)
-            launch_c(grid_x, grid_y, 1, stream, function, cooperative, pdl, None, None, packed_metadata, metadata,
-                     enter_hook, exit_hook, *arguments)
-    return launch
-
-
-_BUILTIN_FUNCTION = type(len)
-
-# The varying arguments (the prepared launch's ``varying``, by position) that the direct launch fills on each
-# call, in the slot order of csrc/driver_launch.h: ids, weight, out, offset, seq_len.
-_DIRECT_SLOTS = (0, 1, 2, 9, 10)
-# Triton's types of kernel parameters that the direct launch packs, and their widths in the PTX (bits).
-_DIRECT_PARAMETER_BITS = {"i32": 32, "u32": 32, "fp32": 32, "i64": 64, "u64": 64, "fp64": 64}
-_PTX_ENTRY_PARAMETERS = re.compile(r"\.entry\s+[\w$]+\s*\(([^)]*)\)")
-_PTX_PARAMETER_BITS = re.compile(r"\.param\s+\.[a-z]+(\d+)\b")
-
-
-def _direct_parameters(compiled, launcher_type, arguments: tuple):
-    """(parameters, slots) for ``keep_launch`` (csrc/driver_launch.h): ``compiled``'s kernel parameters as
-    Triton's launcher packs them (Triton 3.5 to 3.9: the arguments less the constexprs, in signature order,
-    then the global and profile scratch pointers, here none) and the parameter each slot fills; or None where
-    the direct launch would not be the launcher's: another launcher, scratch memory, a sanitizer, cluster,
-    cooperative or PDL launches, oversized shared memory, a parameter type it does not pack, or parameters
-    that do not match the compiled kernel's own (its PTX entry's list, read here)."""
-    launcher = compiled.run
-    if (launcher_type is None or type(launcher) is not launcher_type
-            or not isinstance(getattr(launcher, "launch", None), _BUILTIN_FUNCTION)):
-        return None  # (a launch function that is not Triton's own C one: a tool's wrapper, which must be called)
-    metadata, signature = compiled.metadata, getattr(getattr(compiled, "src", None), "signature", None)
-    if (launcher.global_scratch_size or launcher.profile_scratch_size or getattr(launcher, "gsan_enabled", False)
-            or getattr(metadata, "num_ctas", 1) != 1 or metadata.launch_cooperative_grid or metadata.launch_pdl
-            or metadata.shared > 228 * 1024 or not isinstance(signature, dict) or len(signature) != len(arguments)):
-        return None
-    parameters, slots, bits = [], [-1] * len(_DIRECT_SLOTS), []
-    for index, (kind, value) in enumerate(zip(signature.values(), arguments)):
-        if kind == "constexpr":
-            continue
-        if index in _DIRECT_SLOTS:
-            slots[_DIRECT_SLOTS.index(index)] = len(parameters)
-        if kind.startswith("*"):
-            bits.append(64)
-        elif kind in _DIRECT_PARAMETER_BITS:
-            bits.append(_DIRECT_PARAMETER_BITS[kind])
-        else:
-            return None
-        parameters.append((kind, value))
-    parameters += [("*i8", None), ("*i8", None)]  # no global or profile scratch
-    bits += [64, 64]
-    entry = _PTX_ENTRY_PARAMETERS.search(compiled.asm.get("ptx", "") if hasattr(compiled.asm, "get") else "")
-    if entry is None or [int(width) for width in _PTX_PARAMETER_BITS.findall(entry.group(1))] != bits:
-        return None
-    return parameters, slots
 
 
 def _backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype, dropout, sorted_ids):
