@@ -6,6 +6,7 @@ a decoding step's host time is mostly this kind of Python."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import sys
 from typing import NamedTuple, Optional
@@ -18,6 +19,23 @@ class Extension(NamedTuple):
 
     module: object  # the loaded extension module, or None
     problem: Optional[str]  # why it is unusable, for the error message; None when loaded
+
+
+def find(name: str, cached_build, missing: str) -> Extension:
+    """Import ``posenc_fast.<name>`` (built by ``pip install .``), else load the per-user cache's on-demand build
+    (``cached_build()``: its path, or None); else an outcome naming why not, ``missing`` first."""
+    try:
+        return Extension(importlib.import_module(f"posenc_fast.{name}"), None)
+    except ImportError as error:
+        import_error = str(error) or type(error).__name__
+    cached = None
+    try:
+        cached = cached_build()
+        if cached is not None:
+            return Extension(load_file(f"posenc_fast.{name}", cached), None)
+    except (ImportError, OSError, RuntimeError, ValueError) as error:
+        import_error += f"; the cached build {cached} did not load either: {error}"
+    return Extension(None, f"{missing}, which this installation does not have ({import_error}).")
 
 
 def load_file(module_name: str, path: str):

@@ -27,7 +27,7 @@ import torch
 from . import ID_DTYPES, Dropout, KernelParams, PreparedLaunch, gradient_rows, new_buffer, sort_ids_for_gradient
 from ._extension import Extension as _Extension
 from ._extension import constant_under_compile as _constant_under_compile
-from ._extension import dtype_code, int64_vector, load_file, pointer, pointer_launch
+from ._extension import dtype_code, find, int64_vector, load_file, pointer, pointer_launch
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FLOAT64_MATH = True  # precision="float64": float64 arithmetic and polynomials, one rounding
@@ -56,26 +56,16 @@ def _lookup() -> _Extension:
 
 def _lookup_once() -> _Extension:
     global _state
-    try:
-        from .. import _cpu
-
-        _state = _Extension(_cpu, None)
-        return _state
-    except ImportError as error:
-        import_error = str(error) or type(error).__name__
-    from .. import _build
-
-    cached = None
-    try:
-        cached = _build.cached_cpu_extension()
-        if cached is not None:
-            _state = _Extension(load_file("posenc_fast._cpu", cached), None)
-            return _state
-    except (ImportError, OSError, RuntimeError, ValueError) as error:
-        import_error += f"; the cached build {cached} did not load either: {error}"
-    _state = _Extension(None, f"backend='cpu' needs the compiled extension posenc_fast._cpu, which this "
-                              f"installation does not have ({import_error}). {_BUILD_HINT}")
+    _state = find("_cpu", _cached_build, "backend='cpu' needs the compiled extension posenc_fast._cpu")
+    if _state.problem is not None:
+        _state = _state._replace(problem=f"{_state.problem} {_BUILD_HINT}")
     return _state
+
+
+def _cached_build() -> Optional[str]:
+    from .. import _build  # here, not at import: `python -m posenc_fast._build` must find it unimported
+
+    return _build.cached_cpu_extension()
 
 
 def extension():
