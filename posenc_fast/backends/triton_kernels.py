@@ -313,7 +313,9 @@ def _add_store(out_row, weight_row, cols, cols_ok, token_ok, id_ok, pe, embed_sc
     rounded once (one token)."""
     w = tl.load(weight_row + cols, mask=_mask_if(cols_ok, id_ok), other=0.0)
     mask = _mask_if(cols_ok, token_ok)
-    value = w.to(pe.dtype) * embed_scale + pe
+    # One explicit fma: left to LLVM's contraction, some specializations (by pointer alignment) fused the PE's
+    # own scaling instead, so the same call's outputs differed by an ulp with the tensors' alignment.
+    value = tl.fma(w.to(pe.dtype), embed_scale, pe)
     if DROPOUT:
         C: tl.constexpr = cols.shape[0]
         keep = dropout_keep(seed, tl.zeros([1], dtype=tl.int64) + token, cols, dropout_threshold, col0, GROUPED)
