@@ -8,8 +8,8 @@
 // fresh (2), the output cycles through three buffers (below).
 //
 // Timing only: the turns are approximate (long double), nothing is checked.  Each build is compiled with its
-// own revision's cpu_kernels.h, and this file with the working tree's: the driver refuses a base revision
-// whose header differs (its ForwardArgs could be laid out differently).  Where one version runs on more
+// own revision's headers, and this file with the working tree's: the driver refuses a base revision
+// whose cpu_kernels.h or forward_args.h differs (its ForwardArgs could be laid out differently).  Where one version runs on more
 // threads than the other (a small batch split or not), load from other processes penalises only that one:
 // compare on an idle machine.
 #include <omp.h>
@@ -30,10 +30,10 @@
 namespace posenc {
 namespace cpu {
 namespace isa_a {
-const char* forward(const ForwardArgs&);
+const char* forward(const ForwardArgs&, int num_threads);
 }
 namespace isa_b {
-const char* forward(const ForwardArgs&);
+const char* forward(const ForwardArgs&, int num_threads);
 }
 
 // As the binding's OpenMP path: chunks of `grain` items taken from a shared counter by a team.
@@ -59,8 +59,8 @@ void parallel_for(int64_t num_items, int64_t grain, int num_threads, void (*fn)(
 }  // namespace posenc
 
 namespace {
-using posenc::cpu::DType;
-using posenc::cpu::ForwardArgs;
+using posenc::DType;
+using posenc::ForwardArgs;
 
 double now_ms() {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
@@ -134,12 +134,11 @@ int main(int argc, char** argv) {
   a.num_embeddings = vocab;
   a.token_width = d;
   a.pe_width = d;
-  a.interleaved = true;
+  a.columns.interleaved = true;
   a.pe_zero_id = -1;
   a.embed_scale = std::sqrt(static_cast<double>(d));
   a.pe_scale = 1.0;
   a.dropout_scale = 1.0;
-  a.num_threads = threads;
   // Per-sequence offsets: all 0 (the scalar offset's positions, through the per-token path), or each
   // sequence 1000 positions past the previous one (no two tokens of a column at one position).
   std::vector<int64_t> offsets(static_cast<size_t>(batch), 0);
@@ -174,7 +173,7 @@ int main(int argc, char** argv) {
         for (size_t i = 0; i < flush.size(); i += 16) flush[i] += 1.0f;
       }
       const double start = now_ms();
-      const char* error = which ? posenc::cpu::isa_b::forward(a) : posenc::cpu::isa_a::forward(a);
+      const char* error = which ? posenc::cpu::isa_b::forward(a, threads) : posenc::cpu::isa_a::forward(a, threads);
       const double elapsed = now_ms() - start;
       if (error != nullptr) {
         std::fprintf(stderr, "forward failed: %s\n", error);
@@ -189,7 +188,7 @@ int main(int argc, char** argv) {
   for (int k = 0; k < 2; ++k) {
     check[k].assign(static_cast<size_t>(tokens * d), std::numeric_limits<float>::quiet_NaN());
     a.out = check[k].data();
-    const char* error = k ? posenc::cpu::isa_b::forward(a) : posenc::cpu::isa_a::forward(a);
+    const char* error = k ? posenc::cpu::isa_b::forward(a, threads) : posenc::cpu::isa_a::forward(a, threads);
     if (error != nullptr) {
       std::fprintf(stderr, "forward failed: %s\n", error);
       return 1;

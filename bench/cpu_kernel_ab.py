@@ -12,7 +12,8 @@ Prints p10 and median per version, the median ratio new / base (below 1: the wor
 whether the two versions' outputs of the case are the same bits.
 Run it on an idle machine: where one version splits a case over more threads than the other, load from other
 processes penalises only that one.  Needs Linux on x86 (the AVX-512 or AVX2 variant's flags, read from
-/proc/cpuinfo), a C++ compiler with OpenMP (-fopenmp), and a base revision with the same csrc/cpu_kernels.h.
+/proc/cpuinfo), a C++ compiler with OpenMP (-fopenmp), and a base revision with the same csrc/cpu_kernels.h and
+csrc/forward_args.h.
 """
 
 from __future__ import annotations
@@ -48,10 +49,11 @@ def build(base: str, workdir: str, isa: str = "best") -> str:
     cxx = _build.find_cxx()
     if cxx is None:
         sys.exit("no C++ compiler found")
-    same_header = subprocess.run(["git", "-C", REPO, "diff", "--quiet", base, "--", "csrc/cpu_kernels.h"])
+    same_header = subprocess.run(["git", "-C", REPO, "diff", "--quiet", base, "--", "csrc/cpu_kernels.h",
+                                  "csrc/forward_args.h"])
     if same_header.returncode != 0:
-        sys.exit(f"csrc/cpu_kernels.h differs between {base} and the working tree: the two builds could not "
-                 "share one ForwardArgs")
+        sys.exit(f"csrc/cpu_kernels.h or csrc/forward_args.h differs between {base} and the working tree: the two "
+                 "builds could not share one ForwardArgs")
     base_dir = os.path.join(workdir, "base")
     os.makedirs(base_dir)
     archive = subprocess.run(["git", "-C", REPO, "archive", base, "csrc"], check=True, capture_output=True).stdout

@@ -35,29 +35,9 @@ void check_cuda(cudaError_t status, const std::string& what) {
   if (status != cudaSuccess) throw_cuda_error(status, what);
 }
 
-posenc::DType float_code(int code, const char* name) {
-  switch (code) {
-    case static_cast<int>(posenc::DType::kFloat32):
-    case static_cast<int>(posenc::DType::kFloat16):
-    case static_cast<int>(posenc::DType::kBFloat16):
-      return static_cast<posenc::DType>(code);
-    default:
-      throw py::value_error(std::string(name) + ": dtype code " + std::to_string(code) +
-                            " is not FLOAT32, FLOAT16 or BFLOAT16");
-  }
-}
-
-posenc::DType id_code(int code) {
-  if (code == static_cast<int>(posenc::DType::kInt32) || code == static_cast<int>(posenc::DType::kInt64)) {
-    return static_cast<posenc::DType>(code);
-  }
-  throw py::value_error("ids: dtype code " + std::to_string(code) + " is not INT32 or INT64");
-}
-
-template <typename T>
-T* pointer(uintptr_t address) {
-  return reinterpret_cast<T*>(address);
-}
+using posenc::binding::float_code;
+using posenc::binding::id_code;
+using posenc::binding::pointer;
 
 #ifdef POSENC_FAST_HOST_EMULATION
 // Test build (csrc/emulation/): the kernels run on the host and the pointers are host memory.
@@ -89,74 +69,19 @@ class DeviceGuard {
 };
 #endif
 
-// A tensor whose data pointer is null (torch's zero tensors, which have no memory) would be
-// dereferenced by the kernels; an empty table (no rows) legitimately has none.
-void check_pointers(const posenc::ForwardArgs& args) {
-  if (args.ids == nullptr || args.out == nullptr || (args.weight == nullptr && args.num_embeddings > 0)) {
-    throw py::value_error("forward: the ids, weight or output tensor has no memory (a null data pointer)");
-  }
-}
-
-// The arguments a module's calls share (table dtype and size, PE columns, scales), checked once: a
-// decoding step calls ForwardLaunch with the nine that change, not `forward` with all thirty-one
-// (pybind11's conversion of each argument is most of a binding call's cost).
-class ForwardLaunch {
- public:
-  ForwardLaunch(int dtype, uintptr_t turns, int64_t num_turns, int64_t num_embeddings, int64_t token_width,
-                int64_t pe_width, bool concat, bool interleaved, int64_t sin_base, int64_t num_sin, int64_t cos_base,
-                int64_t num_cos, int64_t pe_zero_id, double embed_scale, double pe_scale, bool float64_math,
-                int device)
-      : device_(device) {
-    args_.dtype = float_code(dtype, "weight");
-    args_.turns = pointer<const int64_t>(turns);
-    args_.num_turns = num_turns;
-    args_.num_embeddings = num_embeddings;
-    args_.token_width = token_width;
-    args_.pe_width = pe_width;
-    args_.concat = concat;
-    args_.columns = posenc::PEColumns{interleaved, sin_base, num_sin, cos_base, num_cos};
-    args_.pe_zero_id = pe_zero_id;
-    args_.embed_scale = embed_scale;
-    args_.pe_scale = pe_scale;
-    args_.float64_math = float64_math;
-  }
-
-  // Positions offset + t % seq_len, no dropout: the call a decoding step makes.
-  void operator()(uintptr_t ids, int ids_dtype, uintptr_t weight, int64_t weight_row_stride, uintptr_t out,
-                  int64_t offset, int64_t seq_len, int64_t num_tokens, uintptr_t stream) const {
-    run(ids, ids_dtype, weight, weight_row_stride, out, 0, 0, offset, seq_len, num_tokens, 0, 0, 1.0, stream);
-  }
-
-  // Every per-call argument: explicit positions or per-sequence offsets (0: none), dropout.
-  void run(uintptr_t ids, int ids_dtype, uintptr_t weight, int64_t weight_row_stride, uintptr_t out,
-           uintptr_t positions, uintptr_t offsets, int64_t offset, int64_t seq_len, int64_t num_tokens,
-           uintptr_t dropout_seed, uint32_t dropout_threshold, double dropout_scale, uintptr_t stream) const {
-    posenc::ForwardArgs args = args_;
-    args.ids = pointer<const void>(ids);
-    args.ids_dtype = id_code(ids_dtype);
-    args.weight = pointer<const void>(weight);
-    args.weight_row_stride = weight_row_stride;
-    args.out = pointer<void>(out);
-    args.positions = pointer<const int64_t>(positions);
-    args.offsets = pointer<const int64_t>(offsets);
-    args.offset = offset;
-    args.seq_len = seq_len;
-    args.num_tokens = num_tokens;
-    args.dropout_seed = pointer<const int64_t>(dropout_seed);
-    args.dropout_threshold = dropout_threshold;
-    args.dropout_scale = dropout_scale;
-    if (num_tokens == 0) return;  // nothing to launch; no device needed
-    if (seq_len < 1) throw py::value_error("seq_len must be >= 1, got " + std::to_string(seq_len));
-    check_pointers(args);
+// The CUDA side of a ForwardLaunch: the launch on a stream, on the tensors' device.
+struct CudaLaunch {
+  using Last = uintptr_t;  // the stream
+  explicit CudaLaunch(int device) : device(device) {}
+  void launch(const posenc::ForwardArgs& args, uintptr_t stream) const {
     py::gil_scoped_release no_gil;
-    DeviceGuard guard(device_);
+    DeviceGuard guard(device);
     check_cuda(posenc::launch_forward(args, pointer<CUstream_st>(stream)), "forward launch");
   }
-
- private:
-  posenc::ForwardArgs args_{};
-  int device_;
+  int device;
 };
+
+using ForwardLaunch = posenc::binding::ForwardLaunch<CudaLaunch>;
 
 void forward(uintptr_t ids, int ids_dtype, uintptr_t weight, int64_t weight_row_stride, int dtype, uintptr_t out,
              uintptr_t turns, int64_t num_turns, uintptr_t positions, uintptr_t offsets, int64_t offset,
@@ -177,7 +102,7 @@ void weight_grad(uintptr_t sorted_ids, int sorted_ids_dtype, uintptr_t order, ui
                  double dropout_scale, int64_t chunk, uintptr_t stream, int device) {
   posenc::WeightGradArgs args;
   args.sorted_ids = pointer<const void>(sorted_ids);
-  args.sorted_ids_dtype = id_code(sorted_ids_dtype);
+  args.sorted_ids_dtype = id_code(sorted_ids_dtype, "sorted_ids");
   args.order = pointer<const int64_t>(order);
   args.grad_out = pointer<const void>(grad_out);
   args.grad_out_row_stride = grad_out_row_stride;

@@ -278,7 +278,7 @@ int64_t element_bytes(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
 
 struct Variant {
   const char* name;
-  const char* (*forward)(const ForwardArgs&);
+  const char* (*forward)(const ForwardArgs&, int num_threads);
   const char* (*weight_grad)(const WeightGradArgs&);
 };
 
@@ -323,100 +323,28 @@ py::list isa_names() {
   return names;
 }
 
-DType float_code(int code, const char* name) {
-  if (code == static_cast<int>(DType::kFloat32) || code == static_cast<int>(DType::kFloat16) ||
-      code == static_cast<int>(DType::kBFloat16)) {
-    return static_cast<DType>(code);
-  }
-  throw py::value_error(std::string(name) + ": dtype code " + std::to_string(code) +
-                        " is not FLOAT32, FLOAT16 or BFLOAT16");
-}
-
-DType id_code(int code, const char* name) {
-  if (code == static_cast<int>(DType::kInt32) || code == static_cast<int>(DType::kInt64)) {
-    return static_cast<DType>(code);
-  }
-  throw py::value_error(std::string(name) + ": dtype code " + std::to_string(code) + " is not INT32 or INT64");
-}
-
-template <typename T>
-T* pointer(uintptr_t address) {
-  return reinterpret_cast<T*>(address);
-}
+using binding::float_code;
+using binding::id_code;
+using binding::pointer;
 
 void check(const char* error, const char* what) {
   if (error != nullptr) throw std::runtime_error(std::string("posenc_fast CPU ") + what + ": " + error);
 }
 
-// The arguments a module's calls share (table dtype and size, PE columns, scales), checked once: a
-// decoding step calls ForwardLaunch with the nine that change, not `forward` with all thirty
-// (pybind11's conversion of each argument is most of a binding call's cost).
-class ForwardLaunch {
- public:
-  ForwardLaunch(int dtype, uintptr_t turns, int64_t num_turns, int64_t num_embeddings, int64_t token_width,
-                int64_t pe_width, bool concat, bool interleaved, int64_t sin_base, int64_t num_sin, int64_t cos_base,
-                int64_t num_cos, int64_t pe_zero_id, double embed_scale, double pe_scale, bool float64_math) {
-    args_.dtype = float_code(dtype, "weight");
-    args_.turns = pointer<const int64_t>(turns);
-    args_.num_turns = num_turns;
-    args_.num_embeddings = num_embeddings;
-    args_.token_width = token_width;
-    args_.pe_width = pe_width;
-    args_.concat = concat;
-    args_.interleaved = interleaved;
-    args_.sin_base = sin_base;
-    args_.num_sin = num_sin;
-    args_.cos_base = cos_base;
-    args_.num_cos = num_cos;
-    args_.pe_zero_id = pe_zero_id;
-    args_.embed_scale = embed_scale;
-    args_.pe_scale = pe_scale;
-    args_.float64_math = float64_math;
-  }
-
-  // Positions offset + t % seq_len, no dropout: the call a decoding step makes.
-  void operator()(uintptr_t ids, int ids_dtype, uintptr_t weight, int64_t weight_row_stride, uintptr_t out,
-                  int64_t offset, int64_t seq_len, int64_t num_tokens, int num_threads) const {
-    run(ids, ids_dtype, weight, weight_row_stride, out, 0, 0, offset, seq_len, num_tokens, 0, 0, 1.0, num_threads);
-  }
-
-  // Every per-call argument: explicit positions or per-sequence offsets (0: none), dropout.
-  void run(uintptr_t ids, int ids_dtype, uintptr_t weight, int64_t weight_row_stride, uintptr_t out,
-           uintptr_t positions, uintptr_t offsets, int64_t offset, int64_t seq_len, int64_t num_tokens,
-           uintptr_t dropout_seed, uint32_t dropout_threshold, double dropout_scale, int num_threads) const {
-    ForwardArgs a = args_;
-    a.ids = pointer<const void>(ids);
-    a.ids_dtype = id_code(ids_dtype, "ids");
-    a.weight = pointer<const void>(weight);
-    a.weight_row_stride = weight_row_stride;
-    a.out = pointer<void>(out);
-    a.positions = pointer<const int64_t>(positions);
-    a.offsets = pointer<const int64_t>(offsets);
-    a.offset = offset;
-    a.seq_len = seq_len;
-    a.num_tokens = num_tokens;
-    a.dropout_seed = pointer<const int64_t>(dropout_seed);
-    a.dropout_threshold = dropout_threshold;
-    a.dropout_scale = dropout_scale;
-    a.num_threads = num_threads < 1 ? 1 : num_threads;
-    if (num_tokens == 0) return;
-    if (seq_len < 1) throw py::value_error("seq_len must be >= 1, got " + std::to_string(seq_len));
-    // A null data pointer (torch's zero tensors have no memory) would be dereferenced; an empty
-    // table (no rows) legitimately has none.
-    if (a.ids == nullptr || a.out == nullptr || (a.weight == nullptr && a.num_embeddings > 0)) {
-      throw py::value_error("forward: the ids, weight or output tensor has no memory (a null data pointer)");
-    }
+// The CPU side of a ForwardLaunch: the selected variant's kernel on the calling thread and its pool.
+struct CpuLaunch {
+  using Last = int;  // the thread count
+  void launch(const ForwardArgs& args, int num_threads) const {
     const char* error;
     {
       py::gil_scoped_release no_gil;
-      error = selected.forward(a);
+      error = selected.forward(args, num_threads < 1 ? 1 : num_threads);
     }
     check(error, "forward");
   }
-
- private:
-  ForwardArgs args_{};
 };
+
+using ForwardLaunch = binding::ForwardLaunch<CpuLaunch>;
 
 void forward(uintptr_t ids, int ids_dtype, uintptr_t weight, int64_t weight_row_stride, int dtype, uintptr_t out,
              uintptr_t turns, int64_t num_turns, uintptr_t positions, uintptr_t offsets, int64_t offset,
@@ -540,11 +468,11 @@ PYBIND11_MODULE(_cpu, m) {
       "posenc_fast CPU kernels (fused embedding + exact sinusoidal PE, forward and deterministic weight "
       "gradient), multithreaded and vectorised.  Framework-free: host pointers as ints, dtype codes.  Called by "
       "posenc_fast.backends.cpu_backend; not a public API.";
-  m.attr("FLOAT32") = static_cast<int>(cpu::DType::kFloat32);
-  m.attr("FLOAT16") = static_cast<int>(cpu::DType::kFloat16);
-  m.attr("BFLOAT16") = static_cast<int>(cpu::DType::kBFloat16);
-  m.attr("INT32") = static_cast<int>(cpu::DType::kInt32);
-  m.attr("INT64") = static_cast<int>(cpu::DType::kInt64);
+  m.attr("FLOAT32") = static_cast<int>(posenc::DType::kFloat32);
+  m.attr("FLOAT16") = static_cast<int>(posenc::DType::kFloat16);
+  m.attr("BFLOAT16") = static_cast<int>(posenc::DType::kBFloat16);
+  m.attr("INT32") = static_cast<int>(posenc::DType::kInt32);
+  m.attr("INT64") = static_cast<int>(posenc::DType::kInt64);
   const char* requested = std::getenv("POSENC_FAST_CPU_ISA");
   cpu::select_variant(requested != nullptr ? requested : "");
 

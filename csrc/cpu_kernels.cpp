@@ -384,7 +384,7 @@ POSENC_INLINE void place_pe(const ForwardPlan<Math>& p, const Math* __restrict__
                             const Math* __restrict__ coses, Math scale, Math* __restrict__ pe) {
   const ForwardArgs& a = *p.args;
   const int64_t h = p.num_pairs;
-  if (a.interleaved) {
+  if (a.columns.interleaved) {
     for (int64_t i = 0; i < h; ++i) {
       pe[2 * i] = sins[i] * scale;
       pe[2 * i + 1] = coses[i] * scale;
@@ -392,12 +392,12 @@ POSENC_INLINE void place_pe(const ForwardPlan<Math>& p, const Math* __restrict__
     if (a.pe_width > 2 * h) pe[2 * h] = sins[h] * scale;  // an odd D's tail: a sin or (rate 0) zero
     return;
   }
-  Math* __restrict__ sin_out = pe + a.sin_base;
-  for (int64_t i = 0; i < a.num_sin; ++i) sin_out[i] = sins[i] * scale;
-  Math* __restrict__ cos_out = pe + a.cos_base;
-  const int64_t with_cos = min_of(a.num_cos, h);
+  Math* __restrict__ sin_out = pe + a.columns.sin_base;
+  for (int64_t i = 0; i < a.columns.num_sin; ++i) sin_out[i] = sins[i] * scale;
+  Math* __restrict__ cos_out = pe + a.columns.cos_base;
+  const int64_t with_cos = min_of(a.columns.num_cos, h);
   for (int64_t i = 0; i < with_cos; ++i) cos_out[i] = coses[i] * scale;
-  for (int64_t i = with_cos; i < a.num_cos; ++i) cos_out[i] = Math(0);  // cos slot h: a zero column
+  for (int64_t i = with_cos; i < a.columns.num_cos; ++i) cos_out[i] = Math(0);  // cos slot h: a zero column
 }
 
 // One token's output row from its PE row (pe = row + pe_col0, already times its pe scale): the
@@ -622,9 +622,9 @@ constexpr int64_t kGroupElements = 32768;
 // of whole position blocks; where a sequence has too few positions for that many chunks (short sequences, a
 // one-token decoding step over a large batch), each chunk's sequences are split into groups too, and each
 // group computes its chunk's sins and coses again (a few rows).  `width`: of an output row.
-POSENC_INLINE PositionWork position_work(const ForwardArgs& a, int64_t width) {
+POSENC_INLINE PositionWork position_work(const ForwardArgs& a, int64_t width, int num_threads) {
   PositionWork w;
-  const int64_t items = 4 * static_cast<int64_t>(a.num_threads > 0 ? a.num_threads : 1);
+  const int64_t items = 4 * static_cast<int64_t>(num_threads > 0 ? num_threads : 1);
   w.num_sequences = (a.num_tokens + a.seq_len - 1) / a.seq_len;
   // A chunk holds at least kGroupElements output elements over its sequences too (a small batch, 2 x 64 at
   // width 64, stays one item on the calling thread, as the groups below).
@@ -643,7 +643,7 @@ POSENC_INLINE PositionWork position_work(const ForwardArgs& a, int64_t width) {
 }
 
 template <typename T, typename Math, typename IdT>
-const char* forward_typed(const ForwardArgs& a) {
+const char* forward_typed(const ForwardArgs& a, int num_threads) {
   const int64_t slots = a.pe_width - a.pe_width / 2;
   Scratch<int64_t> rates(slots);
   if (rates.failed) return "out of memory (rates)";
@@ -672,28 +672,28 @@ const char* forward_typed(const ForwardArgs& a) {
   p.shared_positions = a.positions == nullptr && a.offsets == nullptr;
   const bool position_major = p.shared_positions || a.seq_len >= kPositionBlock;
   if (position_major && a.num_tokens / a.seq_len >= 2) {  // seq_len >= 1: forward() checked
-    p.positions = position_work(a, p.width);
-    parallel_for(p.positions.num_items, 1, a.num_threads, &ForwardPositions<T, Math, IdT>::run, &p);
+    p.positions = position_work(a, p.width, num_threads);
+    parallel_for(p.positions.num_items, 1, num_threads, &ForwardPositions<T, Math, IdT>::run, &p);
   } else {
     // Work items of at least kGroupElements output elements too (torch's grain), as position_work's groups: a
     // small batch (64 tokens of 64 columns: 4096 elements, a microsecond) stays on the calling thread, where a
     // split waits for a second thread (under load from another process, milliseconds).
     const int64_t token_grain = max_of(kTokenGrain, (kGroupElements + p.width - 1) / max_of(p.width, 1));
-    parallel_for(a.num_tokens, token_grain, a.num_threads, &ForwardTokens<T, Math, IdT>::run, &p);
+    parallel_for(a.num_tokens, token_grain, num_threads, &ForwardTokens<T, Math, IdT>::run, &p);
   }
   return __atomic_load_n(&scratch_failed, __ATOMIC_RELAXED) ? "out of memory (a work item's scratch)" : nullptr;
 }
 
 template <typename T, typename Math>
-const char* forward_ids(const ForwardArgs& a) {
-  if (a.ids_dtype == DType::kInt64) return forward_typed<T, Math, int64_t>(a);
-  if (a.ids_dtype == DType::kInt32) return forward_typed<T, Math, int32_t>(a);
+const char* forward_ids(const ForwardArgs& a, int num_threads) {
+  if (a.ids_dtype == DType::kInt64) return forward_typed<T, Math, int64_t>(a, num_threads);
+  if (a.ids_dtype == DType::kInt32) return forward_typed<T, Math, int32_t>(a, num_threads);
   return "ids: dtype code is not INT32 or INT64";
 }
 
 template <typename T>
-const char* forward_math(const ForwardArgs& a) {
-  return a.float64_math ? forward_ids<T, double>(a) : forward_ids<T, float>(a);
+const char* forward_math(const ForwardArgs& a, int num_threads) {
+  return a.float64_math ? forward_ids<T, double>(a, num_threads) : forward_ids<T, float>(a, num_threads);
 }
 
 // ---- weight gradient ----
@@ -879,16 +879,16 @@ const char* weight_grad_of_weight(const WeightGradArgs& a) {
 
 }  // namespace
 
-const char* forward(const ForwardArgs& a) {
+const char* forward(const ForwardArgs& a, int num_threads) {
   if (a.num_tokens < 0 || a.seq_len < 1 || a.token_width < 0 || a.pe_width < 0 || a.num_turns < 0 ||
-      a.num_embeddings < 0 || a.num_threads < 1 || (!a.concat && a.pe_width != a.token_width)) {
+      a.num_embeddings < 0 || num_threads < 1 || (!a.concat && a.pe_width != a.token_width)) {
     return "invalid forward arguments";
   }
   if (a.num_tokens == 0) return nullptr;
   switch (a.dtype) {
-    case DType::kFloat32: return forward_math<float>(a);
-    case DType::kFloat16: return forward_math<Float16>(a);
-    case DType::kBFloat16: return forward_math<BFloat16>(a);
+    case DType::kFloat32: return forward_math<float>(a, num_threads);
+    case DType::kFloat16: return forward_math<Float16>(a, num_threads);
+    case DType::kBFloat16: return forward_math<BFloat16>(a, num_threads);
     default: return "weight: dtype code is not FLOAT32, FLOAT16 or BFLOAT16";
   }
 }

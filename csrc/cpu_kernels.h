@@ -13,49 +13,10 @@
 
 #include <cstdint>
 
+#include "forward_args.h"
+
 namespace posenc {
 namespace cpu {
-
-// Element type codes shared with Python; the same values as the CUDA extension's (posenc.h).
-enum class DType : int {
-  kFloat32 = 0,
-  kFloat16 = 1,
-  kBFloat16 = 2,
-  kInt32 = 3,
-  kInt64 = 4,
-};
-
-// y[t, :] = embed_scale * W[ids[t]]  (+)  pe_scale * PE(pos[t]), for t < num_tokens.  Fields as in
-// posenc::ForwardArgs (posenc.h); the dropout seed is a host pointer.
-struct ForwardArgs {
-  const void* ids;
-  DType ids_dtype;
-  const void* weight;  // [num_embeddings, token_width], unit column stride
-  int64_t weight_row_stride;
-  DType dtype;  // of weight and out
-  void* out;  // [num_tokens, width], contiguous
-  const int64_t* turns;  // fixed-point rates R_i, num_turns of them
-  int64_t num_turns;
-  const int64_t* positions;  // position of token t: positions[t], else offsets[t / seq_len] + t % seq_len,
-  const int64_t* offsets;    // else offset + t % seq_len (int64, wrapping)
-  int64_t offset;
-  int64_t seq_len;
-  int64_t num_tokens;
-  int64_t num_embeddings;  // ids outside [0, num_embeddings) read nothing: a zero token vector
-  int64_t token_width;
-  int64_t pe_width;
-  bool concat;
-  bool interleaved;  // sin of pair i at PE column 2i, cos at 2i + 1
-  int64_t sin_base, num_sin, cos_base, num_cos;  // block layouts
-  int64_t pe_zero_id;  // < 0: none
-  double embed_scale;
-  double pe_scale;
-  bool float64_math;
-  const int64_t* dropout_seed;  // nullptr: no dropout
-  uint32_t dropout_threshold;
-  double dropout_scale;
-  int num_threads;  // >= 1
-};
 
 // grad_W[v] = embed_scale * sum over tokens t with ids[t] == v of grad_out[t, :token_width] (fp32,
 // in sorted order), as posenc::WeightGradArgs.  The caller sorts the ids stably (out-of-range ids
@@ -82,10 +43,10 @@ struct WeightGradArgs {
 };
 
 // One variant's entry points; nullptr on success, else a static message (bad dtype code).
-#define POSENC_CPU_DECLARE_ISA(isa)                       \
-  namespace isa {                                         \
-  const char* forward(const ForwardArgs& args);           \
-  const char* weight_grad(const WeightGradArgs& args);    \
+#define POSENC_CPU_DECLARE_ISA(isa)                                  \
+  namespace isa {                                                    \
+  const char* forward(const ForwardArgs& args, int num_threads);     \
+  const char* weight_grad(const WeightGradArgs& args);               \
   }
 POSENC_CPU_DECLARE_ISA(isa_baseline)
 POSENC_CPU_DECLARE_ISA(isa_avx2)

@@ -1,8 +1,9 @@
-// The forward launch arguments of both bindings (posenc_fast._C, binding.cpp, and posenc_fast._cpu,
-// cpu_binding.cpp), described once: their types, order and Python names.  Each binding adds only
-// what its device needs last (CUDA: the stream, and the device for a prepared launch; CPU: the
-// thread count).  A binding whose functions do not match this description does not compile
-// (pybind11 checks the constructor and function signatures against the types listed here).
+// What both bindings (posenc_fast._C, binding.cpp, and posenc_fast._cpu, cpu_binding.cpp) share: the
+// dtype-code checks, the prepared launch (ForwardLaunch), and the forward's arguments described once:
+// their types, order and Python names.  Each binding adds only what its device needs last (CUDA: the
+// stream, and the device for a prepared launch; CPU: the thread count).  A binding whose functions do not
+// match this description does not compile (pybind11 checks the constructor and function signatures
+// against the types listed here).
 //
 //   forward(ids, ids_dtype, weight, weight_row_stride, dtype, out, turns, num_turns, positions, offsets,
 //           offset, seq_len, num_tokens, num_embeddings, token_width, pe_width, concat, interleaved,
@@ -18,11 +19,105 @@
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
+#include <string>
+
+#include "forward_args.h"
 
 namespace posenc {
 namespace binding {
 
 namespace py = pybind11;
+
+// A table's dtype code from Python, checked; `name` says whose.
+inline DType float_code(int code, const char* name) {
+  if (code == static_cast<int>(DType::kFloat32) || code == static_cast<int>(DType::kFloat16) ||
+      code == static_cast<int>(DType::kBFloat16)) {
+    return static_cast<DType>(code);
+  }
+  throw py::value_error(std::string(name) + ": dtype code " + std::to_string(code) +
+                        " is not FLOAT32, FLOAT16 or BFLOAT16");
+}
+
+// An index tensor's dtype code from Python, checked.
+inline DType id_code(int code, const char* name) {
+  if (code == static_cast<int>(DType::kInt32) || code == static_cast<int>(DType::kInt64)) {
+    return static_cast<DType>(code);
+  }
+  throw py::value_error(std::string(name) + ": dtype code " + std::to_string(code) + " is not INT32 or INT64");
+}
+
+template <typename T>
+T* pointer(uintptr_t address) {
+  return reinterpret_cast<T*>(address);
+}
+
+// The arguments a module's calls share (table dtype and size, PE columns, scales), checked once: a
+// decoding step calls ForwardLaunch with the nine that change, not `forward` with all of them
+// (pybind11's conversion of each argument is most of a binding call's cost).  `Device` runs the
+// filled block: it is made from the constructor's extra arguments, `Device::Last` is a call's last
+// argument (the CUDA stream, the CPU thread count), and `launch(args, last)` runs the kernel.
+template <typename Device>
+class ForwardLaunch {
+ public:
+  template <typename... Extra>
+  ForwardLaunch(int dtype, uintptr_t turns, int64_t num_turns, int64_t num_embeddings, int64_t token_width,
+                int64_t pe_width, bool concat, bool interleaved, int64_t sin_base, int64_t num_sin, int64_t cos_base,
+                int64_t num_cos, int64_t pe_zero_id, double embed_scale, double pe_scale, bool float64_math,
+                Extra... extra)
+      : device_(extra...) {
+    args_.dtype = float_code(dtype, "weight");
+    args_.turns = pointer<const int64_t>(turns);
+    args_.num_turns = num_turns;
+    args_.num_embeddings = num_embeddings;
+    args_.token_width = token_width;
+    args_.pe_width = pe_width;
+    args_.concat = concat;
+    args_.columns = PEColumns{interleaved, sin_base, num_sin, cos_base, num_cos};
+    args_.pe_zero_id = pe_zero_id;
+    args_.embed_scale = embed_scale;
+    args_.pe_scale = pe_scale;
+    args_.float64_math = float64_math;
+  }
+
+  // Positions offset + t % seq_len, no dropout: the call a decoding step makes.
+  void operator()(uintptr_t ids, int ids_dtype, uintptr_t weight, int64_t weight_row_stride, uintptr_t out,
+                  int64_t offset, int64_t seq_len, int64_t num_tokens, typename Device::Last last) const {
+    run(ids, ids_dtype, weight, weight_row_stride, out, 0, 0, offset, seq_len, num_tokens, 0, 0, 1.0, last);
+  }
+
+  // Every per-call argument: explicit positions or per-sequence offsets (0: none), dropout.
+  void run(uintptr_t ids, int ids_dtype, uintptr_t weight, int64_t weight_row_stride, uintptr_t out,
+           uintptr_t positions, uintptr_t offsets, int64_t offset, int64_t seq_len, int64_t num_tokens,
+           uintptr_t dropout_seed, uint32_t dropout_threshold, double dropout_scale,
+           typename Device::Last last) const {
+    ForwardArgs args = args_;
+    args.ids = pointer<const void>(ids);
+    args.ids_dtype = id_code(ids_dtype, "ids");
+    args.weight = pointer<const void>(weight);
+    args.weight_row_stride = weight_row_stride;
+    args.out = pointer<void>(out);
+    args.positions = pointer<const int64_t>(positions);
+    args.offsets = pointer<const int64_t>(offsets);
+    args.offset = offset;
+    args.seq_len = seq_len;
+    args.num_tokens = num_tokens;
+    args.dropout_seed = pointer<const int64_t>(dropout_seed);
+    args.dropout_threshold = dropout_threshold;
+    args.dropout_scale = dropout_scale;
+    if (num_tokens == 0) return;  // nothing to launch; no device needed
+    if (seq_len < 1) throw py::value_error("seq_len must be >= 1, got " + std::to_string(seq_len));
+    // A null data pointer (torch's zero tensors have no memory) would be dereferenced; an empty table (no
+    // rows) legitimately has none.
+    if (args.ids == nullptr || args.out == nullptr || (args.weight == nullptr && args.num_embeddings > 0)) {
+      throw py::value_error("forward: the ids, weight or output tensor has no memory (a null data pointer)");
+    }
+    device_.launch(args, last);
+  }
+
+ private:
+  ForwardArgs args_{};
+  Device device_;
+};
 
 // `forward` with every argument.  `Function`'s parameters are the ones listed above, then `last`.
 template <typename Function, typename... LastNames>

@@ -40,7 +40,7 @@ from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 # sm_90 that the driver JIT-compiles for newer GPUs (Blackwell and later).
 DEFAULT_CUDA_ARCHS = "80;86;89;90+PTX"
 SOURCES = ("forward.cu", "forward_fp32.cu", "forward_fp16.cu", "forward_bf16.cu", "weight_grad.cu", "binding.cpp")
-HEADERS = ("posenc.h", "launch_arguments.h", "platform.cuh", "host_device.h", "exact_angle.cuh", "memory_access.cuh", "philox.cuh", "forward_kernels.cuh")
+HEADERS = ("posenc.h", "forward_args.h", "launch_arguments.h", "platform.cuh", "host_device.h", "exact_angle.cuh", "memory_access.cuh", "philox.cuh", "forward_kernels.cuh")
 EXTENSION_NAME = "_C"
 
 
@@ -533,7 +533,7 @@ def build_host_emulation(env: Mapping[str, str] = os.environ, log=sys.stderr) ->
 # ---- the CPU extension posenc_fast._cpu (csrc/cpu_*.cpp): any C++17 compiler, no CUDA ----
 
 CPU_SOURCES = ("cpu_kernels.cpp", "cpu_binding.cpp")
-CPU_HEADERS = ("cpu_kernels.h", "launch_arguments.h", "host_device.h", "exact_angle.cuh",
+CPU_HEADERS = ("cpu_kernels.h", "forward_args.h", "launch_arguments.h", "host_device.h", "exact_angle.cuh",
                "philox.cuh")
 CPU_EXTENSION_NAME = "_cpu"
 # cpu_kernels.cpp is compiled once per variant (its namespace, its flags); cpu_binding.cpp picks the
