@@ -21,9 +21,9 @@ class Extension(NamedTuple):
     problem: Optional[str]  # why it is unusable, for the error message; None when loaded
 
 
-def find(name: str, cached_build, missing: str) -> Extension:
+def find(name: str, cached_build, missing: str, hint: str) -> Extension:
     """Import ``posenc_fast.<name>`` (built by ``pip install .``), else load the per-user cache's on-demand build
-    (``cached_build()``: its path, or None); else an outcome naming why not, ``missing`` first."""
+    (``cached_build()``: its path, or None); else an outcome naming why not: ``missing``, the errors, ``hint``."""
     try:
         return Extension(importlib.import_module(f"posenc_fast.{name}"), None)
     except ImportError as error:
@@ -35,7 +35,7 @@ def find(name: str, cached_build, missing: str) -> Extension:
             return Extension(load_file(f"posenc_fast.{name}", cached), None)
     except (ImportError, OSError, RuntimeError, ValueError) as error:
         import_error += f"; the cached build {cached} did not load either: {error}"
-    return Extension(None, f"{missing}, which this installation does not have ({import_error}).")
+    return Extension(None, f"{missing}, which this installation does not have ({import_error}). {hint}")
 
 
 def load_file(module_name: str, path: str):

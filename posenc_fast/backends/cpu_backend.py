@@ -32,6 +32,7 @@ from ._extension import dtype_code, find, int64_vector, load_file, pointer, poin
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FLOAT64_MATH = True  # precision="float64": float64 arithmetic and polynomials, one rounding
 
+_MISSING = "backend='cpu' needs the compiled extension posenc_fast._cpu"
 _BUILD_HINT = (
     "Build it: reinstall posenc_fast where a C++ compiler is installed (`pip install .` compiles csrc/cpu_*.cpp "
     "when c++, g++ or clang++ is on PATH; POSENC_FAST_BUILD_CPU=1 makes a missing compiler an error), or call "
@@ -40,25 +41,17 @@ _BUILD_HINT = (
 )
 
 
-
 _state: Optional[_Extension] = None  # None until the first lookup
 _lookup_lock = threading.Lock()
 
 
-
 def _lookup() -> _Extension:
     """Import posenc_fast._cpu, else a cached on-demand build; remember the outcome."""
-    if _state is not None:
-        return _state
-    with _lookup_lock:  # threads: one lookup, one load
-        return _state if _state is not None else _lookup_once()
-
-
-def _lookup_once() -> _Extension:
     global _state
-    _state = find("_cpu", _cached_build, "backend='cpu' needs the compiled extension posenc_fast._cpu")
-    if _state.problem is not None:
-        _state = _state._replace(problem=f"{_state.problem} {_BUILD_HINT}")
+    if _state is None:
+        with _lookup_lock:  # threads: one lookup, one load
+            if _state is None:
+                _state = find("_cpu", _cached_build, _MISSING, _BUILD_HINT)
     return _state
 
 

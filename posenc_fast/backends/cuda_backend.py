@@ -43,12 +43,12 @@ FLOAT64_MATH = True  # precision="float64": the kernels' float64 variant (longer
 # runs of equal ids cross many chunk boundaries.
 GRAD_CHUNK = 32
 
+_MISSING = "backend='cuda' needs the compiled CUDA extension posenc_fast._C"
 _BUILD_HINT = (
     "Build it: reinstall posenc_fast where the CUDA toolkit is installed (`pip install .` compiles csrc/ when "
     "nvcc is on PATH or CUDA_HOME is set; POSENC_FAST_BUILD_CUDA=1 makes a missing nvcc an error), or run "
     "`python -m posenc_fast._build` to compile it into the per-user cache. Or use backend='triton' or 'auto'."
 )
-
 
 
 _state: Optional[_Extension] = None  # None until the first lookup
@@ -58,20 +58,13 @@ _lookup_lock = threading.Lock()
 _host_emulation = False
 
 
-
 def _lookup() -> _Extension:
     """Import posenc_fast._C, else a cached on-demand build; remember the outcome."""
-    if _state is not None:
-        return _state
-    with _lookup_lock:  # threads: one lookup, one load
-        return _state if _state is not None else _lookup_once()
-
-
-def _lookup_once() -> _Extension:
     global _state
-    _state = find("_C", _cached_build, "backend='cuda' needs the compiled CUDA extension posenc_fast._C")
-    if _state.problem is not None:
-        _state = _state._replace(problem=f"{_state.problem} {_BUILD_HINT}")
+    if _state is None:
+        with _lookup_lock:  # threads: one lookup, one load
+            if _state is None:
+                _state = find("_C", _cached_build, _MISSING, _BUILD_HINT)
     return _state
 
 
