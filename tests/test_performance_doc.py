@@ -1,0 +1,55 @@
+"""bench/performance_doc.py: docs/performance.md is what the script makes of bench/results/*.json, and
+the script turns a results file into its figures, the same way every time."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "bench", "performance_doc.py")
+
+
+def _run(*args):
+    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=120)
+
+
+def test_committed_document_is_current():
+    result = _run("--check")
+    assert result.returncode == 0, result.stderr + "\nrun: python bench/performance_doc.py"
+
+
+def _tiny_results(folder):
+    """One benchmark file: a made-up device at 1000 GB/s, a forward that moves 2 GB (floor 2 ms)."""
+    os.makedirs(folder)
+    row = dict(dtype="bfloat16", mode="add", tokens=524288, d_model=1024, vocab=32768, bytes=2_000_000_000,
+               peak_mem_bytes=None, GBps=0.0)
+    document = {"device": "Test GPU 9000", "torch": "9.9.9", "triton": "8.8.8", "cuda": "7.7", "date": "2030-01-02",
+                "copy_GBps": 1000.0,
+                "cases": [dict(row, op="forward", impl="eager", median_ms=10.0),
+                          dict(row, op="forward", impl="triton", median_ms=2.5),
+                          dict(row, op="forward", impl="cuda", median_ms=2.0)]}
+    with open(os.path.join(folder, "test-gpu-9000.json"), "w", encoding="utf-8") as f:
+        json.dump(document, f)
+
+
+def test_a_tiny_results_file(tmp_path):
+    results, out = str(tmp_path / "results"), str(tmp_path / "performance.md")
+    _tiny_results(results)
+    assert _run("--check", "--results", results, "--out", out).returncode == 1  # nothing written yet
+    assert _run("--results", results, "--out", out).returncode == 0
+    with open(out, encoding="utf-8") as f:
+        text = f.read()
+    # Its device, versions and date; the floor (2 GB at 1000 GB/s) and each fused time's share of it.
+    assert "### Test GPU 9000" in text
+    assert "torch 9.9.9, Triton 8.8.8, CUDA 7.7" in text and "2030-01-02" in text
+    assert "| headline (524288 x 1024, V 32768) | forward | 2.000 | 2.00 | 10.0 | 2.50 (80%) | 2.00 (100%) |" in text
+    assert "| Test GPU 9000 | headline (524288 x 1024, V 32768) | forward | triton | 2.00 | 2.50 | 80.0% |" in text
+    # The same results give the same document, which --check then accepts; an edit makes it stale.
+    assert _run("--results", results, "--out", out).returncode == 0
+    with open(out, encoding="utf-8") as f:
+        assert f.read() == text
+    assert _run("--check", "--results", results, "--out", out).returncode == 0
+    with open(out, "a", encoding="utf-8") as f:
+        f.write("hand edit\n")
+    assert _run("--check", "--results", results, "--out", out).returncode == 1
