@@ -96,7 +96,7 @@ def main() -> None:
     samples.update({"back_to_back/gather": [], "forward/gather": [], "after_gemm/gather": [], "gemm": [],
                     "step/fresh_gradient_scatter": []})
     # Minor page faults per timed call: where the allocator hands a call fresh pages (an output or gradient
-    # just returned to the OS), the first touch of each 4 KiB page costs more than the kernel (bench/NOTES.md).
+    # just returned to the OS), the first touch of each 4 KiB page costs more than the kernel.
     faults = {key: [] for key in samples}
 
     def record(key, fn):

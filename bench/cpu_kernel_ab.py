@@ -3,7 +3,7 @@
     python bench/cpu_kernel_ab.py [--base HEAD] [--shapes 8x512,64x64,4096x1,1x4096] [--repeats 200]
                                   [--isa isa_avx2] [--offsets scalar|equal|distinct|padded]
 
-Separate runs on a small shared VM differ by up to 2x (bench/NOTES.md), so a kernel change of a few percent
+Separate runs on a small shared VM differ by up to 2x, so a kernel change of a few percent
 cannot be seen by timing the package before and after.  This builds both versions of the kernel file into one
 program (bench/cpu_kernel_ab.cpp, with the package's own compile flags for the best ISA variant this CPU has)
 and calls them alternately on the same data, warm (back to back), cold (after 96 MiB of other writes) and

@@ -1,7 +1,7 @@
 """What the fused dropout costs, on a GPU: the layer with and without it, against eager and
 torch.compile of embedding + PE + ``nn.Dropout``.
 
-    python bench/dropout_cost.py [--out DIR] [--p 0.1]      # bench/gpu_session.sh dropout runs it
+    python bench/dropout_cost.py [--out DIR] [--p 0.1]
     python bench/dropout_cost.py --smoke                    # a tiny CPU run of the script (not a timing)
 
 The fused dropout moves no extra bytes (the mask is computed, never stored), so its forward

@@ -16,7 +16,7 @@ grad_out rows), then (forward) loads the most bytes in 128-bit loads (valid ids 
 then uses the fewest global accesses (the widest), and among those has the fewest instructions.
 The search does not know correlated branches (one condition tested twice): kernel code whose
 hot path must be counted should not test a skippable condition separately per step, or the
-count is a lower bound (bench/NOTES.md says where that applied).  That selects the vector
+count is a lower bound.  That selects the vector
 store/load paths over the element-by-element fallbacks, the 32-bit over the 64-bit division, and
 in the gradient the tokens whose run of ids does not end.  A subroutine call (Triton's 64-bit
 remainder) costs the fewest instructions from the subroutine's entry to its RET.  Blocks inside a
@@ -41,7 +41,7 @@ clock * efficiency), with FP64 arithmetic counted at its pipe's cost in issue cy
 prediction is T = max(T_mem, T_issue) and the percentage is T_mem / T; gradient stage 1 adds
 T_latency, each warp having ``rows_in_flight`` grad_out rows per two dependent memory latencies
 (order, then row; Little's law).  The numbers assumed are in
-GPUS.  It is a model, not a measurement: the GPU session compares against it (bench/NOTES.md).
+GPUS.  It is a model, not a measurement: docs/performance.md compares measurements with it.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CSRC = os.path.join(ROOT, "csrc")
 sys.path.insert(0, ROOT)
 
-# Headline shape (bench/NOTES.md): 64 x 8192 tokens, d_model 1024, concat: 64 PE columns.
+# Headline shape (posenc_fast/benchmark/cases.py): 64 x 8192 tokens, d_model 1024, concat: 64 PE columns.
 TOKENS = 64 * 8192
 D_MODEL = 1024
 D_POS = 64

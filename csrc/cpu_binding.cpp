@@ -11,7 +11,7 @@
 // loaded libraries and never loaded by us.  So they share torch's worker threads: right after a
 // torch op those workers are still spinning, and a second pool of our own would compete with them
 // for the same cores (measured on 2 cores: a forward after a GEMM took 1.0-2.5 ms on our own pool
-// against 0.6 ms alone; bench/NOTES.md).  Where no OpenMP runtime is loaded, a small pool of
+// against 0.6 ms alone).  Where no OpenMP runtime is loaded, a small pool of
 // std::threads (created on first use, spinning briefly and then blocked between calls) does the
 // same job.  The caller passes the thread count (posenc_fast passes torch.get_num_threads()).
 #include <pybind11/pybind11.h>
@@ -419,7 +419,7 @@ void parallel_for(int64_t num_items, int64_t grain, int num_threads, void (*fn)(
 
 // The smallest and largest of num_ids contiguous ids (int32 or int64), for the id range check of a
 // prepared launch: one pass on the calling thread and no tensor allocated, where torch.aminmax allocates two
-// small tensors per call, enough to move the allocator off the 8 MiB output it just freed (bench/NOTES.md).
+// small tensors per call, enough to move the allocator off the 8 MiB output it just freed.
 py::tuple id_range(uintptr_t ids, int ids_dtype, int64_t num_ids) {
   if (num_ids < 1) throw py::value_error("id_range: num_ids must be >= 1");
   if (ids == 0) throw py::value_error("id_range: ids is a null pointer");

@@ -25,7 +25,7 @@
 // token-major, the next token's row while this token's sins and coses are computed.  Prefetching whole
 // rows instead filled the line-fill buffers and slowed a 2-thread gather by ~10% (standalone loop); the
 // first 8 lines made the forward inside a model 1.03-1.07x the plain gather instead of 1.00-1.26x, and
-// the token-major forward 1.15x faster (bench/NOTES.md).
+// the token-major forward 1.15x faster.
 //
 // Weight gradient: the caller sorts the ids; here the runs of equal ids are found, and each work
 // item (a run and a block of 128 columns) sums its tokens' gradient rows in fp32 in sorted order,
@@ -280,7 +280,7 @@ POSENC_INLINE double int64_to_math<double>(int64_t r) {
 // fp32 rounding is unchanged, and leaves at most 52 significant bits: the words' sum is exact in double,
 // and the one rounding is double -> float.  Otherwise r itself is exact in double.  Written as 0/1 masks
 // of integers so that GCC vectorises the loop (it refused a short-circuit or a bool mask of a double
-// compare: the scalar loop made the AVX2 forward slower than the SSE2 baseline, bench/NOTES.md).
+// compare: the scalar loop made the AVX2 forward slower than the SSE2 baseline).
 template <>
 POSENC_INLINE float int64_to_math<float>(int64_t r) {
   const uint64_t bits = static_cast<uint64_t>(r);
@@ -322,7 +322,7 @@ POSENC_INLINE void sin_cos_of_turns_cpu(uint64_t turn_units, Math& sin_out, Math
 // vectorised loop has no 64-bit multiply: AVX2 emulates it by three 32-bit ones (the AVX2 forward at
 // 2 x 512 on one thread, 0.32 -> 0.30 ms); the baseline's sin/cos loop is scalar, with a native multiply
 // (about 2%).  With AVX-512DQ's vpmullq, the multiply in the loop is cheaper than storing the phases
-// back (adding was 1.12-1.16x slower at 1 x 2048; bench/NOTES.md).
+// back (adding was 1.12-1.16x slower at 1 x 2048).
 #if defined(__AVX512DQ__)
 constexpr bool kPhasesByAddition = false;
 #else
@@ -757,7 +757,7 @@ POSENC_INLINE void sum_run(const GradPlan& p, int64_t first, int64_t last, int64
 }
 
 // Items ahead whose first token's columns are requested: a run's first row is at a random place in grad_out
-// (tokens in id order), so without the request each run started with a miss to memory (bench/NOTES.md: the
+// (tokens in id order), so without the request each run started with a miss to memory (seen in the
 // sparse gradient's kernel, 4096 tokens, d 512).  A few items: inside the thread's own chunk (kGradChunkColumns).
 constexpr int64_t kGradPrefetchItems = 4;
 // Columns per chunk of work: 32 full items.  (A build with chunks of 8 items and requests 8 ahead sent every

@@ -158,7 +158,7 @@ def weight_gradient_op(grad_out, ids, *rest, sorted_ids=None) -> Tensor:
     """The backward op, or its implementation directly where the call is eager on plain tensors
     (``_routing.eager_call``) and records no graph (the op's own autograd gives a double backward):
     torch.library's wrapper costs as much host time as the rest of the gradient of a small batch
-    (30 of 60 us for 64 tokens on a 2-core VM; bench/NOTES.md).  ``sorted_ids`` as ``weight_gradient``
+    (30 of 60 us for 64 tokens on a 2-core VM).  ``sorted_ids`` as ``weight_gradient``
     takes it (the op sorts the ids itself: the same order, so the same bits)."""
     if not (torch.is_grad_enabled() and grad_out.requires_grad) and eager_call(ids, grad_out):
         return _direct_weight_gradient(grad_out, ids, *rest, sorted_ids=sorted_ids)

@@ -412,7 +412,7 @@ def threading(request):
 
 def test_kernels_run_on_torchs_openmp_runtime():
     """With torch's OpenMP runtime loaded (torch's Linux wheels: libgomp), the kernels use it, so they
-    share torch's worker threads instead of competing with them (bench/NOTES.md, "CPU threads")."""
+    share torch's worker threads instead of competing with them (docs/cpu_backend.md)."""
     if "OpenMP" not in torch.__config__.parallel_info():
         pytest.skip("this torch is not built with OpenMP")
     module = cpu_backend.extension()

@@ -101,7 +101,7 @@ QUOTED = [
      "zip-compressed as a wheel stores it, {:.1f} MB", BUILD,
      [megabytes("module_bytes"), megabytes("nv_fatbin_section_bytes"), megabytes("module_zip_deflated_bytes")]),
 ] + [
-    ("bench/README.md", f"| {threads} | {op} | {{:.3g}} ms | {{:.3g}} ms | {{:.3g}} ms | {{:.2f}}x | {{:.2f}}x |",
+    ("docs/performance.md", f"| {threads} | {op} | {{:.3g}} ms | {{:.3g}} ms | {{:.3g}} ms | {{:.2f}}x | {{:.2f}}x |",
      CPU_RUN, [cpu_ms(threads, op, "eager"), cpu_ms(threads, op, "compile"), cpu_ms(threads, op, "cpu"),
                cpu_speedup(threads, op, "eager"), cpu_speedup(threads, op, "compile")])
     for threads in (1, 2) for op in ("forward", "step")

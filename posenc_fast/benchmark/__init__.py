@@ -11,7 +11,7 @@ This package owns the benchmark, one concern per module:
 
 The names below are re-exported here (``from posenc_fast import benchmark as bench``).
 ``bench/test_bench.py`` runs the same cases through pytest-benchmark; ``bench/README.md`` says
-how to read the results and ``bench/NOTES.md`` holds the predictions.
+how to read the results and ``docs/performance.md`` the predictions against the measurements.
 
 Implementations (``IMPLS``):
 

@@ -199,7 +199,7 @@ def bytes_moved(op: str, case: Case) -> int:
     The gathered-row term counts one row per token.  When the table is not much larger than L2
     (the headline: 64 MiB of bf16 rows against 50-60 MB of L2), repeated ids hit in L2 and the
     DRAM traffic can be less: as low as 8N + (distinct ids)*T*e + N*D*e.  Then GB/s by this model
-    can exceed the copy bandwidth; bench/NOTES.md gives both counts for the headline.
+    can exceed the copy bandwidth; docs/performance.md has the byte model.
     """
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}; expected one of {OPS}")
