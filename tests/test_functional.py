@@ -15,7 +15,8 @@ import posenc_fast as pf
 from posenc_fast import backends, reference
 from posenc_fast.backends import triton_backend
 
-from cases import CASES, DESIGN_POSITIONS, Case, assert_within, backend_targets, make_inputs, output_bound, ulp
+from cases import (CASES, DESIGN_POSITIONS, Case, assert_within, backend_targets, cases_on_targets, make_inputs,
+                   output_bound, ulp)
 
 TARGETS = backend_targets()
 LOW_PRECISION = [torch.float32, torch.bfloat16, torch.float16]
@@ -25,9 +26,7 @@ def _exact(ids, weight, kwargs):
     return reference.sinusoidal_embedding(ids, weight.double(), **kwargs)
 
 
-@pytest.mark.parametrize("backend,device", TARGETS)
-@pytest.mark.parametrize("dtype", LOW_PRECISION, ids=str)
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("case,dtype,backend,device", cases_on_targets(CASES, LOW_PRECISION))
 def test_forward_matches_float64(case, dtype, backend, device, seed):
     ids, weight, kwargs = make_inputs(case, device, dtype, seed)
     out = pf.sinusoidal_embedding(ids, weight, backend=backend, **kwargs)
@@ -51,9 +50,7 @@ def _gradients(fn, weight, grad_out):
     return grad
 
 
-@pytest.mark.parametrize("backend,device", TARGETS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("case,dtype,backend,device", cases_on_targets(CASES, [torch.float32, torch.bfloat16]))
 def test_weight_gradient(case, dtype, backend, device, seed):
     ids, weight, kwargs = make_inputs(case, device, dtype, seed)
     width = case.d_model

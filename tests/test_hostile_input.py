@@ -22,7 +22,7 @@ from posenc_fast.backends import cpu_backend
 from posenc_fast._spec import MAX_ROW_WIDTH, MAX_SCALE
 from posenc_fast._validate import make_spec
 
-from cases import assert_within, backend_targets, output_bound
+from cases import assert_within, backend_targets, output_bound, targets
 
 TARGETS = backend_targets()
 
@@ -550,7 +550,8 @@ def test_torchscript_is_refused_clearly_every_time():
 
 # -- 15. threads ---------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("backend,device", TARGETS)
+@pytest.mark.parametrize("backend,device", targets(
+    slow_on_interpreter="eight threads through the interpreter, whose launches are serialised: ~7 s"))
 def test_threads_share_one_module(backend, device):
     torch.manual_seed(0)
     m = pf.SinusoidalEmbedding(50, 16, layout="split", backend=backend).to(device)

@@ -14,6 +14,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow(reason="compiles every kernel variant to SASS: ~55 s")
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 REPORT = os.path.join(ROOT, "bench", "sass_report.py")

@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import posenc_fast as pf
 from posenc_fast import reference
 
-from cases import assert_within, backend_targets, output_bound
+from cases import assert_within, backend_targets, output_bound, targets
 
 TARGETS = backend_targets()
 VOCAB, WIDTH, BATCH, SEQ, OFFSET, SCALE = 23, 10, 2, 5, 7, 1.5
@@ -147,7 +147,8 @@ def test_func_jvp_and_vjp_are_exact_and_adjoint(entry, backend, device, seed):
     torch.testing.assert_close(primal_cotangent, expected, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("backend,device", TARGETS)
+@pytest.mark.parametrize("backend,device", targets(
+    slow_on_interpreter="a full Jacobian and Hessian through the interpreter: 40 to 75 s"))
 @pytest.mark.parametrize("entry", [e for e in ENTRIES if e.name in ("embedding", "embedding-padding",
                                                                      "add_sinusoidal")], ids=repr)
 def test_jacfwd_equals_jacrev_and_hessian(entry, backend, device, seed):
@@ -170,7 +171,8 @@ def test_jacfwd_equals_jacrev_and_hessian(entry, backend, device, seed):
     assert_within(hessian, exact_hessian, 1e-5 + 1e-5 * exact_hessian.abs(), f"{entry} {backend} hessian")
 
 
-@pytest.mark.parametrize("backend,device", TARGETS)
+@pytest.mark.parametrize("backend,device", targets(
+    slow_on_interpreter="vmap runs the interpreter once per sample: ~4 s each"))
 @pytest.mark.parametrize("entry", [e for e in ENTRIES if not e.name.startswith("add")], ids=repr)
 def test_per_sample_gradients_with_vmap(entry, backend, device, seed):
     """Opacus-style per-sample gradients, vmap(grad(loss)) over the batch, equal one autograd call per
