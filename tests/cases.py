@@ -268,10 +268,10 @@ def ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def output_bound(exact: torch.Tensor, dtype: torch.dtype, precision: str = "float32") -> torch.Tensor:
-    """Accuracy bar of the issue, per element, against the float64 result ``exact``.
+    """The accuracy bar, per element, against the float64 result ``exact``.
 
     fp32: 1e-6 + 2^-22 |y|.  bf16/fp16: the fp32 result correctly rounded, i.e. half an
-    ulp of the exact result plus the fp32 bar.  That is tighter than the issue's one ulp
+    ulp of the exact result plus the fp32 bar.  That is tighter than one ulp
     (so truncation instead of rounding fails) and, unlike a bare ulp, honest where the
     sum cancels to below ~2^-13 and the ulp is finer than fp32 accumulation resolves
     (docs/design.md).  float64: the reference itself, 1e-12.

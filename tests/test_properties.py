@@ -36,12 +36,12 @@ BAD_SCALES = [3.5e38, float("nan"), float("inf"), 10**400]
 
 @st.composite
 def calls(draw):
-    """(ids, weight, keyword arguments, id check on) for one call.  Half the calls are "hostile": each
-    argument then has one chance in four of an invalid value; the others are valid throughout."""
-    hostile = draw(st.booleans())
+    """(ids, weight, keyword arguments, id check on) for one call.  In half the calls each argument has one
+    chance in four of an invalid value; the others are valid throughout."""
+    some_invalid = draw(st.booleans())
 
     def pick(good, bad):
-        if hostile and bad and draw(st.integers(0, 3)) == 0:
+        if some_invalid and bad and draw(st.integers(0, 3)) == 0:
             return draw(st.sampled_from(bad))
         return draw(good if isinstance(good, st.SearchStrategy) else st.sampled_from(good))
 

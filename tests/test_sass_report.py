@@ -1,4 +1,4 @@
-"""Structural facts of the compiled headline forward kernels (bench/sass_report.py, issue 15).
+"""Structural facts of the compiled headline forward kernels (bench/sass_report.py).
 
 The kernels are compiled for sm_90 without a GPU (Triton's compiler with a GPUTarget, nvcc -cubin)
 and read as SASS.  Asserted: every global store on the hot path of the PE and token columns is
