@@ -65,6 +65,12 @@ def targets(slow_on_interpreter: Optional[str] = None):
     return [_marked_slow(p, slow_on_interpreter) if p.id == INTERPRETER else p for p in params]
 
 
+def gpu_kernel_backends():
+    """The names of the targets' backends that run kernels of their own on a GPU (every one but the
+    reference's torch ops); empty without a GPU."""
+    return [p.values[0] for p in backend_targets() if p.values[1] == "cuda" and p.values[0] != "torch"]
+
+
 def cases_on_targets(cases, dtypes):
     """(case, dtype, backend, device) params for every case, dtype and target, with the ids (and order) of
     the three parametrize decorators case, dtype, target; the triton-interpreter target is marked slow

@@ -17,8 +17,8 @@ from posenc_fast import backends, reference
 from posenc_fast._spec import MAX_SCALE
 from posenc_fast.backends import triton_backend
 
-from cases import (CASES, DESIGN_POSITIONS, Case, assert_within, backend_targets, cases_on_targets, make_inputs,
-                   output_bound, ulp)
+from cases import (CASES, DESIGN_POSITIONS, Case, assert_within, backend_targets, cases_on_targets, gpu_kernel_backends,
+                   make_inputs, output_bound, ulp)
 
 TARGETS = backend_targets()
 LOW_PRECISION = [torch.float32, torch.bfloat16, torch.float16]
@@ -162,7 +162,7 @@ def test_fp32_table_would_fail_the_bar():
     assert bool((err > output_bound(exact, torch.float32)).any())
 
 
-GPU_KERNEL_BACKENDS = [p.values[0] for p in TARGETS if p.values[1] == "cuda" and p.values[0] != "torch"]
+GPU_KERNEL_BACKENDS = gpu_kernel_backends()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU with ~10 GB free")
