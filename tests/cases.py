@@ -1,11 +1,17 @@
 """One case list and one backend list, shared by every test that compares a backend with the reference.
 
 A new backend is one entry in ``backend_targets``; a new case is one entry in ``CASES``.
+
+Slow tests carry ``pytest.mark.slow`` (deselected by the default run, pyproject.toml's addopts) where they
+are defined: ``targets(slow_on_interpreter=why)`` marks a test's triton-interpreter target, and
+``cases_on_targets`` marks the (case, triton-interpreter) pairs of the cases whose ``slow_on_interpreter``
+says why.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from typing import Optional, Tuple
 
@@ -41,6 +47,41 @@ def backend_targets():
         if cuda_host_emulation_problem() is None:
             targets.append(pytest.param("cuda", "cpu", id="cuda-host-emulation"))
     return targets
+
+
+INTERPRETER = "triton-interpreter"  # the id of the target that runs the Triton kernels in Triton's interpreter
+
+
+def _marked_slow(param, why):
+    return pytest.param(*param.values, id=param.id, marks=(*param.marks, pytest.mark.slow(reason=why)))
+
+
+def targets(slow_on_interpreter: Optional[str] = None):
+    """``backend_targets()``; with ``slow_on_interpreter`` (why: what takes long, and how long), the
+    triton-interpreter target is marked slow, the others run in the default run."""
+    params = backend_targets()
+    if slow_on_interpreter is None:
+        return params
+    return [_marked_slow(p, slow_on_interpreter) if p.id == INTERPRETER else p for p in params]
+
+
+def gpu_kernel_backends():
+    """The names of the targets' backends that run kernels of their own on a GPU (every one but the
+    reference's torch ops); empty without a GPU."""
+    return [p.values[0] for p in backend_targets() if p.values[1] == "cuda" and p.values[0] != "torch"]
+
+
+def cases_on_targets(cases, dtypes):
+    """(case, dtype, backend, device) params for every case, dtype and target, with the ids (and order) of
+    the three parametrize decorators case, dtype, target; the triton-interpreter target is marked slow
+    for the cases with a ``slow_on_interpreter`` reason."""
+    params = []
+    for case, dtype, target in itertools.product(cases, dtypes, backend_targets()):
+        param = pytest.param(case, dtype, *target.values, id=f"{case.name}-{dtype}-{target.id}", marks=target.marks)
+        if case.slow_on_interpreter and target.id == INTERPRETER:
+            param = _marked_slow(param, case.slow_on_interpreter)
+        params.append(param)
+    return params
 
 
 def cuda_extension_problem():
@@ -120,6 +161,8 @@ class Case:
     frequencies: str = "base"  # "base": base^(-2i/D); "random": h random rates; "random_tail": h + 1 (odd D)
     zero_pe_at_padding: bool = False
     precision: str = "float32"
+    # Why the case is slow through Triton's interpreter, where it is: cases_on_targets marks it slow there.
+    slow_on_interpreter: Optional[str] = None
 
     @property
     def token_width(self) -> int:
@@ -146,8 +189,10 @@ CASES = [
     Case("far_positions", (4, 33), 64, 64, position_rule="far"),
     Case("far_positions_split_concat", (4, 33), 64, 70, mode="concat", d_pos=38, layout="split", position_rule="far"),
     Case("scaled", (2, 9), 37, 16, embed_scale=32.0, pe_scale=0.125, padding_idx=3),
-    Case("hot_id_padding", (3, 70), 9, 8, padding_idx=-1, hot_id=True, ids_dtype=torch.int32),
-    Case("long_sequence", (1, 600), 500, 8, layout="split", position_rule="int", hot_id=True),
+    Case("hot_id_padding", (3, 70), 9, 8, padding_idx=-1, hot_id=True, ids_dtype=torch.int32,
+         slow_on_interpreter="a hot-id case through the interpreter: 4 to 9 s each"),
+    Case("long_sequence", (1, 600), 500, 8, layout="split", position_rule="int", hot_id=True,
+         slow_on_interpreter="the longest case through Triton's interpreter: 5 to 40 s each"),
     Case("wide", (1, 5), 7, 300, mode="concat", d_pos=131, position_rule="per_sequence"),
     Case("cos_first", (2, 9), 37, 16, layout="split_cos_first", position_rule="int"),
     Case("cos_first_odd", (2, 9), 37, 11, layout="split_cos_first", frequencies="random"),
@@ -229,10 +274,10 @@ def ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def output_bound(exact: torch.Tensor, dtype: torch.dtype, precision: str = "float32") -> torch.Tensor:
-    """Accuracy bar of the issue, per element, against the float64 result ``exact``.
+    """The accuracy bar, per element, against the float64 result ``exact``.
 
     fp32: 1e-6 + 2^-22 |y|.  bf16/fp16: the fp32 result correctly rounded, i.e. half an
-    ulp of the exact result plus the fp32 bar.  That is tighter than the issue's one ulp
+    ulp of the exact result plus the fp32 bar.  That is tighter than one ulp
     (so truncation instead of rounding fails) and, unlike a bare ulp, honest where the
     sum cancels to below ~2^-13 and the ulp is finer than fp32 accumulation resolves
     (docs/design.md).  float64: the reference itself, 1e-12.

@@ -12,7 +12,7 @@ import posenc_fast as pf
 from posenc_fast import ops, reference
 from posenc_fast._validate import make_spec
 
-from cases import CASES, assert_within, backend_targets, make_inputs, output_bound
+from cases import CASES, assert_within, backend_targets, cases_on_targets, make_inputs, output_bound
 
 TARGETS = backend_targets()
 ADD_CASES = [c for c in CASES if c.mode == "add" and not c.zero_pe_at_padding]
@@ -46,9 +46,7 @@ def _exact(case, x, add_kwargs, positions):
     return x.double().cpu() * add_kwargs["x_scale"] + pe * add_kwargs["pe_scale"]
 
 
-@pytest.mark.parametrize("backend,device", TARGETS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("case", ADD_CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("case,dtype,backend,device", cases_on_targets(ADD_CASES, [torch.float32, torch.bfloat16]))
 def test_add_matches_float64_and_gradient_is_scaled(case, dtype, backend, device, seed):
     x, add_kwargs, positions = _arguments(case, device, dtype, seed)
     x.requires_grad_(True)

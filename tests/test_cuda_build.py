@@ -372,6 +372,7 @@ def ptxas_report(tmp_path_factory):
     return kernels
 
 
+@pytest.mark.slow(reason="an nvcc build for ptxas' report: ~70 s")
 def test_kernels_compile_without_spills(ptxas_report):
     # forward: dtype (3) x math (2) x ids (2) x layout (2) x dropout (2) x positions (offsets or explicit, 2);
     # chunk: 5 dtype pairs x keys (2) x dropout (2)

@@ -11,9 +11,9 @@ from torch import nn
 
 import posenc_fast as pf
 
-from cases import backend_targets
+from cases import gpu_kernel_backends
 
-GPU_BACKENDS = [p.values[0] for p in backend_targets() if p.values[1] == "cuda" and p.values[0] != "torch"]
+GPU_BACKENDS = gpu_kernel_backends()
 pytestmark = pytest.mark.skipif(not GPU_BACKENDS, reason="needs a GPU (and a GPU kernel backend)")
 
 

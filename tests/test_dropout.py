@@ -14,7 +14,7 @@ import torch
 import posenc_fast as pf
 from posenc_fast import _dropout, reference
 
-from cases import CASES, assert_within, backend_targets, make_inputs, output_bound
+from cases import CASES, assert_within, backend_targets, cases_on_targets, make_inputs, output_bound, targets
 
 TARGETS = backend_targets()
 RATES = [0.1, 0.5, 0.9]  # 0.9: threshold above 2**31 (unsigned compare)
@@ -60,9 +60,7 @@ def test_reference_mask_layout():
     assert torch.equal(whole[250:260], reference.dropout_keep(seed, 10, 4097, threshold, first_token=250))
 
 
-@pytest.mark.parametrize("backend,device", TARGETS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("case,dtype,backend,device", cases_on_targets(CASES, [torch.float32, torch.bfloat16]))
 def test_forward_with_dropout_matches_reference(case, dtype, backend, device, seed):
     """Every element against the float64 reference with the same seed; dropped ones exactly 0."""
     ids, weight, kwargs = make_inputs(case, device, dtype, seed)
@@ -83,7 +81,8 @@ def _gradients(fn, weight, grad_out):
     return grad
 
 
-@pytest.mark.parametrize("backend,device", TARGETS)
+@pytest.mark.parametrize("backend,device", targets(
+    slow_on_interpreter="dropout gradients through the interpreter: 1.5 to 9 s each, ~60 s in all"))
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_weight_gradient_with_dropout(case, backend, device, seed):
     """Backward regenerates the mask: the gradient matches the reference's with the same seed, bitwise
@@ -152,7 +151,8 @@ def test_reference_mask_statistics(p):
         assert _binomial_ok(int(both.sum()), both.numel(), rate * rate), what
 
 
-@pytest.mark.parametrize("backend,device", TARGETS)
+@pytest.mark.parametrize("backend,device", targets(
+    slow_on_interpreter="a large dropout sample through the interpreter: ~25 s"))
 @pytest.mark.parametrize("p", [0.2, 0.7])
 def test_keep_rate_and_scale(p, backend, device, seed):
     """On each backend: kept elements carry exactly scale * value (value 1 here), the keep rate is

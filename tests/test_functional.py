@@ -1,8 +1,9 @@
 """posenc_fast.sinusoidal_embedding on every backend against float64 math (the reference on float64 weights).
 
-Bars (issue "Core"): fp32 output within 1e-6 + 2^-22|y| of exact; bf16/fp16 within one ulp
+Bars: fp32 output within 1e-6 + 2^-22|y| of exact; bf16/fp16 within one ulp
 (see cases.output_bound); weight gradients within 1e-5 relative (per element, relative to the
-sum of the magnitudes it adds up); gradients bitwise reproducible.
+sum of the magnitudes it adds up); gradients bitwise reproducible.  Also arguments at their limits:
+the largest scale on zero rows, the smallest base whose frequencies are finite.
 """
 
 import math
@@ -13,9 +14,11 @@ import torch
 
 import posenc_fast as pf
 from posenc_fast import backends, reference
+from posenc_fast._spec import MAX_SCALE
 from posenc_fast.backends import triton_backend
 
-from cases import CASES, DESIGN_POSITIONS, Case, assert_within, backend_targets, make_inputs, output_bound, ulp
+from cases import (CASES, DESIGN_POSITIONS, Case, assert_within, backend_targets, cases_on_targets, gpu_kernel_backends,
+                   make_inputs, output_bound, ulp)
 
 TARGETS = backend_targets()
 LOW_PRECISION = [torch.float32, torch.bfloat16, torch.float16]
@@ -25,9 +28,7 @@ def _exact(ids, weight, kwargs):
     return reference.sinusoidal_embedding(ids, weight.double(), **kwargs)
 
 
-@pytest.mark.parametrize("backend,device", TARGETS)
-@pytest.mark.parametrize("dtype", LOW_PRECISION, ids=str)
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("case,dtype,backend,device", cases_on_targets(CASES, LOW_PRECISION))
 def test_forward_matches_float64(case, dtype, backend, device, seed):
     ids, weight, kwargs = make_inputs(case, device, dtype, seed)
     out = pf.sinusoidal_embedding(ids, weight, backend=backend, **kwargs)
@@ -51,9 +52,7 @@ def _gradients(fn, weight, grad_out):
     return grad
 
 
-@pytest.mark.parametrize("backend,device", TARGETS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("case,dtype,backend,device", cases_on_targets(CASES, [torch.float32, torch.bfloat16]))
 def test_weight_gradient(case, dtype, backend, device, seed):
     ids, weight, kwargs = make_inputs(case, device, dtype, seed)
     width = case.d_model
@@ -163,7 +162,7 @@ def test_fp32_table_would_fail_the_bar():
     assert bool((err > output_bound(exact, torch.float32)).any())
 
 
-GPU_KERNEL_BACKENDS = [p.values[0] for p in TARGETS if p.values[1] == "cuda" and p.values[0] != "torch"]
+GPU_KERNEL_BACKENDS = gpu_kernel_backends()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU with ~10 GB free")
@@ -301,3 +300,28 @@ def test_a_broadcast_gradient_is_read_as_one_row(backend, device, dtype):
     rows = backends.gradient_rows(torch.ones((), dtype=dtype, device=device).expand(36, 12), dtype)
     assert rows.shape == (36, 12) and rows.stride() == (0, 1)
     assert rows.untyped_storage().nbytes() == 12 * rows.element_size()
+
+
+# -- arguments at their limits: the largest scale, the smallest base -----------------------------------
+
+@pytest.mark.parametrize("backend,device", TARGETS)
+def test_largest_scale_with_zero_rows_is_not_nan(backend, device):
+    ids = torch.arange(6, device=device).reshape(2, 3)
+    weight = torch.zeros(6, 8, device=device)
+    out = pf.sinusoidal_embedding(ids, weight, embed_scale=MAX_SCALE, pe_scale=1.0, offset=0, backend=backend)
+    exact = _exact(ids.cpu(), weight.cpu(), dict(embed_scale=MAX_SCALE))
+    assert_within(out.cpu(), exact, output_bound(exact, torch.float32), f"{backend} largest scale")
+    # position 0 and pe_scale at the limit: sin 0 * scale = 0, cos 0 * scale = the scale itself
+    out = pf.sinusoidal_embedding(ids, weight, pe_scale=MAX_SCALE, backend=backend)
+    exact = _exact(ids.cpu(), weight.cpu(), dict(pe_scale=MAX_SCALE))
+    assert_within(out.cpu(), exact, output_bound(exact, torch.float32), f"{backend} largest pe_scale")
+
+
+@pytest.mark.parametrize("backend,device", TARGETS)
+def test_tiny_base_with_finite_frequencies(backend, device):
+    """base=5e-324 at width 8: frequencies up to 1e242 rad per position are finite, and exact (turns wrap)."""
+    ids = torch.randint(0, 11, (2, 5), device=device)
+    weight = torch.randn(11, 8, device=device)
+    out = pf.sinusoidal_embedding(ids, weight, base=5e-324, offset=12345, backend=backend)
+    exact = _exact(ids.cpu(), weight.cpu(), dict(base=5e-324, offset=12345))
+    assert_within(out.cpu(), exact, output_bound(exact, torch.float32), f"{backend} tiny base")

@@ -19,7 +19,7 @@ import posenc_fast as pf
 from posenc_fast import _prepared, functional, reference
 from posenc_fast.backends import cpu_backend, cuda_backend
 
-from cases import CASES, assert_within, backend_targets, make_inputs, output_bound
+from cases import CASES, assert_within, backend_targets, cases_on_targets, make_inputs, output_bound
 
 TARGETS = backend_targets()
 TRITON_INTERPRETER = [t for t in TARGETS if t.values[0] == "triton" and t.values[1] == "cpu"]
@@ -60,9 +60,7 @@ def _fresh(layer):
     return twin
 
 
-@pytest.mark.parametrize("backend,device", TARGETS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("case", OFFSET_CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("case,dtype,backend,device", cases_on_targets(OFFSET_CASES, [torch.float32, torch.bfloat16]))
 def test_repeated_calls_match_float64(case, dtype, backend, device, seed, prepared_runs):
     """Decoding-like calls: fresh ids and offsets each time, against the float64 reference."""
     _, weight, _ = make_inputs(case, device, dtype, seed)

@@ -8,6 +8,7 @@ correctly rounded; every other library forms the angle in fp32.
 """
 
 import math
+from typing import Callable, NamedTuple, Optional
 
 import pytest
 import torch
@@ -98,18 +99,32 @@ def nemo_nlp_table(pos, d, dtype):
     return vaswani_table(pos, d, dtype) / math.sqrt(d)
 
 
-# name -> (table, embed scale of d, odd width the library allows or None, table built in float64?)
+class Library(NamedTuple):
+    table: Callable  # (positions, d, dtype) -> the library's table
+    scale_of: Callable[[int], float]  # d -> embed scale
+    odd: Optional[int]  # an odd width the library allows, or None
+    float64_table: bool  # the library builds its table in float64
+    # Positions as fairseq's make_positions numbers them: padding_idx 1 (the tests' choice), real tokens from 2.
+    fairseq_positions: bool = False
+
+
 LIBRARY = {
-    "vaswani": (vaswani_table, math.sqrt, None, False),
-    "tensor2tensor": (tensor2tensor_table, math.sqrt, 9, False),
-    "fairseq": (fairseq_table, math.sqrt, 9, False),
-    "fsmt": (fairseq_table, math.sqrt, 9, False),  # fairseq's table; FSMT's rule differs only when decoding
-    "whisper": (whisper_table, lambda d: 1.0, None, False),
-    "marian": (marian_table, math.sqrt, 7, True),
-    "xlm": (xlm_table, lambda d: 1.0, 7, True),
-    "musicgen": (musicgen_table, lambda d: 1.0, 9, False),
-    "nemo_nlp": (nemo_nlp_table, lambda d: 1.0, None, False),
+    "vaswani": Library(vaswani_table, math.sqrt, None, False),
+    "tensor2tensor": Library(tensor2tensor_table, math.sqrt, 9, False),
+    "fairseq": Library(fairseq_table, math.sqrt, 9, False, fairseq_positions=True),
+    # fairseq's table; FSMT's rule differs only when decoding
+    "fsmt": Library(fairseq_table, math.sqrt, 9, False, fairseq_positions=True),
+    "whisper": Library(whisper_table, lambda d: 1.0, None, False),
+    "marian": Library(marian_table, math.sqrt, 7, True),
+    "xlm": Library(xlm_table, lambda d: 1.0, 7, True),
+    "musicgen": Library(musicgen_table, lambda d: 1.0, 9, False),
+    "nemo_nlp": Library(nemo_nlp_table, lambda d: 1.0, None, False),
 }
+
+
+def _padding_idx(name):
+    """padding_idx for a preset's layer: 1 where the library numbers positions after it, else None."""
+    return 1 if LIBRARY[name].fairseq_positions else None
 
 
 def test_registry_lists_every_library_preset():
@@ -123,20 +138,20 @@ def test_registry_lists_every_library_preset():
         presets.PRESETS["mine"] = presets.get("xlm")  # read-only registry
 
 
-@pytest.mark.parametrize("name", [n for n, v in LIBRARY.items() if v[2] is None])
+@pytest.mark.parametrize("name", [n for n, v in LIBRARY.items() if v.odd is None])
 def test_even_only_libraries_reject_odd_width(name):
     with pytest.raises(ValueError, match="even width"):
         pf.SinusoidalEmbedding.from_preset(name, 10, 9)
 
 
 def _widths(name):
-    odd = LIBRARY[name][2]
+    odd = LIBRARY[name].odd
     return ([odd] if odd else []) + [8, 64, 512, 1024]
 
 
 def _positions(name, seed):
     g = torch.Generator().manual_seed(seed)
-    low = 2 if name in ("fairseq", "fsmt") else 0  # fairseq: padding_idx 1, real tokens from 2
+    low = 2 if LIBRARY[name].fairseq_positions else 0  # fairseq: padding_idx 1, real tokens from 2
     sample = torch.randint(low, MAX_POSITION + 1, (40,), generator=g)
     return torch.cat([torch.tensor([low, low + 1, MAX_POSITION - 1, MAX_POSITION]), sample])
 
@@ -147,9 +162,9 @@ CASES = [(name, d) for name in LIBRARY for d in _widths(name)]
 @pytest.mark.parametrize("backend,device", TARGETS)
 @pytest.mark.parametrize("name,d", CASES, ids=[f"{n}-{d}" for n, d in CASES])
 def test_preset_forward_matches_library_formula(name, d, backend, device, seed):
-    table, scale_of, _, _ = LIBRARY[name]
+    table, scale_of = LIBRARY[name].table, LIBRARY[name].scale_of
     pos = _positions(name, seed)
-    padding_idx = 1 if name in ("fairseq", "fsmt") else None
+    padding_idx = _padding_idx(name)
     layer = pf.SinusoidalEmbedding.from_preset(name, 50, d, padding_idx=padding_idx, backend=backend).to(device)
     g = torch.Generator().manual_seed(seed + 7)
     ids = torch.randint(2, 50, (len(pos),), generator=g)
@@ -171,10 +186,10 @@ def test_preset_at_least_as_accurate_as_the_library_table(name, backend, device,
     arithmetic can match: their presets compute in float64 (precision="float64") and so
     are correctly rounded too.  With precision="float32" they are held to the fp32 bar.
     """
-    table, _, _, float64_table = LIBRARY[name]
+    table, float64_table = LIBRARY[name].table, LIBRARY[name].float64_table
     pos = _positions(name, seed)
     d = 64
-    layer = pf.SinusoidalEmbedding.from_preset(name, 4, d, padding_idx=1 if name in ("fairseq", "fsmt") else None,
+    layer = pf.SinusoidalEmbedding.from_preset(name, 4, d, padding_idx=_padding_idx(name),
                                                backend=backend).to(device)
     with torch.no_grad():
         layer.weight.zero_()
@@ -196,9 +211,9 @@ def test_preset_at_least_as_accurate_as_the_library_table(name, backend, device,
 @pytest.mark.parametrize("backend,device", TARGETS)
 @pytest.mark.parametrize("name,d", CASES, ids=[f"{n}-{d}" for n, d in CASES])
 def test_preset_gradient(name, d, backend, device, seed):
-    _, scale_of, _, _ = LIBRARY[name]
+    scale_of = LIBRARY[name].scale_of
     vocab = 9
-    padding_idx = 1 if name in ("fairseq", "fsmt") else None
+    padding_idx = _padding_idx(name)
     layer = pf.SinusoidalEmbedding.from_preset(name, vocab, d, padding_idx=padding_idx, backend=backend).to(device)
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (3, 20), generator=g)
@@ -220,10 +235,10 @@ class LibraryStyleEmbedding(nn.Module):
 
     def __init__(self, weight, name, padding_idx, max_len=64):
         super().__init__()
-        table, scale_of, _, _ = LIBRARY[name]
+        table, scale_of = LIBRARY[name].table, LIBRARY[name].scale_of
         self.embed = nn.Embedding.from_pretrained(weight, freeze=False, padding_idx=padding_idx)
         self.scale = scale_of(weight.shape[1])
-        self.fairseq = name in ("fairseq", "fsmt")
+        self.fairseq = LIBRARY[name].fairseq_positions
         self.padding_idx = padding_idx
         self.register_buffer("table", table(torch.arange(max_len), weight.shape[1], torch.float32))
 

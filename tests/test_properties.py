@@ -20,10 +20,9 @@ from hypothesis import strategies as st  # noqa: E402
 import posenc_fast as pf  # noqa: E402
 from posenc_fast import reference  # noqa: E402
 
-from cases import assert_within, backend_targets, output_bound  # noqa: E402
+from cases import assert_within, output_bound, targets  # noqa: E402
 from conftest import SESSION_SEED  # noqa: E402
 
-TARGETS = backend_targets()
 EXAMPLES = 150
 CLEAR_ERRORS = (ValueError, TypeError, IndexError)
 # Messages that come from inside PyTorch, Triton or CUDA rather than from argument checking.
@@ -37,12 +36,12 @@ BAD_SCALES = [3.5e38, float("nan"), float("inf"), 10**400]
 
 @st.composite
 def calls(draw):
-    """(ids, weight, keyword arguments, id check on) for one call.  Half the calls are "hostile": each
-    argument then has one chance in four of an invalid value; the others are valid throughout."""
-    hostile = draw(st.booleans())
+    """(ids, weight, keyword arguments, id check on) for one call.  In half the calls each argument has one
+    chance in four of an invalid value; the others are valid throughout."""
+    some_invalid = draw(st.booleans())
 
     def pick(good, bad):
-        if hostile and bad and draw(st.integers(0, 3)) == 0:
+        if some_invalid and bad and draw(st.integers(0, 3)) == 0:
             return draw(st.sampled_from(bad))
         return draw(good if isinstance(good, st.SearchStrategy) else st.sampled_from(good))
 
@@ -195,7 +194,8 @@ def _check_call(backend, device, ids, weight, kwargs, check_ids):
     return "computed"
 
 
-@pytest.mark.parametrize("backend,device", TARGETS)
+@pytest.mark.parametrize("backend,device", targets(
+    slow_on_interpreter="hypothesis examples through the interpreter: ~10 s"))
 def test_every_call_matches_the_reference_or_is_refused_clearly(backend, device):
     outcomes = []
 

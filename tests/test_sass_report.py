@@ -1,4 +1,4 @@
-"""Structural facts of the compiled headline forward kernels (bench/sass_report.py, issue 15).
+"""Structural facts of the compiled headline forward kernels (bench/sass_report.py).
 
 The kernels are compiled for sm_90 without a GPU (Triton's compiler with a GPUTarget, nvcc -cubin)
 and read as SASS.  Asserted: every global store on the hot path of the PE and token columns is
@@ -13,6 +13,8 @@ import subprocess
 import sys
 
 import pytest
+
+pytestmark = pytest.mark.slow(reason="compiles every kernel variant to SASS: ~55 s")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)

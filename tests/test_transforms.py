@@ -1,6 +1,8 @@
 """The op under torch's transforms, on every backend target: forward-mode AD, torch.func (grad, vjp,
 jacrev, jvp, jacfwd, hessian, vmap), gradcheck with forward mode, jit.trace, and that none of them
 (nor torch.export, a fake mode or a dispatch mode) leaves anything behind in the process-wide caches.
+Also: vmap of the layer against the batched call, double backward (a gradient penalty) against float64,
+and torch.jit.script refused with a clear error.
 
 Every entry point is one row of ``ENTRIES``; every mode one row of ``MODES``.  Both ops are linear in
 their differentiable input (the table, or ``x``), so every derivative has an exact value to compare
@@ -19,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import posenc_fast as pf
 from posenc_fast import reference
 
-from cases import assert_within, backend_targets, output_bound
+from cases import assert_within, backend_targets, output_bound, targets
 
 TARGETS = backend_targets()
 VOCAB, WIDTH, BATCH, SEQ, OFFSET, SCALE = 23, 10, 2, 5, 7, 1.5
@@ -147,7 +149,8 @@ def test_func_jvp_and_vjp_are_exact_and_adjoint(entry, backend, device, seed):
     torch.testing.assert_close(primal_cotangent, expected, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("backend,device", TARGETS)
+@pytest.mark.parametrize("backend,device", targets(
+    slow_on_interpreter="a full Jacobian and Hessian through the interpreter: 40 to 75 s"))
 @pytest.mark.parametrize("entry", [e for e in ENTRIES if e.name in ("embedding", "embedding-padding",
                                                                      "add_sinusoidal")], ids=repr)
 def test_jacfwd_equals_jacrev_and_hessian(entry, backend, device, seed):
@@ -170,7 +173,8 @@ def test_jacfwd_equals_jacrev_and_hessian(entry, backend, device, seed):
     assert_within(hessian, exact_hessian, 1e-5 + 1e-5 * exact_hessian.abs(), f"{entry} {backend} hessian")
 
 
-@pytest.mark.parametrize("backend,device", TARGETS)
+@pytest.mark.parametrize("backend,device", targets(
+    slow_on_interpreter="vmap runs the interpreter once per sample: ~4 s each"))
 @pytest.mark.parametrize("entry", [e for e in ENTRIES if not e.name.startswith("add")], ids=repr)
 def test_per_sample_gradients_with_vmap(entry, backend, device, seed):
     """Opacus-style per-sample gradients, vmap(grad(loss)) over the batch, equal one autograd call per
@@ -437,3 +441,67 @@ def _assert_output(entry, base, ids, primal, out, what):
             kwargs.update(mode="concat", d_pos=4)
         exact = reference.sinusoidal_embedding(ids, primal.double(), **kwargs)
     assert_within(out.detach(), exact, output_bound(exact, torch.float32), what)
+
+
+# --- vmap of the layer, double backward, TorchScript ------------------------------------------------
+
+@pytest.mark.parametrize("backend,device", TARGETS)
+def test_vmap_matches_the_batched_call(backend, device):
+    m = pf.SinusoidalEmbedding(30, 8, mode="concat", d_pos=3, padding_idx=0, backend=backend).to(device)
+    ids = torch.randint(0, 30, (3, 2, 5), device=device)
+    offsets = torch.randint(0, 100, (3, 2), device=device)
+    with torch.no_grad():
+        want = m(ids, offset=offsets)
+        assert torch.equal(torch.vmap(lambda i, o: m(i, offset=o))(ids, offsets), want)
+    assert torch.equal(torch.vmap(m)(ids).detach(), m(ids).detach())
+    with pytest.raises(IndexError, match="id 30 "):
+        torch.vmap(m)(torch.full((2, 3), 30, device=device))
+
+
+@pytest.mark.parametrize("backend,device", TARGETS)
+@pytest.mark.parametrize("dropout", [0.0, 0.4])
+def test_double_backward(dropout, backend, device, seed):
+    """A gradient penalty: d/dW |dL/dW|^2, against the reference differentiated by PyTorch in float64."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 12, (3, 7), generator=g)
+    ids[0, :3] = 2  # runs of one id, and the padding row
+    weight = torch.randn(12, 6, generator=g, dtype=torch.float64)
+    target = torch.randn(3, 7, 10, generator=g, dtype=torch.float64)
+    kwargs = dict(mode="concat", d_pos=4, embed_scale=1.5, padding_idx=2)
+    seed_tensor = torch.tensor([987654321], dtype=torch.int64)
+
+    def penalty(fn, w):
+        out = fn(w)
+        (gw,) = torch.autograd.grad(((out - target.to(out)) ** 2 * target.to(out)).sum(), w, create_graph=True)
+        return (gw ** 2).sum()
+
+    w = weight.float().to(device).requires_grad_()
+    torch.manual_seed(seed)
+    if dropout:
+        drawn = pf._dropout.draw_seed(torch.device(device))
+        torch.manual_seed(seed)
+        seed_tensor = drawn.cpu()
+    fused = lambda v: pf.sinusoidal_embedding(ids.to(device), v, dropout_p=dropout, backend=backend, **kwargs)  # noqa
+    (got,) = torch.autograd.grad(penalty(fused, w), w)
+    w64 = weight.clone().requires_grad_()
+    exact_fn = lambda v: reference.sinusoidal_embedding(  # noqa: E731
+        ids, v, dropout_p=dropout, dropout_seed=seed_tensor, **kwargs)
+    (want,) = torch.autograd.grad(penalty(exact_fn, w64), w64)
+    torch.testing.assert_close(got.cpu().double(), want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    assert torch.count_nonzero(got[2]) == 0
+
+
+def test_double_backward_gradgradcheck():
+    ids = torch.tensor([[1, 4, 4, 0, 7], [2, 2, 9, 4, 1]])
+    weight = torch.randn(10, 5, dtype=torch.float64, requires_grad=True)
+    fn = lambda w: pf.sinusoidal_embedding(ids, w, mode="concat", d_pos=3, embed_scale=0.7, padding_idx=9,  # noqa
+                                           backend="torch")
+    assert torch.autograd.gradgradcheck(fn, (weight,))
+
+
+def test_torchscript_is_refused_clearly_every_time():
+    m = pf.SinusoidalEmbedding(10, 8)
+    for _ in range(2):
+        with pytest.raises(TypeError, match="TorchScript"):
+            torch.jit.script(m)
+    assert m(torch.zeros(3, dtype=torch.int64)).shape == (3, 8)

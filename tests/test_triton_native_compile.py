@@ -16,6 +16,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow(reason="native Triton compiles for sm_80/sm_90: ~70 s")
+
 triton = pytest.importorskip("triton")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
