@@ -72,7 +72,7 @@ ID_BYTES = 8
 GRAD_VOCAB = 32768
 GRAD_CHUNK_TOKENS = 32  # sorted tokens per stage-1 work item, both backends (GRAD_CHUNK)
 
-# Assumed per GPU: copy bandwidth (read + write counted; H100 as KINDS.md measured it, A100 and
+# Assumed per GPU: copy bandwidth (read + write counted; H100 as measured there (docs/performance.md), A100 and
 # RTX 4090 at ~88-90% of their datasheet 2.04 and 1.01 TB/s), SMs, sustained SM clock under a
 # memory-bound load (below the boost clock: 1.98 / 1.41 / 2.52 GHz), the arch whose SASS stands for
 # it (sm_89 SASS is close to sm_80's), the SM's warp and block limits, the fraction of cycles a

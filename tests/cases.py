@@ -221,7 +221,7 @@ CASES = [
          zero_pe_at_padding=True, hot_id=True, position_rule="positions"),
 ]
 
-# Positions the design promises to be exact at (fp32 products fail at these): DESIGN.md section 2.
+# Positions the design promises to be exact at (fp32 products fail at these): docs/design.md.
 DESIGN_POSITIONS = [0, 1, 2, 65535, 65536, 10**6, 3 * 10**7, 2**24 - 1, 2**24, -(2**24), -1, -65536]
 
 

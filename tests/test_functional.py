@@ -137,7 +137,7 @@ def _decimal_pe(position: int, frequency: float, pe_width: int) -> tuple:
 
 @pytest.mark.parametrize("backend,device", TARGETS)
 def test_design_positions_exact(backend, device):
-    """DESIGN.md's test vectors and beyond (|p| up to 2^40), against decimal arithmetic, fp32 bar."""
+    """The design's test vectors (docs/design.md) and beyond (|p| up to 2^40), against decimal arithmetic, fp32 bar."""
     positions = DESIGN_POSITIONS + [2**31 - 1, 2**31, 2**32 - 1, -(2**32), 2**40, -(2**40) + 12345]
     d = 64
     weight = torch.zeros(1, d)  # the PE alone: y = PE(p)

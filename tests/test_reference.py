@@ -1,4 +1,4 @@
-"""posenc_fast.reference against an independent float64 re-derivation written from DESIGN.md.
+"""posenc_fast.reference against an independent float64 re-derivation written from docs/design.md.
 
 The formula below is written out here, from the description, and shares no code with
 the package: frequencies base^(-2i/D), layouts, odd-D zero column, add/concat, scales.

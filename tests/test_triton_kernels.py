@@ -2,8 +2,7 @@
 
 Boundaries of the quarter-turn reduction, wraparound at +-2^63 and random turns.
 The bound 1.5e-7 is what the quarter-turn reduction gives (measured worst case 1.02e-7
-over 4e5 random turns in the interpreter), well inside the design's ~4e-7 (DESIGN.md
-section 2); see docs/design.md.
+over 4e5 random turns in the interpreter), well inside the design's ~4e-7 (docs/design.md).
 """
 
 import math
