@@ -14,7 +14,7 @@ import torch
 from posenc_fast import benchmark as bench
 from posenc_fast import cli
 
-# The results schema of the benchmark issue, written out independently of the module under test.
+# The results schema, written out independently of the module under test.
 DOCUMENT_TYPES = {"device": str, "torch": str, "triton": str, "cuda": str, "date": str, "copy_GBps": float,
                   "cases": list}
 ROW_TYPES = {"op": str, "impl": str, "dtype": str, "mode": str, "tokens": int, "d_model": int, "vocab": int,
@@ -371,7 +371,7 @@ def test_sparse_gradient_cost_script_smoke(tmp_path):
 
 
 def test_host_overhead_script_smoke(tmp_path):
-    """bench/host_overhead.py (issue 26's host-time table) runs end to end on small tables: every backend and
+    """bench/host_overhead.py (the host-time table) runs end to end on small tables: every backend and
     entry point, inference and training, and eager's row (a run of the harness, not a timing)."""
     import subprocess
     import sys

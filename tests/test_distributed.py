@@ -1,4 +1,4 @@
-"""The layer under data and sequence parallelism, on CPU (gloo), as issue "Training integration" asks.
+"""The layer under data and sequence parallelism, on CPU (gloo).
 
 DDP and FSDP2 (fully_shard): two processes, each with half the batch, end a few SGD steps with the same weights
 as one process on the whole batch.  Context parallel: each rank holds a slice of the

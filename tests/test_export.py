@@ -169,7 +169,7 @@ def test_export_dynamic_batch_length_and_past(strict, entry, backend, seed):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("strict", STRICT)
 def test_export_module_dynamic_length_without_offset(strict, backend, seed):
-    """The call of issue 24: ``export(SinusoidalEmbedding(...), (ids,), dynamic_shapes=({1: Dim(...)},))``,
+    """The call users make: ``export(SinusoidalEmbedding(...), (ids,), dynamic_shapes=({1: Dim(...)},))``,
     which specialised the length (``Constraints violated``) before validation kept it symbolic."""
     gen = torch.Generator().manual_seed(seed)
     layer = SinusoidalEmbedding(VOCAB, D_MODEL, base=10061.0, backend=backend).eval()
