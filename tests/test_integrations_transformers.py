@@ -389,6 +389,8 @@ def test_patch_keeps_parameters_logits_gradients_and_state(family, seed, tmp_pat
     tied = input_weight is not None and getattr(output, "weight", None) is input_weight
     state = {k: v.clone() for k, v in model.state_dict().items()}
     signatures = {name: inspect.signature(m.forward) for name, m in model.named_modules()}
+    # (transformers 4.x has them frozen already: nothing to freeze, nothing to say)
+    trainable_before = [name for name in family.trainable_pe if parameters[name].requires_grad]
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -397,9 +399,9 @@ def test_patch_keeps_parameters_logits_gradients_and_state(family, seed, tmp_pat
     assert patched, "nothing was patched"
     # One warning naming every table it froze (and pointing here), none where nothing was frozen.
     froze = [w for w in caught if "patch_model froze" in str(w.message)]
-    if family.trainable_pe:
+    if trainable_before:
         assert len(froze) == 1 and froze[0].category is UserWarning and froze[0].filename == __file__, froze
-        assert all(name in str(froze[0].message) for name in family.trainable_pe), froze[0].message
+        assert all(name in str(froze[0].message) for name in trainable_before), froze[0].message
         assert "requires_grad_(True)" in str(froze[0].message)
     else:
         assert not froze, [str(w.message) for w in froze]
@@ -884,6 +886,10 @@ def test_built_on_meta_and_materialised_as_the_unpatched_model(family, where, ho
         torch.testing.assert_close(model.state_dict()[name], value, atol=0, rtol=0, equal_nan=True,
                                    msg=lambda m: f"{name}: {m}")
     inputs = make_inputs(family, model, torch.Generator().manual_seed(seed))
+    ran, logits = _outcome(lambda: _logits(original, inputs))
+    if how == "init_weights" and ran and not bool(logits.isfinite().all()):
+        pytest.skip(f"transformers {transformers.__version__}'s init_weights leaves a model materialised with "
+                    "to_empty uninitialised (its unpatched outputs are not finite)")
     _assert_same(lambda: _logits(model, inputs), lambda: _logits(original, inputs), _close)
 
 
@@ -971,6 +977,13 @@ def _read_tables(model):
             if isinstance(integration._table_of(m), torch.nn.Parameter)]
 
 
+def _read_tables_of_unpatched(original, model, read):
+    """``original``'s Parameters under the names ``read`` (tables of ``model``) have there."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    twins = dict(original.named_parameters())
+    return [twins[names[id(table)]] for table in read]
+
+
 def _reading_warnings(call):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -997,9 +1010,7 @@ def test_tables_made_trainable_after_patching_train_as_unpatched(family, seed):
     assert all(any(name in str(w.message) for w in said) for name in names)
     loss.backward()
     _loss(original, inputs).backward()
-    for table in read:
-        assert table.grad is not None and float(table.grad.abs().max()) > 0
-    _assert_same_gradients(model, original)  # the tables' gradients included
+    _assert_same_gradients(model, original)  # the tables' gradients included (None where unpatched has none)
     before = [table.detach().clone() for table in read]
     for m in (model, original):
         with torch.no_grad():
@@ -1011,7 +1022,9 @@ def test_tables_made_trainable_after_patching_train_as_unpatched(family, seed):
     for name, parameter in model.named_parameters():
         torch.testing.assert_close(parameter, expected[name], atol=GRAD_RTOL * largest, rtol=GRAD_RTOL,
                                    msg=lambda m: f"{name}: {m}")
-    assert all(not torch.equal(table, old) for table, old in zip(read, before))  # the tables moved
+    # The tables moved (as unpatched: 4.x's Marian and Pegasus read theirs under no_grad, and keep them).
+    twins = _read_tables_of_unpatched(original, model, read)
+    assert [not torch.equal(t, old) for t, old in zip(read, before)] == [t.grad is not None for t in twins]
     model.eval()
     original.eval()
 
