@@ -5,11 +5,12 @@ the kind of inputs it takes.  The patched model is compared with an unpatched de
 reach it: logits with left and right padding, greedy and beam ``generate()`` with and without the KV
 cache, Parameters, tying and gradients, ``state_dict`` / ``save_pretrained``, hooks on the input
 embeddings (NEFTune, PEFT's input-grad hook), gradient checkpointing, replaced, rescaled and resized
-embeddings, ``inputs_embeds``, ``torch.compile(fullgraph=True)``, DDP, loads that leave the position
-tables wrong (meta, ``device_map``), and deployment: transformers' own exporters (torch.export, ONNX) and
-optimum-onnx.  Where the unpatched model itself raises (a transformers release's
-own bug), the patched one must raise the same.  .ci/run runs this file on the oldest supported
-transformers and on the newest.
+embeddings, ``inputs_embeds``, ``torch.compile(fullgraph=True)``, DDP, position tables made trainable again
+after patching (gradients, an optimizer step), models built under ``torch.device("meta")`` (patched inside
+or after it) or under another default device, loads that leave the position tables wrong (meta,
+``device_map``), and deployment: transformers' own exporters (torch.export, ONNX) and optimum-onnx.  Where
+the unpatched model itself raises (a transformers release's own bug), the patched one must raise the same.
+.ci/run runs this file on the oldest supported transformers and on the newest.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import copy
 import functools
 import inspect
 import dataclasses
+import warnings
 from typing import Callable, Tuple
 
 import pytest
@@ -115,6 +117,15 @@ def distilbert():
     return transformers.DistilBertForMaskedLM(config)
 
 
+def whisper_audio_classification():
+    """Whisper's encoder alone, under a classification head (its table: a frozen nn.Embedding)."""
+    extra = _small()
+    extra.update(decoder_start_token_id=0)
+    config = transformers.WhisperConfig(vocab_size=VOCAB, num_mel_bins=8, max_source_positions=8,
+                                        max_target_positions=32, num_labels=3, **extra)
+    return transformers.WhisperForAudioClassification(config)
+
+
 def musicgen():
     config = transformers.MusicgenDecoderConfig(vocab_size=VOCAB, hidden_size=D, num_hidden_layers=1,
                                                 num_attention_heads=2, ffn_dim=32, num_codebooks=2, dropout=0.0,
@@ -201,7 +212,7 @@ def seamless_m4t_v2():
 class Family:
     name: str
     build: Callable
-    kind: str  # "seq2seq" | "speech" | "whisper" | "causal" | "mlm" | "musicgen"
+    kind: str  # "seq2seq" | "speech" | "whisper" | "audio_classification" | "causal" | "mlm" | "musicgen" | ...
     generates: bool = True
     trainable_pe: Tuple[str, ...] = ()  # PE tables transformers 5.x keeps trainable: frozen once patched
     tokens: bool = True  # has a token table (get_input_embeddings() is an nn.Embedding)
@@ -218,6 +229,8 @@ FAMILIES = [
            trainable_pe=("model.encoder.embed_positions.weight", "model.decoder.embed_positions.weight")),
     Family("speech_to_text", speech_to_text, "speech"),
     Family("whisper", whisper, "whisper"),
+    Family("whisper_audio_classification", whisper_audio_classification, "audio_classification", generates=False,
+           tokens=False),
     Family("xlm", xlm, "causal", trainable_pe=("transformer.position_embeddings.weight",)),
     Family("distilbert", distilbert, "mlm", generates=False,
            trainable_pe=("distilbert.embeddings.position_embeddings.weight",)),
@@ -255,6 +268,8 @@ def make_inputs(family: Family, model, generator) -> dict:
     if family.kind == "whisper":
         return dict(input_features=torch.randn(3, 8, 16, generator=generator),
                     decoder_input_ids=torch.randint(3, VOCAB, (3, 5), generator=generator))
+    if family.kind == "audio_classification":
+        return dict(input_features=torch.randn(3, 8, 16, generator=generator))
     if family.kind in ("causal", "mlm"):
         ids, mask = _padded_ids(generator)
         return dict(input_ids=ids, attention_mask=mask)
@@ -374,10 +389,22 @@ def test_patch_keeps_parameters_logits_gradients_and_state(family, seed, tmp_pat
     tied = input_weight is not None and getattr(output, "weight", None) is input_weight
     state = {k: v.clone() for k, v in model.state_dict().items()}
     signatures = {name: inspect.signature(m.forward) for name, m in model.named_modules()}
+    # (transformers 4.x has them frozen already: nothing to freeze, nothing to say)
+    trainable_before = [name for name in family.trainable_pe if parameters[name].requires_grad]
 
-    assert pf.patch_model(model) is model
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert pf.patch_model(model) is model
     patched = _patched_modules(model)
     assert patched, "nothing was patched"
+    # One warning naming every table it froze (and pointing here), none where nothing was frozen.
+    froze = [w for w in caught if "patch_model froze" in str(w.message)]
+    if trainable_before:
+        assert len(froze) == 1 and froze[0].category is UserWarning and froze[0].filename == __file__, froze
+        assert all(name in str(froze[0].message) for name in trainable_before), froze[0].message
+        assert "requires_grad_(True)" in str(froze[0].message)
+    else:
+        assert not froze, [str(w.message) for w in froze]
 
     # Only the position modules' forwards are replaced; every other forward (and its signature, which
     # transformers' generation reads) is the model's own.
@@ -781,15 +808,40 @@ def _pair_patch_targets(model):
     return [patch.module for patch in patches if patch is not None]
 
 
-@pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
-def test_built_on_meta_patched_and_loaded_without_position_tables(family, seed):
-    """Patched on meta, materialised with to_empty and loaded from a state dict without its sinusoidal
-    tables (their memory is then garbage, here NaN): the patched model computes the PE and is right."""
-    model_ref, _ = _pair(family)
+# Where a model built under ``with torch.device("meta")`` is patched: still inside that context (before
+# to_empty, as the flow reads naturally), or after leaving it.
+META_PATCH_PLACES = ["inside_meta_context", "after_meta_context"]
+
+
+def _built_on_meta(family, patch_where=None):
+    """The family's model built under ``torch.device("meta")``; patched inside the context or after it."""
     with torch.device("meta"):
         torch.manual_seed(1234)
         model = family.build().eval()
-    pf.patch_model(model)
+        if patch_where == "inside_meta_context":
+            pf.patch_model(model)
+    if patch_where == "after_meta_context":
+        pf.patch_model(model)
+    return model
+
+
+def _copy_buffers_not_in(model, state, reference):
+    """Buffers that load_state_dict does not carry (non-persistent ones), from ``reference``."""
+    reference_buffers = dict(reference.named_buffers())
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name not in state:
+                buffer.copy_(reference_buffers[name])
+
+
+@pytest.mark.parametrize("where", META_PATCH_PLACES)
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
+def test_built_on_meta_patched_and_loaded_without_position_tables(family, where, seed):
+    """Patched on meta, materialised with to_empty and loaded from a state dict without its sinusoidal
+    tables (their memory is then garbage, here NaN): the patched model computes the PE and is right."""
+    model_ref, _ = _pair(family)
+    model = _built_on_meta(family, where)
+    assert _patched_modules(model)
     model.to_empty(device="cpu")
     tables = _sinusoid_table_names(model)
     assert tables or all(integration._table_of(m) is None for m in _pair_patch_targets(model))  # PegasusX: none
@@ -801,13 +853,70 @@ def test_built_on_meta_patched_and_loaded_without_position_tables(family, seed):
     _, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected
     # Other buffers that load_state_dict does not carry (non-persistent position ids) from the reference.
-    reference_buffers = dict(model_ref.named_buffers())
-    with torch.no_grad():
-        for name, buffer in model.named_buffers():
-            if name not in state and name not in tables:
-                buffer.copy_(reference_buffers[name])
+    _copy_buffers_not_in(model, set(state) | tables, model_ref)
     inputs = make_inputs(family, model, torch.Generator().manual_seed(seed))
     _assert_same(lambda: _logits(model, inputs), lambda: _logits(model_ref, inputs), _close)
+
+
+@pytest.mark.parametrize("how", ["init_weights", "state_dict"])
+@pytest.mark.parametrize("where", META_PATCH_PLACES)
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
+def test_built_on_meta_and_materialised_as_the_unpatched_model(family, where, how, seed):
+    """A patched and an unpatched model built on meta, both materialised the same way (to_empty, then
+    transformers' own init_weights from the same seed, or the same full state dict): the same outputs.  On
+    meta there are no table values to check, so the patch applies unchecked."""
+    model = _built_on_meta(family, where)
+    original = _built_on_meta(family)
+    assert _patched_modules(model) and not _patched_modules(original)
+    reference, _ = _pair(family)
+    for m in (model, original):
+        m.to_empty(device="cpu")
+        if how == "init_weights":
+            with torch.no_grad():  # what init_weights leaves (EnCodec's weight norm) the same in both: NaN
+                for tensor in list(m.parameters()) + list(m.buffers()):
+                    tensor.fill_(float("nan") if tensor.is_floating_point() else 0)
+            torch.manual_seed(seed)
+            m.init_weights()
+        else:
+            state = reference.state_dict()
+            m.load_state_dict(state)
+            _copy_buffers_not_in(m, state, reference)
+    assert model.state_dict().keys() == original.state_dict().keys()
+    for name, value in original.state_dict().items():  # the same weights: the patch drew nothing
+        torch.testing.assert_close(model.state_dict()[name], value, atol=0, rtol=0, equal_nan=True,
+                                   msg=lambda m: f"{name}: {m}")
+    inputs = make_inputs(family, model, torch.Generator().manual_seed(seed))
+    ran, logits = _outcome(lambda: _logits(original, inputs))
+    if how == "init_weights" and ran and not bool(logits.isfinite().all()):
+        pytest.skip(f"transformers {transformers.__version__}'s init_weights leaves a model materialised with "
+                    "to_empty uninitialised (its unpatched outputs are not finite)")
+    _assert_same(lambda: _logits(model, inputs), lambda: _logits(original, inputs), _close)
+
+
+DEFAULT_DEVICES = ["meta", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                           reason="no CUDA device"))]
+
+
+@pytest.mark.parametrize("default_device", DEFAULT_DEVICES)
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
+def test_patched_under_another_default_device(family, default_device, seed):
+    """patch_model under a default device other than CPU: its probe runs on CPU tensors of its own.  Under
+    meta, a model built on CPU is patched (its tables checked against their values) and gives the unpatched
+    model's outputs; under cuda, a model built and patched there gives its unpatched twin's outputs there."""
+    device = "cpu" if default_device == "meta" else default_device
+    with torch.device(device):
+        torch.manual_seed(1234)
+        model = family.build().eval()
+    original = copy.deepcopy(model)
+    rng = torch.get_rng_state()
+    with torch.device(default_device):
+        assert pf.patch_model(model) is model
+    assert torch.equal(torch.get_rng_state(), rng)  # the probe drew from a generator of its own
+    assert _patched_modules(model)
+    inputs = {key: value.to(device) for key, value in
+              make_inputs(family, model, torch.Generator().manual_seed(seed)).items()}
+    with torch.device(device):
+        _assert_same(lambda: _logits(model, inputs), lambda: _logits(original, inputs), _close)
 
 
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f.name in ("marian", "m2m100", "xlm", "fsmt")],
@@ -836,6 +945,15 @@ def test_device_map_load_with_broken_position_tables(family, seed, tmp_path):
             pf.patch_model(model)
     assert _patched_modules(model)
     _close(_logits(model, inputs), _logits(model_ref, inputs))
+    # Made trainable, such a table is not read (it is wrong): the call raises naming it; frozen again, it runs.
+    read = _read_tables(model)
+    for table in read:
+        table.requires_grad_(True)
+        name = next(n for n, p in model.named_parameters() if p is table)
+        with pytest.raises(RuntimeError, match=f"{name} requires grad.*requires_grad_\\(False\\)"):
+            _logits(model, inputs)
+        table.requires_grad_(False)
+    _close(_logits(model, inputs), _logits(model_ref, inputs))
 
 
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f.name in ("marian", "m2m100", "xlm")], ids=lambda f: f.name)
@@ -851,6 +969,74 @@ def test_accelerate_offload_hooks_are_kept(family, seed):
     patched = _patched_modules(model)
     assert patched and all(getattr(m, "_hf_hook", None) is not None for m in patched)
     _close(_logits(model, inputs), _logits(original, inputs))
+
+
+def _read_tables(model):
+    """The patched position modules' tables that are Parameters (those a user can make trainable)."""
+    return [integration._table_of(m) for m in _patched_modules(model)
+            if isinstance(integration._table_of(m), torch.nn.Parameter)]
+
+
+def _read_tables_of_unpatched(original, model, read):
+    """The Parameters of ``original`` named as the tables ``read`` are named in ``model``."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    twins = dict(original.named_parameters())
+    return [twins[names[id(table)]] for table in read]
+
+
+def _reading_warnings(call):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = call()
+    return result, [w for w in caught if "so its patched position module reads it" in str(w.message)]
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
+def test_tables_made_trainable_after_patching_train_as_unpatched(family, seed):
+    """``for p in model.parameters(): p.requires_grad_(True)`` after patching, as fine-tuning every weight
+    (and transformers' gradient-checkpointing tests) do: each position table that is a Parameter gets the
+    unpatched model's gradient, one SGD step moves every weight as unpatched, each such module warns once,
+    and a table trained so is still read once frozen again."""
+    model, original, inputs = _patched_pair(family, seed)
+    _skip_where_the_model_itself_fails(original, inputs)
+    read = _read_tables(model)
+    for m in (model, original):
+        m.train()
+        for parameter in m.parameters():
+            parameter.requires_grad_(True)
+    loss, said = _reading_warnings(lambda: _loss(model, inputs))
+    assert len(said) == len(read), [str(w.message) for w in said]
+    names = {name for name, p in model.named_parameters() if any(p is table for table in read)}
+    assert all(any(name in str(w.message) for w in said) for name in names)
+    loss.backward()
+    _loss(original, inputs).backward()
+    _assert_same_gradients(model, original)  # the tables' gradients included (None where unpatched has none)
+    before = [table.detach().clone() for table in read]
+    for m in (model, original):
+        torch.optim.SGD(m.parameters(), lr=0.1).step()
+    expected = dict(original.named_parameters())
+    largest = max(float(p.abs().max()) for p in expected.values())
+    for name, parameter in model.named_parameters():
+        torch.testing.assert_close(parameter, expected[name], atol=GRAD_RTOL * largest, rtol=GRAD_RTOL,
+                                   msg=lambda m: f"{name}: {m}")
+    # The tables moved (as unpatched: 4.x's Marian and Pegasus read theirs under no_grad, and keep them).
+    twins = _read_tables_of_unpatched(original, model, read)
+    assert [not torch.equal(t, old) for t, old in zip(read, before)] == [t.grad is not None for t in twins]
+    model.eval()
+    original.eval()
+
+    def same_logits():
+        got, expected = _logits(model, inputs), _logits(original, inputs)
+        if len(read) == len(_patched_modules(model)):  # every patched module runs its own forward: bit for bit
+            torch.testing.assert_close(got, expected, atol=0, rtol=0)
+        else:  # computed PE (buffer tables), after a step that amplifies its rounding
+            torch.testing.assert_close(got, expected, atol=GRAD_RTOL * float(expected.abs().max()), rtol=0)
+
+    _, said = _reading_warnings(same_logits)
+    assert not said  # once per module
+    for m in (model, original):  # frozen again: the trained tables are still what the model reads
+        m.requires_grad_(False)
+    same_logits()
 
 
 DDP_FAMILIES = [f for f in FAMILIES if f.trainable_pe]

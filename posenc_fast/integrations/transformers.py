@@ -30,11 +30,19 @@ and its *kind*, how its arguments say which positions:
 
 What the patch restates is that small rule, so it checks it against the installed code before changing
 anything: the argument names of the module's ``forward`` must be ones it knows, and a probe (a copy of the
-module on CPU holding the exact table, every argument form the signature allows, with and without a past
-length) must give the patched rows.  A module that fails either is left unpatched with a warning: never
-different numbers.  Sinusoidal tables that transformers 5.x keeps trainable are frozen
-(``requires_grad=False``), as the paper, fairseq and transformers 4.x had them: once patched nothing reads
-them, and a trainable Parameter without a gradient breaks ``DistributedDataParallel``.
+module holding the exact table, on CPU tensors it makes itself whatever the default device, every argument
+form the signature allows, with and without a past length) must give the patched rows.  A module that fails
+either is left unpatched with a warning: never different numbers.  The probe needs no table values, so a
+model built on ``meta`` is patched too; only its table check is skipped (a table on ``meta`` has no values).
+
+Sinusoidal tables that transformers 5.x keeps trainable are frozen (``requires_grad=False``), with a
+warning naming them, as the paper, fairseq and transformers 4.x had them: once patched nothing reads them,
+and a trainable Parameter without a gradient breaks ``DistributedDataParallel``.  A table made trainable
+again (``for p in model.parameters(): p.requires_grad_(True)``) is not ignored: a patched module whose table
+requires grad when it is called runs the module's own forward, which reads the table, so gradients and
+training are the unpatched model's; it warns once and reads the table from then on (it may have been
+trained).  Where the table is known not to be the sinusoid (a load broke it, or ``ignore_table_values``),
+that call raises instead.
 
 Nothing is registered or replaced in the module tree: Parameters, buffers, ``state_dict`` and tying are
 unchanged.  To undo, reload the model.
@@ -102,12 +110,17 @@ def _installed_transformers_version() -> Optional[str]:
     return str(getattr(transformers, "__version__", "0"))
 
 
-def _callers_stacklevel() -> int:
+def _callers_stacklevel(*, past_torch: bool = False) -> int:
     """``stacklevel`` for a warning raised in this package that names the first caller outside it (through
-    ``posenc_fast.patch_model`` or ``posenc_fast.integrations.transformers.patch_model`` alike)."""
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ``posenc_fast.patch_model`` or ``posenc_fast.integrations.transformers.patch_model`` alike).  With
+    ``past_torch``, torch's own frames are passed too: a warning from a module's forward then names the
+    model code that called the module, not ``nn.Module.__call__``."""
+    packages = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+    if past_torch:
+        packages.append(os.path.dirname(os.path.abspath(torch.__file__)))
+    prefixes = tuple(package + os.sep for package in packages)
     frame, level = sys._getframe(1), 1
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep):
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(prefixes):
         frame, level = frame.f_back, level + 1
     return level
 
@@ -146,6 +159,10 @@ class _State:
     zero_position: Optional[int]  # the position whose row the model's table holds as zeros (padding_idx)
     arguments: Tuple[_Argument, ...]
     shift: int = 0  # "positions" kind: the module reads its table at the given positions + shift (XGLM: 2)
+    table_name: str = ""  # the table's name in the patched model (state_dict key), for messages
+    # False where the table is known not to be the sinusoid (a load broke it, or ignore_table_values=True):
+    # then a call that would read it (the table requires grad) raises instead.
+    table_readable: bool = True
 
 
 def _argument(state: _State, role: str, args, kwargs):
@@ -207,11 +224,39 @@ def _positions(state: _State, module: nn.Module, args, kwargs) -> torch.Tensor:
     return torch.arange(length, dtype=torch.int64, device=device) + past
 
 
+# Set on a patched position module once its table was called requiring grad: from then on the module reads
+# its table, which training may have changed, even if it is frozen again.
+_READS_TABLE = "_posenc_fast_reads_table"
+
+
+def _forward_reading_the_table(self, state: _State, args, kwargs) -> torch.Tensor:
+    """The module's own forward: its table requires grad (or did), so it is trained as unpatched."""
+    if not getattr(self, _READS_TABLE, False):
+        if not state.table_readable:
+            raise RuntimeError(
+                f"{state.table_name or type(self).__name__} requires grad, but posenc_fast.patch_model found it "
+                "is not the sinusoid (or was given ignore_table_values=True), so its patched module computes the PE "
+                "instead of reading it; reading it now would change the model's PE. Freeze it again "
+                "(requires_grad_(False)) to train everything else with the exact PE, or load a model whose table "
+                "is right and patch that.")
+        setattr(self, _READS_TABLE, True)
+        if not torch.compiler.is_compiling():  # (a warning inside a graph would break fullgraph=True)
+            warnings.warn(
+                f"posenc_fast: {state.table_name or type(self).__name__} requires grad, so its patched position "
+                "module reads it, as the unpatched model does (same outputs, gradients and training), and keeps "
+                "reading it from now on. patch_model had frozen it; leave it frozen to have the PE computed instead.",
+                UserWarning, stacklevel=_callers_stacklevel(past_torch=True))
+    return type(self).forward(self, *args, **kwargs)
+
+
 def _position_forward(self, *args, **kwargs) -> torch.Tensor:
-    """A patched position module: the PE rows at the positions its arguments give, computed, not read."""
+    """A patched position module: the PE rows at the positions its arguments give, computed, not read; or,
+    where its table requires grad (or did), its own forward, which reads the table."""
     state: _State = self._posenc_fast
-    positions = _positions(state, self, args, kwargs)
     table = _table_of(self)
+    if table is not None and (table.requires_grad or getattr(self, _READS_TABLE, False)):
+        return _forward_reading_the_table(self, state, args, kwargs)
+    positions = _positions(state, self, args, kwargs)
     dtype = table.dtype if table is not None else _argument(state, "embeds", args, kwargs).dtype
     # Row 0 of a zero table for every token, row 1 (the padding row: no PE) where the model's table has
     # its zero row; the kernel then writes the PE alone, in the table's dtype, on the positions' device.
@@ -268,19 +313,31 @@ def _spec(patch: _PositionPatch, width: int) -> PESpec:
                      kw["precision"])
 
 
+_CPU = torch.device("cpu")
+
+
 def _exact_table(patch: _PositionPatch, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """The exact table, on CPU (whatever the default device: a model may be patched under ``meta``)."""
     kw = presets.get(patch.preset).kwargs(width)
-    table = reference.sinusoidal_table(rows, width, layout=kw["layout"], frequencies=kw["frequencies"])
+    positions = torch.arange(rows, dtype=torch.int64, device=_CPU)
+    with _CPU:  # the reference's own constants, made on the default device
+        table = reference.sinusoidal_table(positions, width, layout=kw["layout"], frequencies=kw["frequencies"])
     if patch.zero_position is not None and patch.zero_position < rows:
         table[patch.zero_position] = 0.0
     return table.to(dtype)
 
 
 def _probe_calls(patch: _PositionPatch, arguments: Tuple[_Argument, ...], width: int):
-    """Every argument form the signature allows, with and without a past length: (args, kwargs) pairs."""
+    """Every argument form the signature allows, with and without a past length: (args, kwargs) pairs, of
+    CPU tensors (not the default device's) drawn from a generator of their own (not the global one)."""
     roles = {argument.role: argument for argument in arguments}
     pad = patch.zero_position if patch.zero_position is not None else 0
-    ids = torch.tensor([[pad, pad, pad + 3, pad + 4, pad + 2], [pad + 5, pad + 1, pad + 2, pad, pad]])
+    ids = torch.tensor([[pad, pad, pad + 3, pad + 4, pad + 2], [pad + 5, pad + 1, pad + 2, pad, pad]], device=_CPU)
+    generator = torch.Generator(device=_CPU).manual_seed(0)
+
+    def embeds():
+        return torch.randn(2, 5, width, generator=generator, device=_CPU)
+
     pasts = [0, 3] if "past" in roles else [0]
     forms = []
     if "ids" in roles:
@@ -291,18 +348,17 @@ def _probe_calls(patch: _PositionPatch, arguments: Tuple[_Argument, ...], width:
         if patch.kind == "fsmt":
             forms.append({"ids": ids.to(torch.float32)})  # its inputs_embeds path passes floats
     if "embeds" in roles:
-        forms.append({"ids": None, "embeds": torch.randn(2, 5, width)} if "ids" in roles else
-                     {"embeds": torch.randn(2, 5, width)})
+        forms.append({"ids": None, "embeds": embeds()} if "ids" in roles else {"embeds": embeds()})
     if "shape" in roles:
         forms.append({"shape": torch.Size([2, 5])})
     if "positions" in roles and patch.kind == "offset_batched":  # (length, 1), as PegasusX's decoder passes
-        forms.append({"positions": torch.arange(5).unsqueeze(1) + 2, "embeds": torch.randn(2, 5, width)})
+        forms.append({"positions": torch.arange(5, device=_CPU).unsqueeze(1) + 2, "embeds": embeds()})
     elif "positions" in roles:
         forms.append({"positions": ids + 2})
         if "shape" in roles:
             forms[-1]["shape"] = torch.Size([2, 5])
         if "embeds" in roles:
-            forms[-1]["embeds"] = torch.randn(2, 5, width)
+            forms[-1]["embeds"] = embeds()
     for form in forms:
         for past in pasts:
             values = dict(form, past=past) if "past" in roles else form
@@ -318,7 +374,14 @@ def _probe_calls(patch: _PositionPatch, arguments: Tuple[_Argument, ...], width:
 
 
 def _verify(patch: _PositionPatch, state: _State) -> None:
-    """Run the unpatched module's own forward and the patched one on a CPU copy holding the exact table."""
+    """Run the unpatched module's own forward and the patched one on a CPU copy holding the exact table.
+    The module's own code may make tensors on the default device (``meta`` while a model is built under
+    ``with torch.device("meta")``): it runs with CPU as the default device."""
+    with _CPU:
+        _verify_on_cpu(patch, state)
+
+
+def _verify_on_cpu(patch: _PositionPatch, state: _State) -> None:
     probe = copy.copy(patch.module)  # shallow: the tables below are new tensors, the module is untouched
     probe.__dict__ = dict(patch.module.__dict__)
     probe._parameters, probe._buffers = dict(patch.module._parameters), dict(patch.module._buffers)
@@ -335,6 +398,7 @@ def _verify(patch: _PositionPatch, state: _State) -> None:
         if hasattr(probe, "num_embeddings"):
             probe.num_embeddings = exact.shape[0]
     probe._posenc_fast = state
+    probe.__dict__[_READS_TABLE] = False
     for args, kwargs in _probe_calls(patch, state.arguments, state.width):
         try:
             # On copies of the arguments: some releases' forwards shift their position_ids in place (XGLM 4.57)
@@ -352,19 +416,23 @@ def _verify(patch: _PositionPatch, state: _State) -> None:
             raise _Unverified(f"the probe's PE rows differ from its own by {difference:.3g}")
 
 
-def _check_table(patch: _PositionPatch, ignore_table_values: bool) -> None:
-    """A trainable table that is not the sinusoid may have been fine-tuned: refuse (the PE would change).
+def _check_table(patch: _PositionPatch, ignore_table_values: bool) -> bool:
+    """Whether the table may be read (by a call where it requires grad): it is the sinusoid, or it has no
+    values yet (``meta``: what it gets once materialised is the unpatched model's too).
+    A trainable table that is not the sinusoid may have been fine-tuned: refuse (the PE would change).
     A frozen or buffer table that is not the sinusoid was broken by loading: patching makes the model right."""
     table = _table_of(patch.module)
-    if table is None or table.is_meta or ignore_table_values:
-        return
+    if table is None or table.is_meta:
+        return True
     rows, width = table.shape
     expected = _exact_table(patch, rows, width, torch.float64)
-    difference = float((table.detach().to("cpu", torch.float64) - expected).abs().max()) if rows else 0.0
+    difference = float((table.detach().to(_CPU, torch.float64) - expected).abs().max()) if rows else 0.0
     # fp32 tables whose angle is formed in fp32 are off by up to ~4e-4 at a few thousand positions.
     tolerance = 1e-3 + 4 * torch.finfo(table.dtype).eps
     if difference <= tolerance:
-        return
+        return True
+    if ignore_table_values:
+        return False
     where = f"{type(patch.side).__name__}'s {type(patch.module).__name__}"
     if table.requires_grad:
         raise ValueError(
@@ -375,20 +443,24 @@ def _check_table(patch: _PositionPatch, ignore_table_values: bool) -> None:
     warnings.warn(f"{where} held values that are not the {patch.preset!r} sinusoid (max difference "
                   f"{difference:.3g}; a meta or device_map load leaves it so): the patched model computes the exact "
                   "sinusoid and never reads that table.", RuntimeWarning, stacklevel=_callers_stacklevel())
+    return False
 
 
-def _prepare(patch: _PositionPatch) -> _State:
+def _prepare(patch: _PositionPatch, table_name: str, table_readable: bool) -> _State:
     arguments = _arguments(patch)
     table = _table_of(patch.module)
     width = table.shape[-1] if table is not None else patch.module.embed_dim
-    state = _State(patch.family, patch.kind, _spec(patch, width), width, patch.zero_position, arguments, patch.shift)
+    state = _State(patch.family, patch.kind, _spec(patch, width), width, patch.zero_position, arguments, patch.shift,
+                   table_name, table_readable)
     _verify(patch, state)
     return state
 
 
-def _apply(patch: _PositionPatch, state: _State) -> None:
+def _apply(patch: _PositionPatch, state: _State) -> bool:
+    """Patch the module; whether its table was trainable and is now frozen."""
     module = patch.module
     module._posenc_fast = state
+    setattr(module, _READS_TABLE, False)
     # A partial of a module-level function and the instance: deepcopy binds it to the copy, pickle
     # (torch.save of the whole model) stores the function by name.
     forward = functools.partial(_position_forward, module)
@@ -401,6 +473,8 @@ def _apply(patch: _PositionPatch, state: _State) -> None:
     table = _table_of(module)
     if isinstance(table, nn.Parameter) and table.requires_grad:
         table.requires_grad_(False)
+        return True
+    return False
 
 
 # ------------------------------------------------------------------------------------------- families
@@ -514,13 +588,15 @@ def patch_model(model: nn.Module, *, ignore_table_values: bool = False) -> nn.Mo
 
     Covers M2M100/NLLB, NLLB-MoE, Marian, Pegasus, FSMT, Speech2Text, XLM and DistilBERT (sinusoidal
     position embeddings), Kosmos-2, MusicGen, XGLM, PegasusX, SeamlessM4T and v2 (text encoder and decoder), and
-    Whisper (encoder; its decoder's PE is learned), with every head.  Each position module's ``forward`` computes the exact PE rows instead of reading its
-    table (module docstring).  Every module is checked first: a model with none raises ``TypeError``
+    Whisper (encoder; its decoder's PE is learned), with every head.  Each position module's ``forward``
+    computes the exact PE rows instead of reading its table (module docstring), on any default device, a
+    model built on ``meta`` included.  Every module is checked first: a model with none raises ``TypeError``
     naming its class; a trainable table that is not the sinusoid raises ``ValueError`` (it may have been
     fine-tuned; ``ignore_table_values=True`` patches anyway, for tables a load broke); a module whose
     installed code is not what the patch knows is left unpatched with a warning.  A module patched
-    already is left as it is.  Tables that transformers keeps trainable are frozen.  Nothing is added,
-    removed or replaced in the module tree; README "Use it in a Hugging Face model".
+    already is left as it is.  Tables that transformers keeps trainable are frozen, with a warning naming
+    them; one made trainable again is read, as unpatched.  Nothing is added, removed or replaced in the
+    module tree; README "Use it in a Hugging Face model".
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"patch_model takes a transformers model (an nn.Module), got {type(model).__name__}")
@@ -540,16 +616,32 @@ def patch_model(model: nn.Module, *, ignore_table_values: bool = False) -> nn.Mo
     if not found:
         raise TypeError(f"posenc_fast.patch_model does not support {type(model).__name__}: it contains none of "
                         f"the modules it patches ({', '.join(sorted(set(supported_classes())))})")
-    for patch in patches:
-        _check_table(patch, ignore_table_values)
+    readable = [_check_table(patch, ignore_table_values) for patch in patches]
+    names = _table_names(model)
     prepared = []
-    for patch in patches:
+    for patch, table_readable in zip(patches, readable):
         try:
-            prepared.append((patch, _prepare(patch)))
+            table = _table_of(patch.module)
+            name = names.get(id(table), "") if table is not None else ""
+            prepared.append((patch, _prepare(patch, name, table_readable)))
         except _Unverified as why:
             warnings.warn(f"posenc_fast.patch_model left {type(patch.side).__name__}.{type(patch.module).__name__} "
                           f"unpatched: {why}. The model keeps its own PE there (same outputs).", RuntimeWarning,
                           stacklevel=_callers_stacklevel())
-    for patch, state in prepared:
-        _apply(patch, state)
+    frozen = [state.table_name for patch, state in prepared if _apply(patch, state)]
+    if frozen:
+        warnings.warn(f"posenc_fast.patch_model froze {', '.join(frozen)}: trainable sinusoidal position tables, "
+                      "which the patched model computes instead of reading, so they no longer train. To train them "
+                      "as the unpatched model does, make them trainable again after patching (requires_grad_(True)):"
+                      " their patched modules then read them, as unpatched.", UserWarning,
+                      stacklevel=_callers_stacklevel())
     return model
+
+
+def _table_names(model: nn.Module) -> Dict[int, str]:
+    """id(tensor) -> its first name among the model's Parameters and buffers."""
+    names: Dict[int, str] = {}
+    for name, tensor in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(
+            remove_duplicate=False)):
+        names.setdefault(id(tensor), name)
+    return names
