@@ -1,4 +1,4 @@
-// Same-process A/B timing of two builds of csrc/cpu_kernels.cpp (driven by bench/cpu_kernel_ab.py).
+// Same-process A/B timing of two builds of csrc/cpu/cpu_kernels.cpp (driven by bench/cpu_kernel_ab.py).
 //
 // The 2-core VMs this project is developed on vary by up to 2x from one process to the next, which hides a
 // 5-10% kernel change in any comparison of separate runs.  Here both builds are linked into one program (in
@@ -25,7 +25,7 @@
 #include <random>
 #include <vector>
 
-#include "cpu_kernels.h"
+#include "cpu/cpu_kernels.h"
 
 namespace posenc {
 namespace cpu {

@@ -1,4 +1,4 @@
-"""Same-process A/B of the CPU forward kernel: a git revision's csrc/cpu_kernels.cpp against the working tree's.
+"""Same-process A/B of the CPU forward kernel: a git revision's csrc/cpu/cpu_kernels.cpp against the working tree's.
 
     python bench/cpu_kernel_ab.py [--base HEAD] [--shapes 8x512,64x64,4096x1,1x4096] [--repeats 200]
                                   [--isa isa_avx2] [--offsets scalar|equal|distinct|padded]
@@ -12,8 +12,8 @@ Prints p10 and median per version, the median ratio new / base (below 1: the wor
 whether the two versions' outputs of the case are the same bits.
 Run it on an idle machine: where one version splits a case over more threads than the other, load from other
 processes penalises only that one.  Needs Linux on x86 (the AVX-512 or AVX2 variant's flags, read from
-/proc/cpuinfo), a C++ compiler with OpenMP (-fopenmp), and a base revision with the same csrc/cpu_kernels.h and
-csrc/forward_args.h.
+/proc/cpuinfo), a C++ compiler with OpenMP (-fopenmp), and a base revision with the same csrc/cpu/cpu_kernels.h and
+csrc/common/forward_args.h.
 """
 
 from __future__ import annotations
@@ -49,22 +49,21 @@ def build(base: str, workdir: str, isa: str = "best") -> str:
     cxx = _build.find_cxx()
     if cxx is None:
         sys.exit("no C++ compiler found")
-    same_header = subprocess.run(["git", "-C", REPO, "diff", "--quiet", base, "--", "csrc/cpu_kernels.h",
-                                  "csrc/forward_args.h"])
+    same_header = subprocess.run(["git", "-C", REPO, "diff", "--quiet", base, "--", "csrc/cpu/cpu_kernels.h",
+                                  "csrc/common/forward_args.h"])
     if same_header.returncode != 0:
-        sys.exit(f"csrc/cpu_kernels.h or csrc/forward_args.h differs between {base} and the working tree: the two "
+        sys.exit(f"csrc/cpu/cpu_kernels.h or csrc/common/forward_args.h differs between {base} and the working tree: the two "
                  "builds could not share one ForwardArgs")
     base_dir = os.path.join(workdir, "base")
     os.makedirs(base_dir)
     archive = subprocess.run(["git", "-C", REPO, "archive", base, "csrc"], check=True, capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", base_dir], input=archive, check=True)
     common = [cxx, "-std=c++17", "-O3", "-fopenmp", "-pthread"] + isa_flags(isa)
-    sources = {"isa_a": os.path.join(base_dir, "csrc", "cpu_kernels.cpp"),
-               "isa_b": os.path.join(REPO, "csrc", "cpu_kernels.cpp")}
-    objects = [os.path.join(workdir, namespace + ".o") for namespace in sources]
-    compiles = [subprocess.Popen(common + [f"-DPOSENC_CPU_ISA={namespace}", f"-I{os.path.dirname(source)}", "-c",
-                                           source, "-o", obj])
-                for (namespace, source), obj in zip(sources.items(), objects)]
+    roots = {"isa_a": os.path.join(base_dir, "csrc"), "isa_b": os.path.join(REPO, "csrc")}
+    objects = [os.path.join(workdir, namespace + ".o") for namespace in roots]
+    compiles = [subprocess.Popen(common + [f"-DPOSENC_CPU_ISA={namespace}", f"-I{root}", "-c",
+                                           os.path.join(root, _build.CPU_SOURCES[0]), "-o", obj])
+                for (namespace, root), obj in zip(roots.items(), objects)]
     if any(process.wait() != 0 for process in compiles):
         sys.exit("compiling cpu_kernels.cpp failed")
     program = os.path.join(workdir, "cpu_kernel_ab")

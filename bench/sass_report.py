@@ -6,7 +6,7 @@ counted on their hot path, and a roofline prediction per GPU (issue 15).
 
 Triton kernels go through ``triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))`` with
 the tiles and warps ``triton_backend`` would launch for the headline shape; the CUDA kernels through
-``nvcc -cubin -arch=sm_XX -O3`` of csrc/forward_<dtype>.cu and csrc/weight_grad.cu (the flags of
+``nvcc -cubin -arch=sm_XX -O3`` of csrc/cuda/forward_<dtype>.cu and csrc/cuda/weight_grad.cu (the flags of
 ``_build``).  Both cubins are read with ``cuobjdump -sass`` (Triton's bundled copy, else CUDA's).
 
 **Hot path.** The SASS of a kernel is cut into basic blocks; loops are the backward branches.  The
@@ -512,7 +512,7 @@ _CUDA_CUBINS: Dict[Tuple[str, int], str] = {}
 def cuda_cubin(source: str, arch: int, workdir: str) -> str:
     key = (source, arch)
     if key not in _CUDA_CUBINS:
-        out = os.path.join(workdir, f"{os.path.splitext(source)[0]}-sm{arch}.cubin")
+        out = os.path.join(workdir, f"{os.path.splitext(os.path.basename(source))[0]}-sm{arch}.cubin")
         subprocess.run([nvcc(), "-cubin", f"-arch=sm_{arch}", "-O3", "-std=c++17", f"-I{CSRC}",
                         os.path.join(CSRC, source), "-o", out], check=True, capture_output=True, text=True)
         _CUDA_CUBINS[key] = out
@@ -530,18 +530,18 @@ def demangle(names: List[str]) -> Dict[str, str]:
 def cuda_function(variant: Variant, arch: int, workdir: str) -> Tuple[str, str, Variant]:
     cpp = {"bf16": "__nv_bfloat16", "fp32": "float"}[variant.dtype]
     if variant.kernel == "forward":
-        cubin = cuda_cubin(f"forward_{variant.dtype}.cu", arch, workdir)
+        cubin = cuda_cubin(f"cuda/forward_{variant.dtype}.cu", arch, workdir)
         math = "float" if variant.math == "float32" else "double"
         interleaved = "true" if variant.layout == "interleaved" else "false"
         wanted = f"forward_kernel<{cpp}, {math}, long, {interleaved}, false, false>("
         variant.warps_per_block = 8
     else:
-        cubin = cuda_cubin("weight_grad.cu", arch, workdir)
+        cubin = cuda_cubin("cuda/weight_grad.cu", arch, workdir)
         wanted = (f"grad_chunk_kernel<{cpp}, {cpp}, int, false>(" if variant.kernel == "grad_chunk"
                   else f"grad_carry_kernel<{cpp}, int>(")
         variant.warps_per_block = 4
         if variant.kernel == "grad_chunk":
-            with open(os.path.join(CSRC, "weight_grad.cu")) as f:
+            with open(os.path.join(CSRC, "cuda", "weight_grad.cu")) as f:
                 rows = int(re.search(r"kRowsInFlight\s*=\s*(\d+)", f.read()).group(1))
             variant.trips = 32 // rows  # cuda_backend.GRAD_CHUNK tokens per chunk, kRowsInFlight per trip
             variant.rows_in_flight = rows

@@ -39,8 +39,13 @@ from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 # sm_80 (A100), sm_86 (RTX 30xx, A40), sm_89 (L4, RTX 40xx), sm_90 (H100/H200), and PTX of
 # sm_90 that the driver JIT-compiles for newer GPUs (Blackwell and later).
 DEFAULT_CUDA_ARCHS = "80;86;89;90+PTX"
-SOURCES = ("forward.cu", "forward_fp32.cu", "forward_fp16.cu", "forward_bf16.cu", "weight_grad.cu", "binding.cpp")
-HEADERS = ("posenc.h", "forward_args.h", "launch_arguments.h", "platform.cuh", "host_device.h", "exact_angle.cuh", "memory_access.cuh", "philox.cuh", "forward_kernels.cuh")
+# Paths under csrc/: common/ (what both extensions share), cuda/ (``_C``), cpu/ (``_cpu``).  Every
+# include is written from csrc/ (``#include "common/philox.cuh"``), which each build passes as -I.
+COMMON_HEADERS = ("common/forward_args.h", "common/launch_arguments.h", "common/host_device.h",
+                  "common/exact_angle.cuh", "common/philox.cuh")
+SOURCES = ("cuda/forward.cu", "cuda/forward_fp32.cu", "cuda/forward_fp16.cu", "cuda/forward_bf16.cu",
+           "cuda/weight_grad.cu", "cuda/binding.cpp")
+HEADERS = COMMON_HEADERS + ("cuda/posenc.h", "cuda/platform.cuh", "cuda/memory_access.cuh", "cuda/forward_kernels.cuh")
 EXTENSION_NAME = "_C"
 
 
@@ -186,7 +191,7 @@ def plan_build(source_dir: str, build_dir: str, output: str, nvcc: str, archs: S
         common += ["-g"]
     compiles, objects = [], []
     for source in SOURCES:
-        obj = os.path.join(build_dir, source + ".o")
+        obj = os.path.join(build_dir, os.path.basename(source) + ".o")
         flags = common + (device if source.endswith(".cu") else [])
         compiles.append([nvcc, "-c", os.path.join(source_dir, source), "-o", obj] + flags)
         objects.append(obj)
@@ -326,12 +331,18 @@ def cache_root(env: Mapping[str, str] = os.environ) -> str:
     return os.path.join(base, "posenc_fast")
 
 
-def source_key(source_dir: str) -> str:
-    """Changes whenever the sources or the Python ABI change (the first level of the cache)."""
+def _digest_files(source_dir: str, names: Sequence[str]):
+    """A sha256 of ``names`` (paths under ``source_dir``) and their contents, to be updated further."""
     digest = hashlib.sha256()
-    for name in SOURCES + HEADERS:
+    for name in names:
         with open(os.path.join(source_dir, name), "rb") as f:
             digest.update(name.encode() + b"\0" + f.read())
+    return digest
+
+
+def source_key(source_dir: str) -> str:
+    """Changes whenever the sources or the Python ABI change (the first level of the cache)."""
+    digest = _digest_files(source_dir, SOURCES + HEADERS)
     digest.update(extension_filename().encode())
     return digest.hexdigest()[:16]
 
@@ -473,9 +484,9 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-# ---- test support: the kernels compiled for the host (csrc/platform.cuh, POSENC_FAST_HOST_EMULATION) ----
+# ---- test support: the kernels compiled for the host (csrc/cuda/platform.cuh, POSENC_FAST_HOST_EMULATION) ----
 
-EMULATION_HEADERS = ("emulation/host_platform.h",)
+EMULATION_HEADERS = ("cuda/emulation/host_platform.h",)
 
 
 def build_host_emulation(env: Mapping[str, str] = os.environ, log=sys.stderr) -> str:
@@ -493,10 +504,7 @@ def build_host_emulation(env: Mapping[str, str] = os.environ, log=sys.stderr) ->
     compiler = env.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if compiler is None:
         raise RuntimeError("host emulation needs a C++ compiler (c++ or $CXX)")
-    digest = hashlib.sha256()
-    for name in SOURCES + HEADERS + EMULATION_HEADERS:
-        with open(os.path.join(source_dir, name), "rb") as f:
-            digest.update(name.encode() + b"\0" + f.read())
+    digest = _digest_files(source_dir, SOURCES + HEADERS + EMULATION_HEADERS)
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     digest.update(repr((version, root, extension_filename())).encode())
     directory = os.path.join(cache_root(env), "host-emulation-" + digest.hexdigest()[:16])
@@ -513,7 +521,7 @@ def build_host_emulation(env: Mapping[str, str] = os.environ, log=sys.stderr) ->
                  f"-I{os.path.join(root, 'include')}"] + [f"-I{d}" for d in _include_dirs()]
         jobs = []
         for source in SOURCES:
-            obj = os.path.join(directory, source + ".o")
+            obj = os.path.join(directory, os.path.basename(source) + ".o")
             cmd = [compiler, "-x", "c++", "-c", os.path.join(source_dir, source), "-o", obj] + flags
             jobs.append((obj, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
         for obj, process in jobs:
@@ -530,11 +538,10 @@ def build_host_emulation(env: Mapping[str, str] = os.environ, log=sys.stderr) ->
     return output
 
 
-# ---- the CPU extension posenc_fast._cpu (csrc/cpu_*.cpp): any C++17 compiler, no CUDA ----
+# ---- the CPU extension posenc_fast._cpu (csrc/cpu/): any C++17 compiler, no CUDA ----
 
-CPU_SOURCES = ("cpu_kernels.cpp", "cpu_binding.cpp")
-CPU_HEADERS = ("cpu_kernels.h", "forward_args.h", "launch_arguments.h", "host_device.h", "exact_angle.cuh",
-               "philox.cuh")
+CPU_SOURCES = ("cpu/cpu_kernels.cpp", "cpu/cpu_binding.cpp")
+CPU_HEADERS = COMMON_HEADERS + ("cpu/cpu_kernels.h",)
 CPU_EXTENSION_NAME = "_cpu"
 # cpu_kernels.cpp is compiled once per variant (its namespace, its flags); cpu_binding.cpp picks the
 # best the CPU supports at import.  Explicit -m flags rather than -march=x86-64-v4, which older
@@ -583,12 +590,12 @@ def plan_cpu_build(source_dir: str, build_dir: str, output: str, cxx: str) -> Bu
     for namespace, flags in variants:
         obj = os.path.join(build_dir, f"cpu_kernels.{namespace}.o")
         compiles.append(common + flags + [f"-DPOSENC_CPU_ISA={namespace}", "-c",
-                                          os.path.join(source_dir, "cpu_kernels.cpp"), "-o", obj])
+                                          os.path.join(source_dir, CPU_SOURCES[0]), "-o", obj])
         objects.append(obj)
     obj = os.path.join(build_dir, "cpu_binding.o")
     compiles.append(common + [f"-I{d}" for d in _include_dirs()] +
                     [f"-DPOSENC_CPU_HAVE_X86_VARIANTS={1 if _x86() else 0}", "-c",
-                     os.path.join(source_dir, "cpu_binding.cpp"), "-o", obj])
+                     os.path.join(source_dir, CPU_SOURCES[1]), "-o", obj])
     objects.append(obj)
     link = [cxx, "-shared", "-pthread", "-o", output] + objects
     if sys.platform.startswith("linux"):
@@ -633,10 +640,7 @@ def cpu_source_dir() -> Optional[str]:
 
 
 def _cpu_cache_dir(source_dir: str, cxx: str, env: Mapping[str, str]) -> str:
-    digest = hashlib.sha256()
-    for name in CPU_SOURCES + CPU_HEADERS:
-        with open(os.path.join(source_dir, name), "rb") as f:
-            digest.update(name.encode() + b"\0" + f.read())
+    digest = _digest_files(source_dir, CPU_SOURCES + CPU_HEADERS)
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     digest.update(repr((version, [v for v in CPU_X86_VARIANTS], cpu_extension_filename())).encode())
     return os.path.join(cache_root(env), "cpu-" + digest.hexdigest()[:16])

@@ -1,10 +1,10 @@
-// Checks the AVX2 variant's int64 -> float conversion of the reduced angle (csrc/cpu_kernels.cpp,
+// Checks the AVX2 variant's int64 -> float conversion of the reduced angle (csrc/cpu/cpu_kernels.cpp,
 // int64_to_math) against the hardware's direct conversion, on values where a second rounding would show:
 // every magnitude (the fold of the low bits starts at 2^34), and integers at and around fp32 rounding ties
 // past 2^53 (where the two words' sum, without the fold, would itself be rounded).
 // Built and run by tests/test_cpu_backend.py with the package's AVX2 flags; the
 // conversion runs in a loop that GCC vectorises, as in the kernels.  Exit status 0: every value matched.
-#include "cpu_kernels.cpp"
+#include "cpu/cpu_kernels.cpp"
 
 #include <cstdio>
 #include <random>

@@ -83,7 +83,7 @@ def _run(ids, weight, grad_out, threads, **kwargs):
 # positions: 600 positions in chunks of 152, 80 and 40 on 1, 2 and 5 threads, the last one partial; 150 in
 # chunks of 40, the floor of 32768 output elements per chunk), and few or one position per sequence (chunks
 # that also split the sequences into groups of unequal sizes, here 4, 8 and 11 groups of 1200 one-token
-# sequences on 1, 2 and 5 threads: groups hold at least 32768 output elements too; csrc/cpu_kernels.cpp
+# sequences on 1, 2 and 5 threads: groups hold at least 32768 output elements too; csrc/cpu/cpu_kernels.cpp
 # position_work).
 THREAD_SHAPES = [(3, 150), (3, 600), (1200, 1), (300, 3)]
 
@@ -117,7 +117,7 @@ def _int64_keys(ids, num_embeddings):
 
 @pytest.mark.parametrize("key_dtype", [torch.int32, torch.int64], ids=str)
 def test_weight_gradient_writes_every_row_once(monkeypatch, key_dtype, seed):
-    """The kernel zeroes only the rows no token's sum writes (csrc/cpu_kernels.cpp, ZeroUnwrittenRows), each
+    """The kernel zeroes only the rows no token's sum writes (csrc/cpu/cpu_kernels.cpp, ZeroUnwrittenRows), each
     chunk of rows finding its runs by a binary search: with 160 columns a chunk is 1638 rows, so on 2 and 5
     threads the rows around 1638 are at a chunk's edge, padding_idx (1637, with tokens) its last row.  The
     output is poisoned before the kernel (tests/conftest.py), so a row left neither zeroed nor summed fails
@@ -357,14 +357,14 @@ def _is_gcc(cxx: str) -> bool:
 
 
 def _sin_cos_loop_line(kernels_source: str) -> int:
-    """The line of ``sin_cos_row``'s loop over pair slots in csrc/cpu_kernels.cpp (1-based)."""
+    """The line of ``sin_cos_row``'s loop over pair slots in csrc/cpu/cpu_kernels.cpp (1-based)."""
     with open(kernels_source, encoding="utf-8") as source:
         lines = source.read().splitlines()
     start = next(i for i, line in enumerate(lines) if "void sin_cos_row(" in line)
     return next(i for i in range(start, len(lines)) if lines[i].lstrip().startswith("for (")) + 1
 
 
-@pytest.mark.slow  # compiles csrc/cpu_kernels.cpp once more: ~30 s on 2 cores
+@pytest.mark.slow  # compiles csrc/cpu/cpu_kernels.cpp once more: ~30 s on 2 cores
 @pytest.mark.skipif("avx2" not in _isas() or _build.find_cxx() is None,
                     reason="needs a CPU that runs the AVX2 variant (the binding's own test of its flags) and a C++ compiler")
 def test_avx2_angle_conversion_rounds_once(tmp_path):
@@ -388,7 +388,7 @@ def test_avx2_angle_conversion_rounds_once(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     if not gcc:
         return  # the conversion is checked; the report's wording is GCC's
-    loop = f"cpu_kernels.cpp:{_sin_cos_loop_line(os.path.join(csrc, 'cpu_kernels.cpp'))}:"
+    loop = f"cpu_kernels.cpp:{_sin_cos_loop_line(os.path.join(csrc, 'cpu', 'cpu_kernels.cpp'))}:"
     messages = [line for line in report.read_text().splitlines() if loop in line]
     vectorised = [line for line in messages if "optimized: loop vectorized using 32 byte vectors" in line]
     refused = [line for line in messages if "couldn't vectorize loop" in line]

@@ -1,9 +1,9 @@
-"""CPU backend: the C++ kernels of csrc/cpu_kernels.cpp, launched through ``posenc_fast._cpu``.
+"""CPU backend: the C++ kernels of csrc/cpu/cpu_kernels.cpp, launched through ``posenc_fast._cpu``.
 
 ``_cpu`` is a pybind11 module that takes host pointers (as ints), sizes, strides, dtype codes
 and a thread count; it does not link libtorch, so one build works with any torch version.  It
-shares the CUDA kernels' exact-angle math and Philox dropout mask (csrc/exact_angle.cuh,
-csrc/philox.cuh), runs on ``torch.get_num_threads()`` threads, and is compiled per instruction
+shares the CUDA kernels' exact-angle math and Philox dropout mask (csrc/common/exact_angle.cuh,
+csrc/common/philox.cuh), runs on ``torch.get_num_threads()`` threads, and is compiled per instruction
 set (AVX-512, AVX2, baseline; the best the CPU has is picked at import).  The weight gradient's
 stable sort stays in PyTorch (``sort_ids_for_gradient``); the kernel sums each id's run in order.
 
@@ -34,7 +34,7 @@ FLOAT64_MATH = True  # precision="float64": float64 arithmetic and polynomials, 
 
 _MISSING = "backend='cpu' needs the compiled extension posenc_fast._cpu"
 _BUILD_HINT = (
-    "Build it: reinstall posenc_fast where a C++ compiler is installed (`pip install .` compiles csrc/cpu_*.cpp "
+    "Build it: reinstall posenc_fast where a C++ compiler is installed (`pip install .` compiles csrc/cpu/ "
     "when c++, g++ or clang++ is on PATH; POSENC_FAST_BUILD_CPU=1 makes a missing compiler an error), or call "
     "backend='cpu' once with a compiler present (it builds into the per-user cache). Or use backend='torch' or "
     "'auto'."
@@ -203,7 +203,7 @@ def backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_id
     num_tokens = ids.numel()
     if num_tokens == 0 or num_embeddings == 0 or token_width == 0:
         return torch.zeros((num_embeddings, token_width), dtype=weight_dtype, device=grad_out.device)
-    # Not zero-filled here: the kernel writes every row (zeros in parallel, huge-page backed; see csrc/cpu_kernels.cpp).
+    # Not zero-filled here: the kernel writes every row (zeros in parallel, huge-page backed; see csrc/cpu/cpu_kernels.cpp).
     grad_weight = new_buffer((num_embeddings, token_width), weight_dtype, grad_out.device)
     module = _require()
     # The kernel takes the gradient in the weight's dtype or in fp32.

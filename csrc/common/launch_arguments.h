@@ -21,7 +21,7 @@
 #include <cstdint>
 #include <string>
 
-#include "forward_args.h"
+#include "common/forward_args.h"
 
 namespace posenc {
 namespace binding {

@@ -13,7 +13,7 @@
 
 #include <cstdint>
 
-#include "forward_args.h"
+#include "common/forward_args.h"
 
 namespace posenc {
 namespace cpu {

@@ -27,11 +27,11 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "exact_angle.cuh"
-#include "memory_access.cuh"
-#include "philox.cuh"
-#include "platform.cuh"
-#include "posenc.h"
+#include "common/exact_angle.cuh"
+#include "cuda/memory_access.cuh"
+#include "common/philox.cuh"
+#include "cuda/platform.cuh"
+#include "cuda/posenc.h"
 
 namespace posenc {
 namespace forward_detail {

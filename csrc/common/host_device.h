@@ -7,7 +7,7 @@
 #pragma once
 
 #if defined(__CUDACC__) || defined(POSENC_FAST_HOST_EMULATION)
-#include "platform.cuh"
+#include "cuda/platform.cuh"
 #else
 #define __host__
 #define __device__

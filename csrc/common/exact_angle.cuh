@@ -12,7 +12,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "host_device.h"
+#include "common/host_device.h"
 
 namespace posenc {
 

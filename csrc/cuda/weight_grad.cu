@@ -23,10 +23,10 @@
 // are whole: one call per four columns.  The dropout scale is folded into embed_scale.
 #include <cstdint>
 
-#include "memory_access.cuh"
-#include "philox.cuh"
-#include "platform.cuh"
-#include "posenc.h"
+#include "cuda/memory_access.cuh"
+#include "common/philox.cuh"
+#include "cuda/platform.cuh"
+#include "cuda/posenc.h"
 
 namespace posenc {
 namespace {

@@ -1,7 +1,7 @@
 // launch_forward: checks the arguments and hands over to the launcher of the weight dtype
 // (forward_fp32.cu, forward_fp16.cu, forward_bf16.cu; the kernel is in forward_kernels.cuh).
-#include "forward_kernels.cuh"
-#include "posenc.h"
+#include "cuda/forward_kernels.cuh"
+#include "cuda/posenc.h"
 
 namespace posenc {
 

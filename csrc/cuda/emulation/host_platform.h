@@ -1,6 +1,6 @@
 // Host stand-ins for the few CUDA built-ins the kernels use, for POSENC_FAST_HOST_EMULATION builds:
 // the kernels of csrc/ compiled by a host C++ compiler and run on the CPU, one thread after another
-// (see csrc/platform.cuh).  Test-only: the shipped extension never includes this file.
+// (see csrc/cuda/platform.cuh).  Test-only: the shipped extension never includes this file.
 #pragma once
 
 #include <math.h>  // float overloads of fma in the global namespace, as CUDA has them

@@ -1,5 +1,5 @@
 // The forward kernels for fp16 weights (a translation unit of its own, to compile in parallel).
-#include "forward_kernels.cuh"
+#include "cuda/forward_kernels.cuh"
 
 namespace posenc {
 namespace forward_detail {

@@ -1,7 +1,7 @@
 // The one place the kernels meet the platform: kernel launch, and (only for tests) a host stand-in.
 //
 // Built by nvcc, `launch` is an ordinary <<<grid, block, 0, stream>>> launch followed by the launch
-// check.  Built by a host C++ compiler with POSENC_FAST_HOST_EMULATION (csrc/emulation/), the same
+// check.  Built by a host C++ compiler with POSENC_FAST_HOST_EMULATION (csrc/cuda/emulation/), the same
 // kernel code runs on the CPU, one thread after another; the kernels use no shared memory and no
 // barriers, so this is their exact semantics.  That lets machines without a GPU test the kernels'
 // indexing, layouts and numerics against the reference (tests/test_cuda_build.py).
@@ -10,7 +10,7 @@
 #include <cuda_runtime_api.h>
 
 #ifdef POSENC_FAST_HOST_EMULATION
-#include "emulation/host_platform.h"
+#include "cuda/emulation/host_platform.h"
 #endif
 
 namespace posenc {

@@ -15,8 +15,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include "platform.cuh"
-#include "posenc.h"
+#include "cuda/platform.cuh"
+#include "cuda/posenc.h"
 
 namespace posenc {
 

@@ -19,7 +19,7 @@
 
 #include <cuda_runtime_api.h>
 
-#include "forward_args.h"
+#include "common/forward_args.h"
 
 namespace posenc {
 

@@ -14,8 +14,8 @@
 
 #include <cuda_runtime_api.h>
 
-#include "launch_arguments.h"
-#include "posenc.h"
+#include "common/launch_arguments.h"
+#include "cuda/posenc.h"
 
 namespace py = pybind11;
 
@@ -40,7 +40,7 @@ using posenc::binding::id_code;
 using posenc::binding::pointer;
 
 #ifdef POSENC_FAST_HOST_EMULATION
-// Test build (csrc/emulation/): the kernels run on the host and the pointers are host memory.
+// Test build (csrc/cuda/emulation/): the kernels run on the host and the pointers are host memory.
 class DeviceGuard {
  public:
   explicit DeviceGuard(int) {}

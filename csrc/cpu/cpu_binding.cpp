@@ -36,8 +36,8 @@
 #include <thread>
 #include <vector>
 
-#include "cpu_kernels.h"
-#include "launch_arguments.h"
+#include "cpu/cpu_kernels.h"
+#include "common/launch_arguments.h"
 
 namespace py = pybind11;
 

@@ -39,14 +39,14 @@
 // flags in posenc_fast/_build.py: CPU_X86_VARIANTS), each into its own namespace; everything
 // here is inside it, and the shared headers' functions are always inlined, so no code compiled for
 // one variant can be linked into another.
-#include "cpu_kernels.h"
+#include "cpu/cpu_kernels.h"
 
 #include <cstdint>
 #include <cstring>
 #include <new>
 
-#include "exact_angle.cuh"
-#include "philox.cuh"
+#include "common/exact_angle.cuh"
+#include "common/philox.cuh"
 
 #ifndef POSENC_CPU_ISA
 #error "compile with -DPOSENC_CPU_ISA=isa_baseline (or isa_avx2, isa_avx512)"
