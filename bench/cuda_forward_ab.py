@@ -83,12 +83,12 @@ def worker(build: str) -> int:
 
     import posenc_fast as pf
     from posenc_fast.backends import cuda_backend
-    from posenc_fast.backends._extension import load_file
+    from posenc_fast.backends._extension import Extension, load_file
     from posenc_fast.benchmark.cases import CASE_BY_NAME, bytes_moved
     from posenc_fast.benchmark.timing import copy_bandwidth_GBps, time_op
 
     if build != "installed":  # before anything looks the module up: this process's posenc_fast._C is the build
-        cuda_backend._state = cuda_backend._Extension(load_file("posenc_fast._C", build), None)
+        cuda_backend._lookup.state = Extension(load_file("posenc_fast._C", build), None)
     problem = cuda_backend.available(torch.device("cuda"))
     if problem is not None:
         print(f"worker {build}: the cuda backend is unavailable: {problem}", file=sys.stderr)

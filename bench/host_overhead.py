@@ -279,9 +279,9 @@ def entry_point_table(calls: int, gpu_case=(4096, 262144)):
         elif backend == "cpu" and host_only:
             if cpu_backend.extension() is None:
                 continue  # (no zero-token rows; the tiny case's rows then fail, naming why)
-            real_state = cpu_backend._state
-            cpu_backend._state = real_state._replace(module=_ZeroTokenLaunches(real_state.module))
-            restore = lambda: setattr(cpu_backend, "_state", real_state)  # noqa: E731
+            real_state = cpu_backend._lookup()
+            cpu_backend._lookup.state = real_state._replace(module=_ZeroTokenLaunches(real_state.module))
+            restore = lambda: setattr(cpu_backend._lookup, "state", real_state)  # noqa: E731
         try:
             width, vocab = gpu_case if host_only else (TABLE_WIDTH, TABLE_VOCAB)
             label = f"{backend} (d {width}, zero-token launches)" if backend == "cpu" and host_only else \
@@ -410,7 +410,7 @@ def main(argv=None) -> int:
     if args.real:
         return _main_real(torch.device(args.real), args, num_sequences, d_model, vocab)
     cuda_backend.use_host_emulation(_build.build_host_emulation())
-    cuda_backend._state = cuda_backend._state._replace(module=_ZeroTokenLaunches(cuda_backend._state.module))
+    cuda_backend._lookup.state = cuda_backend._lookup()._replace(module=_ZeroTokenLaunches(cuda_backend._lookup().module))
     layer = pf.SinusoidalEmbedding(vocab, d_model, backend="cuda")
     ids = torch.randint(0, vocab, (num_sequences, 1))
     rows = {}

@@ -18,6 +18,7 @@ from posenc_fast import _build, reference
 from posenc_fast._dispatch import resolve_backend
 from posenc_fast._spec import PEColumns
 from posenc_fast.backends import KernelParams, cpu_backend
+from posenc_fast.backends._extension import Extension
 from posenc_fast.positions import make_positions
 
 from cases import CASES, assert_within, cpu_extension_problem, make_inputs, output_bound, ulp
@@ -220,7 +221,7 @@ def test_auto_runs_the_cpu_backend_and_falls_back_to_torch(monkeypatch):
     assert resolve_backend("auto", cpu, torch.float32) == "cpu"
     assert resolve_backend("auto", cpu, torch.bfloat16, float64_math=True) == "cpu"
     assert resolve_backend("auto", cpu, torch.float64) == "torch"  # float64 weights: the reference op
-    monkeypatch.setattr(cpu_backend, "_state", cpu_backend._Extension(None, "not built (test)"))
+    monkeypatch.setattr(cpu_backend._lookup, "state", Extension(None, "not built (test)"))
     monkeypatch.setenv("POSENC_FAST_BUILD_ON_DEMAND", "0")  # backend="cpu" by name would build it
     assert resolve_backend("auto", cpu, torch.float32) == "torch"
     with pytest.raises(RuntimeError, match="not built"):

@@ -45,7 +45,7 @@ def _run_installed(script: str, tmp_path, **env_overrides) -> subprocess.Complet
 def real_extension_state(monkeypatch):
     """The backend as users have it: no host emulation, a fresh lookup of the extension."""
     monkeypatch.setattr(cuda_backend, "_host_emulation", False)
-    monkeypatch.setattr(cuda_backend, "_state", None)
+    monkeypatch.setattr(cuda_backend._lookup, "state", None)
     monkeypatch.setenv("POSENC_FAST_BUILD_ON_DEMAND", "0")
 
 
@@ -197,7 +197,7 @@ def test_availability_traces_under_compile(real_extension_state):
         return x + (1 if cuda_backend.available(torch.device("cuda")) is None else 2)
 
     expected = 1 if cuda_backend.available(torch.device("cuda")) is None else 2
-    cuda_backend._state = None
+    cuda_backend._lookup.state = None
     assert torch.equal(torch.compile(step, fullgraph=True, backend="aot_eager")(torch.zeros(2)),
                        torch.full((2,), float(expected)))
 

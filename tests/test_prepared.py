@@ -18,6 +18,7 @@ from torch import nn
 import posenc_fast as pf
 from posenc_fast import _prepared, functional, reference
 from posenc_fast.backends import cpu_backend, cuda_backend
+from posenc_fast.backends._extension import Extension
 
 from cases import CASES, assert_within, backend_targets, cases_on_targets, make_inputs, output_bound
 
@@ -262,7 +263,7 @@ def test_a_changed_extension_is_not_used(backend, device, monkeypatch):
     with torch.no_grad():
         layer(ids)
         layer(ids)
-        monkeypatch.setattr(module, "_state", type(module._state)(None, "extension unloaded by the test"))
+        monkeypatch.setattr(module._lookup, "state", Extension(None, "extension unloaded by the test"))
         monkeypatch.setattr(module, "prepare", lambda device: None)  # no on-demand build either
         with pytest.raises(RuntimeError, match="extension unloaded by the test"):
             layer(ids)

@@ -9,9 +9,12 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
-from typing import NamedTuple, Optional
+import threading
+from typing import Callable, NamedTuple, Optional
 
 import torch
+
+from . import new_buffer
 
 
 class Extension(NamedTuple):
@@ -19,6 +22,48 @@ class Extension(NamedTuple):
 
     module: object  # the loaded extension module, or None
     problem: Optional[str]  # why it is unusable, for the error message; None when loaded
+
+
+class Lookup:
+    """One backend's extension (``posenc_fast.<name>``), looked for at its first use (``find``), once, under a
+    lock (threads); calling it gives the outcome.  ``state`` is that outcome: the backend replaces it where it
+    builds or loads another extension (``load_build``), tests where they stand one in; a prepared launch keeps the
+    outcome it was made with and is current while ``state`` is still that object.  ``cached_build``: the
+    ``posenc_fast._build`` function giving the path of an earlier on-demand build, or None."""
+
+    def __init__(self, name: str, cached_build: str, missing: str, hint: str):
+        self.name, self.cached_build, self.missing, self.hint = name, cached_build, missing, hint
+        self.state: Optional[Extension] = None
+        self._lock = threading.Lock()
+
+    def __call__(self) -> Extension:
+        state = self.state
+        if state is None:
+            with self._lock:
+                if self.state is None:
+                    self.state = find(self.name, self._cached_path, self.missing, self.hint)
+                state = self.state
+        return state
+
+    def require(self):
+        """The extension module, or a RuntimeError saying why there is none."""
+        state = self()
+        if state.module is None:
+            raise RuntimeError(state.problem)
+        return state.module
+
+    def _cached_path(self) -> Optional[str]:
+        from .. import _build  # here, not at import: `python -m posenc_fast._build` must find it unimported
+
+        return getattr(_build, self.cached_build)()
+
+    def load_build(self, build: Callable[[], str], failure: str) -> Extension:
+        """``build()`` (an on-demand build; its path) loaded as the extension, or ``failure`` and the error."""
+        try:
+            self.state = Extension(load_file(f"posenc_fast.{self.name}", build()), None)
+        except (RuntimeError, ImportError, OSError, ValueError) as error:
+            self.state = Extension(None, f"{failure}: {error}")
+        return self.state
 
 
 def find(name: str, cached_build, missing: str, hint: str) -> Extension:
@@ -71,15 +116,36 @@ def dtype_code(module, dtype: torch.dtype, backend: str) -> int:
     return code
 
 
-def pointer_launch(bound, module, backend: str, id_dtypes):
-    """A binding's ``ForwardLaunch`` object (``bound``: it takes pointers and dtype codes) as the backends'
-    prepared launch takes its arguments (``backends.PreparedLaunch``: tensors)."""
+def bind_forward(module, backend: str, dtype: torch.dtype, num_rows: int, turns: torch.Tensor, params, id_dtypes,
+                 *device_arguments):
+    """The binding's ``ForwardLaunch`` (csrc/common/launch_arguments.h) for tables of ``num_rows`` rows of ``dtype``
+    with ``params`` (a ``KernelParams``) and ``turns`` (contiguous int64, kept alive by the caller) bound, as the
+    backends' prepared launch takes its arguments (``backends.PreparedLaunch``: tensors).  ``device_arguments``:
+    what the binding's device part takes at the end (the CUDA one: the device index)."""
+    columns = params.columns
+    bound = module.ForwardLaunch(
+        dtype_code(module, dtype, backend), turns.data_ptr(), turns.numel(), num_rows, params.token_width,
+        params.pe_width, bool(params.concat), bool(columns.interleaved), columns.sin_base, columns.num_sin,
+        columns.cos_base, columns.num_cos, int(params.pe_zero_id), float(params.embed_scale), float(params.pe_scale),
+        bool(params.float64_math), *device_arguments)
     id_codes = {dtype: dtype_code(module, dtype, backend) for dtype in id_dtypes}
 
     def launch(ids, weight, weight_row_stride, out, offset, seq_len, num_tokens, last_argument):
         bound(ids.data_ptr(), id_codes[ids.dtype], weight.data_ptr(), weight_row_stride, out.data_ptr(), offset,
               seq_len, num_tokens, last_argument)
     return launch
+
+
+def start_forward(ids, weight, params, require):
+    """What a compiled backend's ``forward`` starts with: its ``[N, width]`` output, and unless there are no
+    tokens (then None) the extension (``require()``), ids contiguous and the table with unit column stride, as
+    the kernels read them."""
+    out = new_buffer((ids.numel(), params.width), weight.dtype, weight.device)
+    if ids.numel() == 0:
+        return out, None, ids, weight
+    module = require()
+    return out, module, (ids if ids.is_contiguous() else ids.contiguous()), (
+        weight if weight.stride(1) == 1 else weight.contiguous())
 
 
 def pointer(t: Optional[torch.Tensor]) -> int:

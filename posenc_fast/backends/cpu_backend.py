@@ -19,15 +19,14 @@ The extension is looked for at the first use, never by ``import posenc_fast``:
 from __future__ import annotations
 
 import os
-import threading
 from typing import Optional
 
 import torch
 
 from . import ID_DTYPES, Dropout, KernelParams, PreparedLaunch, gradient_rows, new_buffer, sort_ids_for_gradient
-from ._extension import Extension as _Extension
+from ._extension import Lookup
 from ._extension import constant_under_compile as _constant_under_compile
-from ._extension import dtype_code, find, int64_vector, load_file, pointer, pointer_launch
+from ._extension import bind_forward, dtype_code, int64_vector, pointer, start_forward
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FLOAT64_MATH = True  # precision="float64": float64 arithmetic and polynomials, one rounding
@@ -41,24 +40,7 @@ _BUILD_HINT = (
 )
 
 
-_state: Optional[_Extension] = None  # None until the first lookup
-_lookup_lock = threading.Lock()
-
-
-def _lookup() -> _Extension:
-    """Import posenc_fast._cpu, else a cached on-demand build; remember the outcome."""
-    global _state
-    if _state is None:
-        with _lookup_lock:  # threads: one lookup, one load
-            if _state is None:
-                _state = find("_cpu", _cached_build, _MISSING, _BUILD_HINT)
-    return _state
-
-
-def _cached_build() -> Optional[str]:
-    from .. import _build  # here, not at import: `python -m posenc_fast._build` must find it unimported
-
-    return _build.cached_cpu_extension()
+_lookup = Lookup("_cpu", "cached_cpu_extension", _MISSING, _BUILD_HINT)
 
 
 def extension():
@@ -75,17 +57,12 @@ def extension_problem() -> Optional[str]:
 def build_on_demand() -> Optional[str]:
     """Build the extension into the per-user cache if it is missing and load it (progress on stderr);
     None when it is loaded, else why not.  Used by ``prepare`` and by tests from a source checkout."""
-    global _state
     if extension() is not None:
         return None
     from .. import _build
 
-    try:
-        _state = _Extension(load_file("posenc_fast._cpu", _build.build_cpu_in_cache()), None)
-    except (RuntimeError, ImportError, OSError, ValueError) as error:
-        _state = _Extension(None, f"backend='cpu': the CPU extension is not installed and building it on demand "
-                                  f"failed: {error}")
-    return _state.problem
+    return _lookup.load_build(_build.build_cpu_in_cache, "backend='cpu': the CPU extension is not installed and "
+                              "building it on demand failed").problem
 
 
 def prepare(device: torch.device) -> None:
@@ -108,13 +85,6 @@ def available(device: torch.device) -> Optional[str]:
         return (f"backend='cpu' runs on CPU tensors, but these are on {device.type!r}: use backend='auto' "
                 f"(or 'cuda', 'triton') for {device.type} tensors")
     return extension_problem()
-
-
-def _require():
-    module = extension()
-    if module is None:
-        raise RuntimeError(extension_problem())
-    return module
 
 
 def _dtype_code(module, dtype: torch.dtype) -> int:
@@ -141,14 +111,9 @@ def prepare_forward(dtype, num_rows: int, device, turns, params: KernelParams) -
     if module is None:
         return None
     turns = int64_vector(turns)
-    columns = params.columns
-    launch = module.ForwardLaunch(
-        _dtype_code(module, dtype), turns.data_ptr(), turns.numel(), num_rows, params.token_width,
-        params.pe_width, bool(params.concat), bool(columns.interleaved), columns.sin_base, columns.num_sin,
-        columns.cos_base, columns.num_cos, int(params.pe_zero_id), float(params.embed_scale),
-        float(params.pe_scale), bool(params.float64_math))
-    return PreparedLaunch(pointer_launch(launch, module, "cpu", ID_DTYPES), ID_DTYPES, torch.get_num_threads,
-                          lambda: _state is state, turns, _id_range_function(module))
+    launch = bind_forward(module, "cpu", dtype, num_rows, turns, params, ID_DTYPES)
+    return PreparedLaunch(launch, ID_DTYPES, torch.get_num_threads, lambda: _lookup.state is state, turns,
+                          _id_range_function(module))
 
 
 # Above this many ids the range check goes back to torch.aminmax (multithreaded): the scan runs on the
@@ -172,15 +137,9 @@ def _id_range_function(module):
 
 def forward(ids, weight, turns, positions, offsets, offset, seq_len, params: KernelParams,
             dropout: Optional[Dropout]):
-    num_tokens = ids.numel()
-    out = new_buffer((num_tokens, params.width), weight.dtype, weight.device)
-    if num_tokens == 0:
+    out, module, ids, weight = start_forward(ids, weight, params, _lookup.require)
+    if module is None:  # no tokens
         return out
-    module = _require()
-    if weight.stride(1) != 1:
-        weight = weight.contiguous()
-    if not ids.is_contiguous():
-        ids = ids.contiguous()
     turns, positions, offsets = int64_vector(turns), int64_vector(positions), int64_vector(offsets)
     if dropout is not None:
         dropout = dropout._replace(seed=dropout.seed.contiguous())
@@ -189,7 +148,7 @@ def forward(ids, weight, turns, positions, offsets, offset, seq_len, params: Ker
     module.forward(
         pointer(ids), _dtype_code(module, ids.dtype), pointer(weight), weight.stride(0),
         _dtype_code(module, weight.dtype), pointer(out), pointer(turns), turns.numel(), pointer(positions),
-        pointer(offsets), int(offset), max(int(seq_len), 1), num_tokens, weight.shape[0], params.token_width,
+        pointer(offsets), int(offset), max(int(seq_len), 1), ids.numel(), weight.shape[0], params.token_width,
         params.pe_width, bool(params.concat), bool(columns.interleaved), columns.sin_base, columns.num_sin,
         columns.cos_base, columns.num_cos, int(params.pe_zero_id), float(params.embed_scale),
         float(params.pe_scale), bool(params.float64_math), dropout_seed, dropout_threshold, dropout_scale,
@@ -205,7 +164,7 @@ def backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_id
         return torch.zeros((num_embeddings, token_width), dtype=weight_dtype, device=grad_out.device)
     # Not zero-filled here: the kernel writes every row (zeros in parallel, huge-page backed; see csrc/cpu/cpu_kernels.cpp).
     grad_weight = new_buffer((num_embeddings, token_width), weight_dtype, grad_out.device)
-    module = _require()
+    module = _lookup.require()
     # The kernel takes the gradient in the weight's dtype or in fp32.
     grad_out = gradient_rows(grad_out, weight_dtype if grad_out.dtype == weight_dtype else torch.float32)
     sorted_ids, order = sort_ids_for_gradient(ids, num_embeddings) if sorted_ids is None else sorted_ids

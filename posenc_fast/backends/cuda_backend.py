@@ -25,16 +25,15 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import threading
 from typing import Optional
 
 import torch
 
 from . import (ID_DTYPES, Dropout, KernelParams, PreparedLaunch, current_stream, current_stream_function,
                gradient_rows, new_buffer, sort_ids_for_gradient)
-from ._extension import Extension as _Extension
+from ._extension import Extension, Lookup
 from ._extension import constant_under_compile as _constant_under_compile
-from ._extension import dtype_code, find, int64_vector, load_file, pointer, pointer_launch
+from ._extension import bind_forward, dtype_code, int64_vector, pointer, start_forward
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FLOAT64_MATH = True  # precision="float64": the kernels' float64 variant (longer polynomials, one rounding)
@@ -51,27 +50,10 @@ _BUILD_HINT = (
 )
 
 
-_state: Optional[_Extension] = None  # None until the first lookup
-_lookup_lock = threading.Lock()
+_lookup = Lookup("_C", "cached_extension", _MISSING, _BUILD_HINT)
 # True while a host-emulation build of the kernels is loaded (tests without a GPU, see
 # use_host_emulation): the backend then runs on CPU tensors, and only on them.
 _host_emulation = False
-
-
-def _lookup() -> _Extension:
-    """Import posenc_fast._C, else a cached on-demand build; remember the outcome."""
-    global _state
-    if _state is None:
-        with _lookup_lock:  # threads: one lookup, one load
-            if _state is None:
-                _state = find("_C", _cached_build, _MISSING, _BUILD_HINT)
-    return _state
-
-
-def _cached_build() -> Optional[str]:
-    from .. import _build  # here, not at import: `python -m posenc_fast._build` must find it unimported
-
-    return _build.cached_extension()
 
 
 def extension():
@@ -84,7 +66,7 @@ def extension_problem() -> Optional[str]:
     return _lookup().problem
 
 
-_reason_for_state = (None, None)  # (the _Extension it was worked out for, _unusable_reason's answer)
+_reason_for_state = (None, None)  # (the Extension it was worked out for, _unusable_reason's answer)
 
 
 @_constant_under_compile
@@ -151,7 +133,6 @@ def available(device: torch.device) -> Optional[str]:
 def prepare(device: torch.device) -> None:
     """Called before ``available`` when a user asks for backend='cuda' by name: if the extension is
     missing and nvcc is present, build it once into the per-user cache (progress on stderr)."""
-    global _state
     if torch.compiler.is_compiling() or device.type != "cuda" or extension() is not None:
         return
     if not torch.cuda.is_available():
@@ -162,34 +143,23 @@ def prepare(device: torch.device) -> None:
 
     if _build.find_nvcc() is None or _build.package_source_dir() is None:
         return
-    try:
-        path = _build.build_in_cache()
-        _state = _Extension(load_file("posenc_fast._C", path), None)
-    except (RuntimeError, ImportError, OSError, ValueError) as error:
-        _state = _Extension(None, f"backend='cuda': the CUDA extension is not installed and building it on demand "
-                                  f"failed: {error}")
+    _lookup.load_build(_build.build_in_cache, "backend='cuda': the CUDA extension is not installed and building "
+                       "it on demand failed")
 
 
 def use_host_emulation(path: Optional[str]) -> None:
     """Tests only: load the host-emulation build at ``path`` (``_build.build_host_emulation``), so
     that backend='cuda' runs the kernels' own code on CPU tensors; ``None`` switches back."""
-    global _state, _host_emulation
+    global _host_emulation
     if path is None:
-        _state, _host_emulation = None, False
+        _lookup.state, _host_emulation = None, False
         return
     spec = importlib.util.spec_from_file_location("posenc_fast_host_emulation._C", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     if not module.HOST_EMULATION:
         raise ValueError(f"{path} is not a host-emulation build")
-    _state, _host_emulation = _Extension(module, None), True
-
-
-def _require():
-    module = extension()
-    if module is None:
-        raise RuntimeError(extension_problem())
-    return module
+    _lookup.state, _host_emulation = Extension(module, None), True
 
 
 def _dtype_code(module, dtype: torch.dtype) -> int:
@@ -258,27 +228,16 @@ def prepare_forward(dtype, num_rows: int, device, turns, params: KernelParams) -
     if module is None:
         return None
     turns = int64_vector(turns)
-    columns = params.columns
-    launch = module.ForwardLaunch(
-        dtype_code(module, dtype, "cuda"), turns.data_ptr(), turns.shape[0], num_rows,
-        params.token_width, params.pe_width, params.concat, columns.interleaved, columns.sin_base, columns.num_sin,
-        columns.cos_base, columns.num_cos, params.pe_zero_id, params.embed_scale, params.pe_scale,
-        params.float64_math, device.index or 0)
-    return PreparedLaunch(pointer_launch(launch, module, "cuda", ID_DTYPES), ID_DTYPES, current_stream_function(device),
-                          lambda: _state is state and _host_emulation == emulating, turns)
+    launch = bind_forward(module, "cuda", dtype, num_rows, turns, params, ID_DTYPES, device.index or 0)
+    return PreparedLaunch(launch, ID_DTYPES, current_stream_function(device),
+                          lambda: _lookup.state is state and _host_emulation == emulating, turns)
 
 
 def forward(ids, weight, turns, positions, offsets, offset, seq_len, params: KernelParams,
             dropout: Optional[Dropout]):
-    num_tokens = ids.numel()
-    out = new_buffer((num_tokens, params.width), weight.dtype, weight.device)
-    if num_tokens == 0:
+    out, module, ids, weight = start_forward(ids, weight, params, _lookup.require)
+    if module is None:  # no tokens
         return out
-    module = _require()
-    if weight.stride(1) != 1:
-        weight = weight.contiguous()
-    if not ids.is_contiguous():
-        ids = ids.contiguous()
     stream, device = _stream_and_device(weight)
     _launch_forward(module, ids, weight, out, int64_vector(turns), int64_vector(positions), int64_vector(offsets),
                     offset, seq_len, params, dropout, stream, device)
@@ -291,7 +250,7 @@ def backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_id
     num_tokens = ids.numel()
     if num_tokens == 0 or num_embeddings == 0 or token_width == 0:
         return grad_weight
-    module = _require()
+    module = _lookup.require()
     # The kernels take the gradient in the weight's dtype or in fp32.
     grad_out = gradient_rows(grad_out, weight_dtype if grad_out.dtype == weight_dtype else torch.float32)
     sorted_ids, order = sort_ids_for_gradient(ids, num_embeddings) if sorted_ids is None else sorted_ids
