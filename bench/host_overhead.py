@@ -314,12 +314,11 @@ TRITON_ROUTES = ("kept kernel", "JIT kernel[grid]")
 
 def _triton_route(route: str):
     """Make launches prepared from now on take ``route``, with no launch prepared before (the functional entry
-    points keep theirs on their cached spec); returns a function that restores the default."""
-    from posenc_fast import _validate
+    points keep theirs per spec); returns a function that restores the default."""
+    from posenc_fast import _prepared
     from posenc_fast.backends import triton_launch
     saved_range = triton_launch.TESTED_TRITON
-    for spec in list(_validate._VALIDATED_SPECS.values()):
-        spec.prepared_launches.clear()
+    _prepared.forget_functional_launches()
     if route == "JIT kernel[grid]":
         triton_launch.TESTED_TRITON = ((0, 0), (0, 0))  # no release in range: nothing is kept
 

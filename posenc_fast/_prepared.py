@@ -3,18 +3,19 @@ worked out once.
 
 A decoding step calls the layer with a few tokens, so its cost is host time: validation, backend
 choice, argument packing and the binding's conversion of thirty-one arguments (bench/host_overhead.py
-times it).  After a call that took the general path (``functional.apply_spec`` / ``apply_add_spec``)
-and could have taken this one, the entry point keeps a prepared launch: the resolved backend, its
-kernel parameters and a ``PreparedLaunch`` (the backend's binding with those parameters bound).
+times it).  The general path (``functional.apply_spec`` / ``apply_add_spec``) builds one after an eager call that could
+have taken it, from the backend it resolved and the spec's kernel parameters: a ``PreparedLaunch`` (the
+backend's binding with those parameters bound, the backend's own object) and what a call must match to
+use it.
 
 - ``SinusoidalEmbedding`` keeps a :class:`PreparedForward` on the module; ``sinusoidal_embedding`` keeps
-  one on its spec per backend and table (``functional_embedding``).
-- ``SinusoidalPositionalEncoding`` keeps a :class:`PreparedAddition`; ``add_sinusoidal`` keeps one on its
-  spec per backend, dtype and device (``functional_addition``): ``x`` plays a table whose row n is read
+  one per spec, backend and table here (``functional_embedding``).
+- ``SinusoidalPositionalEncoding`` keeps a :class:`PreparedAddition`; ``add_sinusoidal`` keeps one per
+  spec, backend, dtype and device (``functional_addition``): ``x`` plays a table whose row n is read
   by token n, as in the op.
 
 The next call runs the prepared launch if it is the same kind of call on the same kind of table; in
-training (autograd) it runs inside ``ops.LaunchedEmbeddingFunction`` / ``LaunchedAdditionFunction``,
+training (autograd) it runs inside :class:`LaunchedEmbeddingFunction` / :class:`LaunchedAdditionFunction`,
 whose backward is the general path's.  Anything else (another dtype, shape or device of the table,
 another spec, backend, position rule, vocabulary range or dropout probability, a changed extension, a
 call that needs dropout, positions, a tensor offset or cu_seqlens, or one under torch.compile, tracing,
@@ -39,11 +40,10 @@ import torch
 
 from . import backends as _backends
 from . import config
-from ._dispatch import get_backend, resolve_backend
+from ._dispatch import get_backend
 from ._routing import eager_call
 from ._validate import check_id_bounds
-from .backends import kernel_params
-from .ops import LaunchedAdditionFunction, LaunchedEmbeddingFunction, check_ids_if_enabled
+from .ops import AddSinusoidalFunction, check_ids_if_enabled, dense_weight_gradient, sparse_weight_gradient
 
 _STRIDED, _CONTIGUOUS = torch.strided, torch.contiguous_format
 _TENSOR, _grad_enabled = torch.Tensor, torch.is_grad_enabled  # (module names: each attribute lookup costs)
@@ -52,17 +52,16 @@ _INT64_MIN, _INT64_END = -(2**63), 2**63
 # a bound: the largest for which the CUDA kernels keep 32-bit row arithmetic (forward_kernels.cuh).
 _ADDITION_ROW_BOUND = 2**32
 _FUNCTIONAL_KEPT = 16  # prepared launches kept per spec by the functional entry points, with their slots (_keep)
+_FUNCTIONAL_SPECS = 64  # specs whose functional launches are kept (_FUNCTIONAL)
 
 
-def _bind(spec, backend: str, dtype, num_rows: int, device, zero_pe_at_padding: bool):
-    """(backend name, the backend's PreparedLaunch) for tables of ``num_rows`` rows of ``dtype`` on
-    ``device``, or None where the backend has no prepared launch."""
-    name = resolve_backend(backend, device, dtype, float64_math=spec.precision == "float64")
+def _bind(spec, name: str, dtype, num_rows: int, device, zero_pe_at_padding: bool):
+    """Backend ``name``'s PreparedLaunch for tables of ``num_rows`` rows of ``dtype`` on ``device``, or None
+    where the backend has none."""
     prepare = getattr(get_backend(name), "prepare_forward", None)
     if prepare is None:
         return None
-    launch = prepare(dtype, num_rows, device, spec.turns_tensor(device), kernel_params(spec, zero_pe_at_padding))
-    return None if launch is None else (name, launch)
+    return prepare(dtype, num_rows, device, spec.turns_tensor(device), spec.kernel_params(zero_pe_at_padding))
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -96,16 +95,17 @@ class PreparedForward:
         self.dtype, self.shape, self.device = weight.dtype, weight.shape, weight.device
 
     @staticmethod
-    def build(spec, backend: str, dropout, weight: torch.Tensor) -> Optional["PreparedForward"]:
-        """The prepared launch for the next calls like the one that just succeeded on the general path with
-        these settings (so they are valid); where the backend has none, a stand-in that serves no call
-        (so that a module does not ask again on every call); None for a dropout that is not a float."""
+    def build(spec, backend: str, name: str, dropout, weight: torch.Tensor) -> Optional["PreparedForward"]:
+        """The prepared launch for the next calls like the one the general path just ran with these settings
+        (so they are valid), on backend ``name``, which it resolved from ``backend``; where that backend has
+        none, a stand-in that serves no call (so that a module does not ask again on every call); None for a
+        dropout that is not a float."""
         if type(dropout) is not float:
             return None
-        bound = _bind(spec, backend, weight.dtype, weight.shape[0], weight.device, spec.zero_pe_at_padding)
-        if bound is None:
+        launch = _bind(spec, name, weight.dtype, weight.shape[0], weight.device, spec.zero_pe_at_padding)
+        if launch is None:
             return _NoForward(spec, backend, dropout, weight)
-        return PreparedForward(spec, backend, dropout, weight, *bound)
+        return PreparedForward(spec, backend, dropout, weight, name, launch)
 
     def prepared_for(self, spec, backend: str, dropout, weight) -> bool:
         """Whether a table ``weight`` with these settings is still what this launch was prepared for."""
@@ -194,10 +194,10 @@ class PreparedAddition:
         self.spec, self.backend, self.dtype, self.device = spec, backend, x.dtype, x.device
 
     @staticmethod
-    def build(spec, backend: str, x: torch.Tensor) -> "PreparedAddition":
+    def build(spec, backend: str, name: str, x: torch.Tensor) -> "PreparedAddition":
         """As ``PreparedForward.build``: a stand-in that serves no call where the backend has no launch."""
-        bound = _bind(spec, backend, x.dtype, _ADDITION_ROW_BOUND, x.device, False)
-        return _NoAddition(spec, backend, x) if bound is None else PreparedAddition(spec, backend, x, bound[1])
+        launch = _bind(spec, name, x.dtype, _ADDITION_ROW_BOUND, x.device, False)
+        return _NoAddition(spec, backend, x) if launch is None else PreparedAddition(spec, backend, x, launch)
 
     def prepared_for(self, spec, backend: str, x) -> bool:
         return (spec is self.spec and backend == self.backend and x.dtype is self.dtype and x.device == self.device
@@ -271,11 +271,35 @@ class _NoAddition(PreparedAddition):
         return None
 
 
+# The functional entry points' prepared launches: id(spec) -> (spec, {key or slot: launch}).  By identity: a
+# spec is made once per set of arguments and kept (_validate.make_spec), and hashing its frequencies would cost
+# each call more than the lookup saves; the spec kept beside them guards against a reused id.
+_FUNCTIONAL: dict = {}
+
+
+def _kept_for(spec, create: bool = False) -> Optional[dict]:
+    entry = _FUNCTIONAL.get(id(spec))
+    if entry is not None and entry[0] is spec:
+        return entry[1]
+    if not create:
+        return None
+    if len(_FUNCTIONAL) >= _FUNCTIONAL_SPECS:
+        _FUNCTIONAL.clear()
+    kept = {}
+    _FUNCTIONAL[id(spec)] = (spec, kept)
+    return kept
+
+
+def forget_functional_launches() -> None:
+    """Drop every launch the functional entry points keep (their next calls take the general path first)."""
+    _FUNCTIONAL.clear()
+
+
 def _keep(spec, slot, key, prepared_for, build) -> None:
-    """Keep on ``spec`` under ``key`` the prepared launch ``build()`` makes, unless a current one is there (a
+    """Keep for ``spec`` under ``key`` the prepared launch ``build()`` makes, unless a current one is there (a
     functional entry point's; a few per spec), and make it the one that ``slot``'s calls try first where it is
     ``prepared_for`` the call that just succeeded."""
-    kept = spec.prepared_launches
+    kept = _kept_for(spec, create=True)
     prepared = kept.get(key)
     if prepared is None or not prepared.is_current():
         if len(kept) >= _FUNCTIONAL_KEPT:
@@ -292,13 +316,13 @@ def _keep(spec, slot, key, prepared_for, build) -> None:
 # call is the launch kept for the call's kind of table looked up (calls that alternate between kinds of
 # table), and made the slot's.
 def functional_embedding(spec, backend: str, dropout, training: bool, sparse, weight, ids, offset):
-    """``sinusoidal_embedding``'s call through the prepared launch kept on its spec, or None (general path).
+    """``sinusoidal_embedding``'s call through the prepared launch kept for its spec, or None (general path).
     ``spec`` is the arguments' (already made); after a general-path call, ``remember_embedding``."""
     if type(backend) is not str or type(dropout) is not float:
         return None
-    kept = spec.prepared_launches
+    kept = _kept_for(spec)
     slot = (backend, dropout)
-    prepared = kept.get(slot)
+    prepared = None if kept is None else kept.get(slot)
     if prepared is None:
         return None
     out = prepared.run(spec, backend, dropout, training, sparse, weight, ids, offset)
@@ -310,21 +334,22 @@ def functional_embedding(spec, backend: str, dropout, training: bool, sparse, we
     return out
 
 
-def remember_embedding(spec, backend: str, dropout, weight, ids, offset) -> None:
-    """After a general-path ``sinusoidal_embedding`` call that succeeded: prepare the next ones like it."""
-    if type(backend) is str and type(dropout) is float and type(offset) is int and eager_call(ids, weight):
+def remember_embedding(spec, backend: str, dropout, weight, name: str) -> None:
+    """The general path's ``keep`` for a ``sinusoidal_embedding`` call (``functional.apply_spec``): after the eager
+    call it ran on backend ``name``, prepare the next ones like it."""
+    if type(backend) is str and type(dropout) is float:
         _keep(spec, (backend, dropout), (backend, weight.dtype, weight.shape, weight.device, dropout),
               lambda prepared: prepared.prepared_for(spec, backend, dropout, weight),
-              lambda: PreparedForward.build(spec, backend, dropout, weight))
+              lambda: PreparedForward.build(spec, backend, name, dropout, weight))
 
 
 def functional_addition(spec, backend: str, x, offset):
-    """``add_sinusoidal``'s call through the prepared launch kept on its spec, or None (general path)."""
+    """``add_sinusoidal``'s call through the prepared launch kept for its spec, or None (general path)."""
     if type(backend) is not str:
         return None
-    kept = spec.prepared_launches
+    kept = _kept_for(spec)
     slot = ("add", backend)
-    prepared = kept.get(slot)
+    prepared = None if kept is None else kept.get(slot)
     if prepared is None:
         return None
     out = prepared.run(spec, backend, x, offset)
@@ -336,8 +361,58 @@ def functional_addition(spec, backend: str, x, offset):
     return out
 
 
-def remember_addition(spec, backend: str, x, offset) -> None:
-    if type(backend) is str and type(offset) is int and type(x) is torch.Tensor and eager_call(x, x):
+def remember_addition(spec, backend: str, x, name: str) -> None:
+    """As ``remember_embedding``, for ``add_sinusoidal`` (``functional.apply_add_spec``)."""
+    if type(backend) is str:
         _keep(spec, ("add", backend), ("add", backend, x.dtype, x.device),
               lambda prepared: prepared.prepared_for(spec, backend, x),
-              lambda: PreparedAddition.build(spec, backend, x))
+              lambda: PreparedAddition.build(spec, backend, name, x))
+
+
+class _PlainEagerApply:
+    """``apply`` as torch's C++ Function apply, without ``torch.autograd.Function.apply``'s per-call argument
+    binding (``ops._DirectApply``): these Functions run only on plain eager calls, never under torch.func."""
+
+    @classmethod
+    def apply(cls, *args):
+        return super(torch.autograd.Function, cls).apply(*args)
+
+
+class LaunchedEmbeddingFunction(_PlainEagerApply, torch.autograd.Function):
+    """An eager training call that a prepared launch serves: its forward is the launch, its backward the
+    weight-gradient op that ``ops.EmbeddingFunction`` uses (``ops.dense_weight_gradient``, or
+    ``ops.sparse_weight_gradient``), with the same ids, so gradients and double backward are the same bit for
+    bit.  Five arguments instead of fifteen: the Function's apply converts each.  Plain eager calls only
+    (``PreparedForward.run`` checks): torch.func and forward AD take ``EmbeddingFunction``."""
+
+    @staticmethod
+    def forward(ctx, weight, ids, launch, offset, gradient):
+        out = launch(weight, ids, offset)
+        # Flat, as EmbeddingFunction saves them: a recomputation (activation checkpointing) may take the
+        # other path and must save the same.
+        ctx.save_for_backward(ids.reshape(-1))
+        ctx.gradient = gradient  # (sparse, num_embeddings, token_width, embed_scale, padding_idx, dtype, backend)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (ids,) = ctx.saved_tensors
+        sparse, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype, backend = ctx.gradient
+        grad_weight = None
+        if ctx.needs_input_grad[0]:
+            gradient = sparse_weight_gradient if sparse else dense_weight_gradient
+            grad_weight = gradient(grad_out.reshape(-1, grad_out.shape[-1]), ids, num_embeddings,
+                                   token_width, embed_scale, padding_idx, weight_dtype, None, 0.0, backend)
+        return grad_weight, None, None, None, None
+
+
+class LaunchedAdditionFunction(_PlainEagerApply, torch.autograd.Function):
+    """An eager training call of ``add_sinusoidal`` that a prepared launch serves (as
+    ``LaunchedEmbeddingFunction``): the gradient to ``x`` is ``x_scale * grad``, as in the op."""
+
+    @staticmethod
+    def forward(ctx, x, x_scale, launch, *launch_arguments):
+        ctx.x_scale, ctx.num_inputs = x_scale, 3 + len(launch_arguments)
+        return launch(x, *launch_arguments)
+
+    backward = staticmethod(AddSinusoidalFunction.backward)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from typing import List, Optional, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -141,6 +141,27 @@ class PEColumns:
 _COLUMNS_FROM_LIST = {}  # as_list() tuple -> PEColumns (a handful of layouts per process)
 
 
+class KernelParams(NamedTuple):
+    """The plain numbers a kernel needs (``PESpec.kernel_params``; the op builds them from its flat arguments)."""
+
+    concat: bool
+    token_width: int
+    pe_width: int
+    columns: PEColumns
+    embed_scale: float
+    pe_scale: float
+    pe_zero_id: int  # tokens with this id get no PE (fairseq padding); -1: none
+    float64_math: bool = False  # PE and sum in float64, one rounding (backends declare FLOAT64_MATH)
+
+    @property
+    def width(self) -> int:
+        return self.token_width + self.pe_width if self.concat else self.token_width
+
+    @property
+    def num_pairs(self) -> int:
+        return self.pe_width // 2
+
+
 @dataclasses.dataclass(frozen=True)
 class PESpec:
     """Everything about the layer that is fixed before seeing a batch.
@@ -159,24 +180,38 @@ class PESpec:
     padding_idx: Optional[int] = None  # normalised to [0, num_embeddings) or None
     zero_pe_at_padding: bool = False  # tokens equal to padding_idx get no PE (fairseq)
     precision: str = "float32"  # "float64": correctly rounded fp32 outputs (slower on consumer GPUs)
-    # Derived, not compared: R_i for each frequency, the column layout, device copies of R, and the
-    # backends' KernelParams (backends.kernel_params).
+    # Derived from the fields above, not compared or pickled: R_i for each frequency, the column layout, the
+    # kernels' parameters (without and with the PE zeroed at padding) and device copies of R (turns_tensor).
     turns_fixed_point: Tuple[int, ...] = dataclasses.field(init=False, compare=False, repr=False)
     columns: PEColumns = dataclasses.field(init=False, compare=False, repr=False)
-    _turns_by_device: dict = dataclasses.field(init=False, compare=False, repr=False, default_factory=dict)
-    kernel_params_cache: dict = dataclasses.field(init=False, compare=False, repr=False, default_factory=dict)
-    # The functional entry points' prepared launches (posenc_fast._prepared): plain data, made in eager mode.
-    prepared_launches: dict = dataclasses.field(init=False, compare=False, repr=False, default_factory=dict)
-
-    def __getstate__(self):
-        # Copies and pickles leave the prepared launches behind (binding objects): prepared again on use.
-        return {**self.__dict__, "prepared_launches": {}}
+    _kernel_params: Tuple[KernelParams, KernelParams] = dataclasses.field(init=False, compare=False, repr=False)
+    _turns_by_device: dict = dataclasses.field(init=False, compare=False, repr=False)
 
     def __post_init__(self):
         # Plain attributes rather than functools.cached_property, whose lock torch.compile cannot trace.
         object.__setattr__(self, "turns_fixed_point", turns_fixed_point(tuple(self.frequencies)))
         tail_is_sin = len(self.frequencies) > self.pe_width // 2
-        object.__setattr__(self, "columns", PEColumns.of(self.layout, self.pe_width, tail_is_sin))
+        columns = PEColumns.of(self.layout, self.pe_width, tail_is_sin)
+        object.__setattr__(self, "columns", columns)
+        params = KernelParams(self.mode == "concat", self.token_width, self.pe_width, columns, self.embed_scale,
+                              self.pe_scale, -1, self.precision == "float64")
+        zero_id = -1 if self.padding_idx is None else self.padding_idx
+        object.__setattr__(self, "_kernel_params", (params, params._replace(pe_zero_id=zero_id)))
+        object.__setattr__(self, "_turns_by_device", {})
+
+    def __getstate__(self):
+        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self) if field.init}
+
+    def __setstate__(self, state):
+        for name, value in state.items():
+            if name in self.__dataclass_fields__ and self.__dataclass_fields__[name].init:
+                object.__setattr__(self, name, value)
+        self.__post_init__()
+
+    def kernel_params(self, zero_pe_at_padding: bool) -> KernelParams:
+        """The kernels' parameters; ``zero_pe_at_padding``: the padding row's tokens get no PE (the call's
+        choice: the fsmt position rule gives them one once the past length is not 0)."""
+        return self._kernel_params[zero_pe_at_padding]
 
     @property
     def width(self) -> int:

@@ -16,7 +16,6 @@ from ._routing import eager_call as _eager_call, in_onnx_export as _in_onnx_expo
 from ._routing import tracing as _tracing
 from ._spec import PESpec, dispatch_mode_depth
 from ._validate import check_offset, check_weight, check_weight_for_spec, make_batch, make_spec, refuse_nested
-from .backends import kernel_params as _kernel_params
 from .ops import (AddSinusoidalFunction, EmbeddingFunction, add_sinusoidal_forward, add_sinusoidal_op,
                   add_sinusoidal_standard_ops, run_forward, sinusoidal_embedding_op, standard_ops_forward)
 from .positions import make_positions, packed_positions
@@ -112,11 +111,9 @@ def sinusoidal_embedding(
             out = functional_embedding(spec, backend, dropout_p, training, sparse, weight, ids, offset)
             if out is not None:
                 return out
-    out = apply_spec(ids, weight, spec, spec.turns_tensor(weight.device), positions, offset, backend,
-                     cu_seqlens=cu_seqlens, dropout_p=dropout_p, training=training, sparse=sparse)
-    if simple_call:
-        remember_embedding(spec, backend, dropout_p, weight, ids, offset)
-    return out
+    keep = functools.partial(remember_embedding, spec, backend, dropout_p, weight) if simple_call else None
+    return apply_spec(ids, weight, spec, spec.turns_tensor(weight.device), positions, offset, backend,
+                      cu_seqlens=cu_seqlens, dropout_p=dropout_p, training=training, sparse=sparse, keep=keep)
 
 
 def _positions_by_rule(ids, spec: PESpec, positions, offset, cu_seqlens, position_rule: str):
@@ -220,7 +217,7 @@ def _check_fsmt_symbolic_past() -> None:
 def apply_spec(ids, weight, spec: PESpec, turns: torch.Tensor, positions, offset, backend: str, *,
                cu_seqlens=None, position_rule: str = "offset", vocab_range=None,
                dropout_p: float = 0.0, training: bool = True, sparse: bool = False,
-               standard_ops_under_export: bool = False) -> torch.Tensor:
+               standard_ops_under_export: bool = False, keep=None) -> torch.Tensor:
     """Run the layer described by ``spec`` (``turns``: its fixed-point frequencies on weight's device).
 
     ``vocab_range=(start, end)``: ``weight`` holds rows start..end-1 of a larger vocabulary of
@@ -230,6 +227,8 @@ def apply_spec(ids, weight, spec: PESpec, turns: torch.Tensor, positions, offset
     ``sparse``: the weight's gradient as a sparse tensor (``ops.sparse_weight_gradient``).
     ``standard_ops_under_export``: under torch.export, the definition in standard ops instead of the fused
     op (patch_model's position modules: an exported model then runs without posenc_fast).
+    ``keep(name)``: called with the backend that ran, after an eager call with an int offset (one a prepared
+    launch could serve, posenc_fast._prepared), for the caller to prepare the next calls like it.
     """
     _refuse_jit_trace(positions, offset, cu_seqlens, position_rule)
     refuse_nested("ids", ids)  # (before a position rule or cu_seqlens reads its shape)
@@ -262,12 +261,16 @@ def apply_spec(ids, weight, spec: PESpec, turns: torch.Tensor, positions, offset
                                   "torch.compile, torch.export, jit.trace, a TorchDispatchMode (e.g. FlopCounterMode, "
                                   "selective activation checkpointing) or with tensor subclasses; there use "
                                   "sparse=False (a dense, equally deterministic gradient)")
+    if keep is not None and type(offset) is int and route in (_RUN, _FUNCTION) and _eager_call(batch.ids, weight):
+        keep = functools.partial(keep, name)
+    else:
+        keep = None
     if route is _STANDARD_OPS:
         out = standard_ops_forward(batch.ids, weight, turns, batch.positions, batch.offsets, batch.offset,
-                                   batch.seq_len, _kernel_params(spec, zero_pe_at_padding), dropout_seed,
+                                   batch.seq_len, spec.kernel_params(zero_pe_at_padding), dropout_seed,
                                    -1 if spec.padding_idx is None else spec.padding_idx)
     elif route is not _OP:
-        params = _kernel_params(spec, zero_pe_at_padding)
+        params = spec.kernel_params(zero_pe_at_padding)
         if route is _FUNCTION:
             out = EmbeddingFunction.apply(weight, batch.ids, turns, batch.positions, batch.offsets, batch.offset,
                                           batch.seq_len, params, -1 if spec.padding_idx is None else spec.padding_idx,
@@ -279,7 +282,10 @@ def apply_spec(ids, weight, spec: PESpec, turns: torch.Tensor, positions, offset
                 # The backend's fresh [N, width] buffer, reshaped in place rather than viewed: like
                 # nn.Embedding's output (and the prepared launch's, posenc_fast._prepared) it is then not a
                 # view, which under no_grad could not later be modified in place with grad mode on.
-                return out.resize_(batch.out_shape)
+                out = out.resize_(batch.out_shape)
+                if keep is not None:
+                    keep()
+                return out
     else:
         out = sinusoidal_embedding_op(
             batch.ids, weight, turns, batch.positions, batch.offsets, batch.offset, batch.seq_len,
@@ -287,6 +293,8 @@ def apply_spec(ids, weight, spec: PESpec, turns: torch.Tensor, positions, offset
             -1 if spec.padding_idx is None else spec.padding_idx, zero_pe_at_padding, spec.precision == "float64",
             vocab_start, vocab_size, dropout_seed, dropout_p, name,
         )
+    if keep is not None:
+        keep()
     return out.reshape(batch.out_shape)
 
 
@@ -336,15 +344,15 @@ def add_sinusoidal(
             out = functional_addition(spec, backend, x, offset)
             if out is not None:
                 return out
-    out = apply_add_spec(x, spec, spec.turns_tensor(x.device), positions, offset, cu_seqlens, backend)
-    if simple_call:
-        remember_addition(spec, backend, x, offset)
-    return out
+    keep = functools.partial(remember_addition, spec, backend, x) if simple_call else None
+    return apply_add_spec(x, spec, spec.turns_tensor(x.device), positions, offset, cu_seqlens, backend, keep)
 
 
 @_quiet_under_jit_trace
-def apply_add_spec(x, spec: PESpec, turns: torch.Tensor, positions, offset, cu_seqlens, backend: str) -> torch.Tensor:
-    """Run :func:`add_sinusoidal` as ``spec`` describes it (``spec.embed_scale`` is ``x_scale``)."""
+def apply_add_spec(x, spec: PESpec, turns: torch.Tensor, positions, offset, cu_seqlens, backend: str,
+                   keep=None) -> torch.Tensor:
+    """Run :func:`add_sinusoidal` as ``spec`` describes it (``spec.embed_scale`` is ``x_scale``); ``keep``
+    as ``apply_spec`` takes it."""
     _refuse_jit_trace(positions, offset, cu_seqlens)
     refuse_nested("x", x, " [..., D]")  # (the modules' calls come here first)
     if x.shape[-1] != spec.pe_width:
@@ -361,4 +369,6 @@ def apply_add_spec(x, spec: PESpec, turns: torch.Tensor, positions, offset, cu_s
           _STANDARD_OPS: add_sinusoidal_standard_ops}[route]
     out = op(rows, turns, batch.positions, batch.offsets, batch.offset, batch.seq_len, spec.columns.as_list(),
              spec.embed_scale, spec.pe_scale, spec.precision == "float64", name)
+    if keep is not None and type(offset) is int and route in (_RUN, _FUNCTION) and _eager_call(x, x):
+        keep(name)
     return out.reshape(x.shape)

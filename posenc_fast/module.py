@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence, Tuple, Union
 
 import torch
@@ -13,7 +14,7 @@ from ._dispatch import check_backend_name
 from ._dropout import check_dropout_p
 from ._validate import check_weight, make_spec
 from ._prepared import PreparedAddition, PreparedForward
-from ._routing import eager_call, tracing
+from ._routing import tracing
 from .functional import apply_add_spec, apply_spec
 from .presets import PADDING_AWARE_RULES, POSITION_RULES
 
@@ -187,13 +188,17 @@ class SinusoidalEmbedding(nn.Module):
             out = prepared.run(spec, backend, dropout, self.training, self.sparse, weight, ids, offset)
             if out is not None:
                 return out
-        out = apply_spec(ids, weight, spec, spec.turns_tensor(weight.device), positions, offset, backend,
-                         cu_seqlens=cu_seqlens, position_rule=self.position_rule, vocab_range=self.vocab_range,
-                         dropout_p=dropout, training=self.training, sparse=self.sparse)
-        if simple_call and type(offset) is int and eager_call(ids, weight) and (
-                prepared is None or not prepared.prepared_for(spec, backend, dropout, weight)):
-            self._prepared = PreparedForward.build(spec, backend, dropout, weight)
-        return out
+        keep = functools.partial(self._keep_prepared, spec, backend, dropout, weight) if simple_call else None
+        return apply_spec(ids, weight, spec, spec.turns_tensor(weight.device), positions, offset, backend,
+                          cu_seqlens=cu_seqlens, position_rule=self.position_rule, vocab_range=self.vocab_range,
+                          dropout_p=dropout, training=self.training, sparse=self.sparse, keep=keep)
+
+    def _keep_prepared(self, spec, backend: str, dropout, weight, name: str) -> None:
+        """The general path's ``keep``: after an eager call on backend ``name``, prepare the next ones like it
+        (unless the launch kept already serves them)."""
+        prepared = self._prepared
+        if prepared is None or not prepared.prepared_for(spec, backend, dropout, weight):
+            self._prepared = PreparedForward.build(spec, backend, name, dropout, weight)
 
     def __getstate__(self):
         # The prepared launch holds a binding object: not copied or pickled, prepared again on use.
@@ -332,11 +337,14 @@ class SinusoidalPositionalEncoding(nn.Module):
             out = prepared.run(spec, backend, x, offset)
             if out is not None:
                 return out
-        out = apply_add_spec(x, spec, spec.turns_tensor(x.device), positions, offset, cu_seqlens, backend)
-        if simple_call and type(offset) is int and type(x) is torch.Tensor and eager_call(x, x) and (
-                prepared is None or not prepared.prepared_for(spec, backend, x)):
-            self._prepared = PreparedAddition.build(spec, backend, x)
-        return out
+        keep = functools.partial(self._keep_prepared, spec, backend, x) if simple_call else None
+        return apply_add_spec(x, spec, spec.turns_tensor(x.device), positions, offset, cu_seqlens, backend, keep)
+
+    def _keep_prepared(self, spec, backend: str, x, name: str) -> None:
+        """As ``SinusoidalEmbedding._keep_prepared``."""
+        prepared = self._prepared
+        if prepared is None or not prepared.prepared_for(spec, backend, x):
+            self._prepared = PreparedAddition.build(spec, backend, name, x)
 
     _prepared: Optional[PreparedAddition] = None  # as SinusoidalEmbedding's
 

@@ -431,34 +431,6 @@ def dense_weight_gradient(grad_out, ids, *rest) -> Tensor:
     return WeightGradient.apply(grad_out, ids, *rest)
 
 
-class LaunchedEmbeddingFunction(_DirectApply, torch.autograd.Function):
-    """An eager training call that a prepared launch serves (``posenc_fast._prepared``): its forward is the
-    launch, its backward the weight-gradient op that ``EmbeddingFunction`` uses (``WeightGradient``, or
-    ``sparse_weight_gradient``), with the same ids, so gradients and double backward are the same bit for
-    bit.  Five arguments instead of fifteen: the Function's apply converts each.  Plain eager calls only
-    (the prepared launch checks): torch.func and forward AD take ``EmbeddingFunction``."""
-
-    @staticmethod
-    def forward(ctx, weight, ids, launch, offset, gradient):
-        out = launch(weight, ids, offset)
-        # Flat, as EmbeddingFunction saves them: a recomputation (activation checkpointing) may take the
-        # other path and must save the same.
-        ctx.save_for_backward(ids.reshape(-1))
-        ctx.gradient = gradient  # (sparse, num_embeddings, token_width, embed_scale, padding_idx, dtype, backend)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        (ids,) = ctx.saved_tensors
-        sparse, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype, backend = ctx.gradient
-        grad_weight = None
-        if ctx.needs_input_grad[0]:
-            gradient = sparse_weight_gradient if sparse else dense_weight_gradient
-            grad_weight = gradient(grad_out.reshape(-1, grad_out.shape[-1]), ids, num_embeddings,
-                                   token_width, embed_scale, padding_idx, weight_dtype, None, 0.0, backend)
-        return grad_weight, None, None, None, None
-
-
 # The PE added to an existing float tensor (speech encoders: conv features; MusicGen: summed codebooks):
 # ``y = x_scale * x + pe_scale * PE(position)``.  It is the embedding op with ``weight = x`` viewed as
 # [N, D] and ids 0..N-1, so every backend's forward kernel serves it unchanged; its gradient to x is
@@ -535,18 +507,6 @@ class AddSinusoidalFunction(_DirectApply, torch.autograd.Function):
     @staticmethod
     def jvp(ctx, x_tangent, *_input_tangents):
         return None if x_tangent is None else x_tangent * ctx.x_scale
-
-
-class LaunchedAdditionFunction(_DirectApply, torch.autograd.Function):
-    """An eager training call of ``add_sinusoidal`` that a prepared launch serves (as
-    ``LaunchedEmbeddingFunction``): the gradient to ``x`` is ``x_scale * grad``, as in the op."""
-
-    @staticmethod
-    def forward(ctx, x, x_scale, launch, *launch_arguments):
-        ctx.x_scale, ctx.num_inputs = x_scale, 3 + len(launch_arguments)
-        return launch(x, *launch_arguments)
-
-    backward = staticmethod(_add_backward)
 
 
 # --- The layer in standard torch ops -------------------------------------------------------------------

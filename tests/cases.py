@@ -52,6 +52,27 @@ def backend_targets():
 INTERPRETER = "triton-interpreter"  # the id of the target that runs the Triton kernels in Triton's interpreter
 
 
+@dataclasses.dataclass(frozen=True)
+class BackendTraits:
+    """What the tests expect of a backend beyond the reference's numbers: a new backend is a row of
+    ``BACKEND_TRAITS`` (and its target in ``backend_targets``)."""
+
+    prepared_launch: bool  # repeated eager calls take a prepared launch (the backend has prepare_forward)
+    exported: bool  # tests/test_export.py runs torch.export programs of it (on CPU tensors)
+    example: Tuple[str, str]  # examples/train_tiny_lm.py's --pe and --dropout for its run (tests/test_examples.py)
+    example_slow: Optional[str] = None  # why that run is slow, if it is
+
+
+BACKEND_TRAITS = {
+    "torch": BackendTraits(prepared_launch=False, exported=True, example=("concat", "0")),
+    "cpu": BackendTraits(prepared_launch=True, exported=True, example=("add", "0.1")),
+    "triton": BackendTraits(prepared_launch=True, exported=False, example=("add", "0"),
+                            example_slow="a training run through Triton (its interpreter without a GPU): ~20 s"),
+    "cuda": BackendTraits(prepared_launch=True, exported=False, example=("concat", "0.1")),
+}
+PREPARED_BACKENDS = tuple(name for name, traits in BACKEND_TRAITS.items() if traits.prepared_launch)
+
+
 def _marked_slow(param, why):
     return pytest.param(*param.values, id=param.id, marks=(*param.marks, pytest.mark.slow(reason=why)))
 

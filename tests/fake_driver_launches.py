@@ -54,7 +54,7 @@ def main() -> None:
     import triton
 
     import posenc_fast as pf
-    from posenc_fast.backends import kernel_params, triton_backend, triton_launch
+    from posenc_fast.backends import triton_backend, triton_launch
 
     triton_backend._load_kernels()
     assert triton_backend._kernels_interpreted is False
@@ -71,7 +71,7 @@ def main() -> None:
     triton_launch.KeptLaunches.launch = counting_launch
     generator = torch.Generator().manual_seed(int(os.environ.get("POSENC_FAST_TEST_SEED", "0")))
     layer = pf.SinusoidalEmbedding(1000, WIDTH, embed_scale=3.0)
-    params = kernel_params(layer.spec, False)
+    params = layer.spec.kernel_params(False)
     device = torch.device("cuda", 0)
     turns = layer.spec.turns_tensor("cpu")
     weight = torch.randn(1000, WIDTH, generator=generator)

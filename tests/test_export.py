@@ -15,7 +15,7 @@ import torch
 import posenc_fast
 from posenc_fast import SinusoidalEmbedding, SinusoidalPositionalEncoding, reference
 
-from cases import cpu_extension_problem
+from cases import BACKEND_TRAITS, cpu_extension_problem
 from tiny_models import tiny_marian_config
 
 export_module = pytest.importorskip("torch.export", reason="torch.export is not available in this PyTorch")
@@ -38,10 +38,11 @@ STRICT = [pytest.param(True, id="strict"), pytest.param(False, id="nonstrict")]
 
 
 def _backends():
-    params = [pytest.param("torch", id="torch")]
-    problem = cpu_extension_problem()
-    params.append(pytest.param("cpu", id="cpu", marks=pytest.mark.skipif(
-        problem is not None, reason=f"CPU extension unavailable: {problem}")))
+    params = []
+    for name in (name for name, traits in BACKEND_TRAITS.items() if traits.exported):
+        problem = cpu_extension_problem() if name == "cpu" else None
+        params.append(pytest.param(name, id=name, marks=pytest.mark.skipif(
+            problem is not None, reason=f"CPU extension unavailable: {problem}")))
     return params
 
 

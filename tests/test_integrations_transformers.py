@@ -20,7 +20,7 @@ import functools
 import inspect
 import dataclasses
 import warnings
-from typing import Callable, Tuple
+from typing import Callable, FrozenSet, List, Tuple
 
 import pytest
 import torch
@@ -216,29 +216,46 @@ class Family:
     generates: bool = True
     trainable_pe: Tuple[str, ...] = ()  # PE tables transformers 5.x keeps trainable: frozen once patched
     tokens: bool = True  # has a token table (get_input_embeddings() is an nn.Embedding)
+    # The costly tests that run on this family besides those every family runs (each picks a few families
+    # that cover its kinds): "compile" (fullgraph), "device_map", "offload" (accelerate's hooks),
+    # "static_cache" (compiled generation), "optimum", "exporters" (transformers.exporters).
+    costly: FrozenSet[str] = frozenset()
+
+
+def families_for(test: str) -> List["Family"]:
+    """The families whose ``costly`` names ``test``."""
+    return [f for f in FAMILIES if test in f.costly]
+
+
+def family_named(name: str) -> "Family":
+    return next(f for f in FAMILIES if f.name == name)
 
 
 FAMILIES = [
-    Family("m2m100", m2m100, "seq2seq"),
+    Family("m2m100", m2m100, "seq2seq", costly=frozenset(
+        {"compile", "device_map", "offload", "static_cache", "optimum", "exporters"})),
     Family("m2m100_unscaled", lambda: m2m100(scale_embedding=False), "seq2seq"),
     Family("nllb_moe", nllb_moe, "seq2seq"),
-    Family("marian", marian, "seq2seq"),
+    Family("marian", marian, "seq2seq", costly=frozenset(
+        {"compile", "device_map", "offload", "static_cache", "optimum", "exporters"})),
     Family("marian_unscaled_odd_width", marian_odd_width, "seq2seq"),
-    Family("pegasus", pegasus, "seq2seq"),
+    Family("pegasus", pegasus, "seq2seq", costly=frozenset({"compile", "static_cache", "optimum", "exporters"})),
     Family("fsmt", fsmt, "seq2seq",
-           trainable_pe=("model.encoder.embed_positions.weight", "model.decoder.embed_positions.weight")),
-    Family("speech_to_text", speech_to_text, "speech"),
-    Family("whisper", whisper, "whisper"),
+           trainable_pe=("model.encoder.embed_positions.weight", "model.decoder.embed_positions.weight"),
+           costly=frozenset({"compile", "device_map", "exporters"})),
+    Family("speech_to_text", speech_to_text, "speech", costly=frozenset({"compile", "exporters"})),
+    Family("whisper", whisper, "whisper", costly=frozenset({"exporters"})),
     Family("whisper_audio_classification", whisper_audio_classification, "audio_classification", generates=False,
            tokens=False),
-    Family("xlm", xlm, "causal", trainable_pe=("transformer.position_embeddings.weight",)),
+    Family("xlm", xlm, "causal", trainable_pe=("transformer.position_embeddings.weight",),
+           costly=frozenset({"compile", "device_map", "offload", "exporters"})),
     Family("distilbert", distilbert, "mlm", generates=False,
-           trainable_pe=("distilbert.embeddings.position_embeddings.weight",)),
+           trainable_pe=("distilbert.embeddings.position_embeddings.weight",), costly=frozenset({"compile", "exporters"})),
     Family("musicgen", musicgen, "musicgen", tokens=False),
     Family("musicgen_text_to_audio", musicgen_text_to_audio, "musicgen_text", tokens=False),
     Family("kosmos2_text", kosmos2_text, "causal"),
     Family("kosmos2_image_rows", kosmos2, "kosmos2"),
-    Family("xglm", xglm, "causal"),
+    Family("xglm", xglm, "causal", costly=frozenset({"exporters"})),
     Family("pegasus_x", pegasus_x, "seq2seq"),
     Family("seamless_m4t", seamless_m4t, "seq2seq"),
     Family("seamless_m4t_v2", seamless_m4t_v2, "seq2seq"),
@@ -482,7 +499,7 @@ def test_generate_gives_the_same_tokens(family, how, seed):
 
 
 def test_patch_twice_changes_nothing_more():
-    model, original = _pair(FAMILIES[0])
+    model, original = _pair(family_named("m2m100"))
     pf.patch_model(model)
     forwards = {name: m.__dict__.get("forward") for name, m in model.named_modules()}
     pf.patch_model(model)
@@ -496,7 +513,7 @@ def test_patch_twice_changes_nothing_more():
 def test_unsupported_transformers_release_leaves_the_model_unpatched(monkeypatch, version, seed):
     """A transformers release outside SUPPORTED_TRANSFORMERS gets a warning naming the version and an
     unpatched model: never different numbers."""
-    model, original = _pair(FAMILIES[0])
+    model, original = _pair(family_named("m2m100"))
     monkeypatch.setattr(integration, "_installed_transformers_version", lambda: version)
     with pytest.warns(RuntimeWarning, match=f"transformers {version} is outside"):
         assert pf.patch_model(model) is model
@@ -526,7 +543,7 @@ def test_position_module_whose_code_changed_is_left_unpatched_with_a_warning(mon
         return torch.roll(rows, 1, dims=-2)
 
     monkeypatch.setattr(modeling_marian.MarianSinusoidalPositionalEmbedding, "forward", shifted)
-    model, original = _pair(FAMILIES[3])  # marian
+    model, original = _pair(family_named("marian"))
     with pytest.warns(RuntimeWarning, match="left MarianEncoder.MarianSinusoidalPositionalEmbedding unpatched"):
         pf.patch_model(model)
     assert not _patched_modules(model)
@@ -624,9 +641,7 @@ def test_speech_encoder_outputs_hidden_states_and_attentions(family, seed):
         _close(got, want)
 
 
-@pytest.mark.parametrize("family", [f for f in FAMILIES if f.name in ("m2m100", "marian", "pegasus", "fsmt",
-                                                                        "xlm", "distilbert", "speech_to_text")],
-                         ids=lambda f: f.name)
+@pytest.mark.parametrize("family", families_for("compile"), ids=lambda f: f.name)
 def test_patched_model_compiles_fullgraph(family, seed):
     """The patched position modules trace without graph breaks (no argument binding at call time)."""
     model, original, inputs = _patched_pair(family, seed)
@@ -658,7 +673,7 @@ def test_pegasus_x_bf16_pe_is_exact_at_long_positions():
 
 def test_deepcopy_and_pickle_keep_a_working_patch(tmp_path):
     """A deep copy or a pickled (torch.save) patched model runs its own modules, still patched."""
-    model, original = _pair(FAMILIES[0])  # m2m100
+    model, original = _pair(family_named("m2m100"))
     pf.patch_model(model)
     ids = torch.randint(3, VOCAB, (2, 6))
     expected = _logits(original, dict(input_ids=ids, decoder_input_ids=ids))
@@ -919,8 +934,7 @@ def test_patched_under_another_default_device(family, default_device, seed):
         _assert_same(lambda: _logits(model, inputs), lambda: _logits(original, inputs), _close)
 
 
-@pytest.mark.parametrize("family", [f for f in FAMILIES if f.name in ("marian", "m2m100", "xlm", "fsmt")],
-                         ids=lambda f: f.name)
+@pytest.mark.parametrize("family", families_for("device_map"), ids=lambda f: f.name)
 def test_device_map_load_with_broken_position_tables(family, seed, tmp_path):
     """from_pretrained(device_map=...) whose position tables came back wrong: a frozen table or buffer
     cannot have been trained, so the patch warns and computes the right PE; a trainable one might have
@@ -956,7 +970,7 @@ def test_device_map_load_with_broken_position_tables(family, seed, tmp_path):
     _close(_logits(model, inputs), _logits(model_ref, inputs))
 
 
-@pytest.mark.parametrize("family", [f for f in FAMILIES if f.name in ("marian", "m2m100", "xlm")], ids=lambda f: f.name)
+@pytest.mark.parametrize("family", families_for("offload"), ids=lambda f: f.name)
 def test_accelerate_offload_hooks_are_kept(family, seed):
     """accelerate's hooks (device_map, offloading) wrap each module's forward: the patch replaces what
     they wrap, so the weights still reach the execution device first and the hook stays."""
@@ -1045,7 +1059,7 @@ DDP_FAMILIES = [f for f in FAMILIES if f.trainable_pe]
 def _ddp_rank(rank, world, family_name, initial, inputs, result_path):
     import torch.distributed  # noqa: F401 - the process group is up (run_gloo_rank)
 
-    family = next(f for f in FAMILIES if f.name == family_name)
+    family = family_named(family_name)
     model = family.build()
     model.load_state_dict(initial)
     pf.patch_model(model)
@@ -1094,8 +1108,7 @@ def test_plain_ddp_trains_a_patched_model_with_sinusoidal_tables(family, seed, t
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", [f for f in FAMILIES if f.name in ("marian", "pegasus", "m2m100")],
-                         ids=lambda f: f.name)
+@pytest.mark.parametrize("family", families_for("static_cache"), ids=lambda f: f.name)
 def test_compiled_static_cache_generation_gives_the_same_tokens(family, seed):
     """generate(cache_implementation="static", compile_config=CompileConfig(fullgraph=True))."""
     compile_config = getattr(transformers, "CompileConfig", None)
@@ -1126,7 +1139,7 @@ def test_compiled_static_cache_generation_gives_the_same_tokens(family, seed):
 # --- Deploy through optimum-onnx ------------------------------------------------------------------------
 # optimum-onnx 0.1.0 needs transformers < 4.58, so these tests run where .ci/run tests transformers
 # 4.57.6 (with the [test-optimum] extra); with a newer transformers they skip and say why.
-OPTIMUM_FAMILIES = [f for f in FAMILIES if f.name in ("marian", "m2m100", "pegasus")]
+OPTIMUM_FAMILIES = families_for("optimum")
 
 
 def _optimum():
@@ -1190,8 +1203,7 @@ def test_optimum_exports_a_patched_model_in_process(family, seed, tmp_path):
 
 
 # --- transformers' own exporters (5.x: transformers.exporters) ---------------------------------------
-EXPORTER_FAMILIES = [f for f in FAMILIES if f.name in ("m2m100", "marian", "pegasus", "fsmt", "speech_to_text",
-                                                       "whisper", "xlm", "distilbert", "xglm")]
+EXPORTER_FAMILIES = families_for("exporters")
 
 
 def _exporters(backend: str):

@@ -20,11 +20,11 @@ from posenc_fast import _prepared, functional, reference
 from posenc_fast.backends import cpu_backend, cuda_backend
 from posenc_fast.backends._extension import Extension
 
-from cases import CASES, assert_within, backend_targets, cases_on_targets, make_inputs, output_bound
+from cases import (CASES, PREPARED_BACKENDS, assert_within, backend_targets, cases_on_targets, make_inputs,
+                   output_bound)
 
 TARGETS = backend_targets()
 TRITON_INTERPRETER = [t for t in TARGETS if t.values[0] == "triton" and t.values[1] == "cpu"]
-PREPARED_BACKENDS = ("cpu", "cuda", "triton")  # the backends with prepare_forward: every one but the reference
 # Cases whose positions an int offset gives: the calls a prepared launch serves.
 OFFSET_CASES = [c for c in CASES if c.position_rule in ("zero", "int")]
 
@@ -787,3 +787,14 @@ def test_triton_launches_follow_the_kernel_module(backend, device, monkeypatch, 
         assert len(prepared_runs) == 1  # the general path
         assert torch.equal(layer(ids), want)
         assert len(prepared_runs) == 2  # prepared again, on the new module
+
+
+def test_backend_traits_name_every_backend():
+    """tests/cases.py's BACKEND_TRAITS has a row per registered backend, and its prepared_launch says which
+    backends have a prepared launch (the tests above expect calls served by it exactly there)."""
+    from posenc_fast import _dispatch
+    from cases import BACKEND_TRAITS
+
+    assert set(BACKEND_TRAITS) == set(_dispatch.BACKENDS)
+    for name, traits in BACKEND_TRAITS.items():
+        assert traits.prepared_launch == hasattr(_dispatch.get_backend(name), "prepare_forward"), name

@@ -22,7 +22,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 import posenc_fast as pf  # noqa: E402
-from posenc_fast.backends import kernel_params, triton_backend, triton_launch  # noqa: E402
+from posenc_fast.backends import triton_backend, triton_launch  # noqa: E402
 
 
 def _triton_specialization():
@@ -125,7 +125,7 @@ def recording_gpu_launch(monkeypatch):
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: current_device[0], raising=False)
     monkeypatch.setattr(sys.modules[__name__], "CURRENT_DEVICE", current_device, raising=False)
     layer = pf.SinusoidalEmbedding(50, 96)
-    params = kernel_params(layer.spec, False)
+    params = layer.spec.kernel_params(False)
     prepared = triton_backend.prepare_forward(torch.float32, 50, torch.device("cuda", 0), layer.spec.turns_tensor("cpu"),
                                               params)
     return prepared, kernel, layer.weight.detach()
@@ -171,7 +171,7 @@ def test_a_launcher_replaced_before_the_launch_is_prepared_is_called(recording_g
     assert triton_launch._nvidia_launcher()[1] is None
     layer = pf.SinusoidalEmbedding(50, 96)
     prepared = triton_backend.prepare_forward(torch.float32, 50, torch.device("cuda", 0),
-                                              layer.spec.turns_tensor("cpu"), kernel_params(layer.spec, False))
+                                              layer.spec.turns_tensor("cpu"), layer.spec.kernel_params(False))
     ids, out = torch.randint(0, 50, (4,)), torch.empty(4, 96)
     for _ in range(3):
         prepared.launch(ids, weight, 96, out, 0, 4, 4, 3)
@@ -191,7 +191,7 @@ def test_the_launches_ask_for_fma_contraction_unless_the_user_chose(recording_gp
             monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", users_default)
         assert triton_backend.compile_options() == asked
         prepared = triton_backend.prepare_forward(torch.float32, 50, torch.device("cuda", 0),
-                                                  layer.spec.turns_tensor("cpu"), kernel_params(layer.spec, False))
+                                                  layer.spec.turns_tensor("cpu"), layer.spec.kernel_params(False))
         prepared.launch(ids, weight, 96, out, 0, 4, 4, 3)
         assert kernel.jit_calls[-1][2].get("enable_fp_fusion") == asked.get("enable_fp_fusion"), users_default
 
@@ -415,7 +415,7 @@ def test_compiled_launches_match_the_jit_path_on_a_gpu(dtype, seed, monkeypatch)
     monkeypatch.setattr(triton_launch.KeptLaunches, "launch", counting)
     g = torch.Generator().manual_seed(seed)
     layer = pf.SinusoidalEmbedding(1000, 96, embed_scale=3.0)
-    params = kernel_params(layer.spec, False)
+    params = layer.spec.kernel_params(False)
     device = torch.device("cuda", torch.cuda.current_device())
     turns = layer.spec.turns_tensor(device)
     weight = torch.randn(1000, 96, generator=g).to(device=device, dtype=dtype)

@@ -25,7 +25,7 @@ from typing import Callable, NamedTuple, Optional, Tuple
 import torch
 
 from .._dropout import Dropout  # noqa: F401  (part of the backend interface)
-from .._spec import PEColumns
+from .._spec import KernelParams  # noqa: F401  (part of the backend interface)
 
 # Tests set this so that any element a kernel fails to write shows up as NaN.
 POISON_OUTPUTS = False
@@ -68,39 +68,6 @@ def new_buffer(shape, dtype, device) -> torch.Tensor:
         out.fill_(float("nan"))
     return out
 
-
-class KernelParams(NamedTuple):
-    """The plain numbers a kernel needs, derived from a PESpec."""
-
-    concat: bool
-    token_width: int
-    pe_width: int
-    columns: PEColumns
-    embed_scale: float
-    pe_scale: float
-    pe_zero_id: int  # tokens with this id get no PE (fairseq padding); -1: none
-    float64_math: bool = False  # PE and sum in float64, one rounding (backends declare FLOAT64_MATH)
-
-    @property
-    def width(self) -> int:
-        return self.token_width + self.pe_width if self.concat else self.token_width
-
-    @property
-    def num_pairs(self) -> int:
-        return self.pe_width // 2
-
-
-def kernel_params(spec, zero_pe_at_padding: bool) -> KernelParams:
-    """The KernelParams of a ``PESpec`` (what the op builds from its flat arguments), made once per spec
-    and kept on it: every entry point's eager path and prepared launch takes them from here."""
-    cache = spec.kernel_params_cache
-    params = cache.get(zero_pe_at_padding)
-    if params is None:
-        pe_zero_id = spec.padding_idx if zero_pe_at_padding and spec.padding_idx is not None else -1
-        params = cache[zero_pe_at_padding] = KernelParams(
-            spec.mode == "concat", spec.token_width, spec.pe_width, spec.columns, spec.embed_scale, spec.pe_scale,
-            pe_zero_id, spec.precision == "float64")
-    return params
 
 
 class PreparedLaunch(NamedTuple):
