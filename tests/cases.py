@@ -74,7 +74,10 @@ PREPARED_BACKENDS = tuple(name for name, traits in BACKEND_TRAITS.items() if tra
 
 
 def _marked_slow(param, why):
-    return pytest.param(*param.values, id=param.id, marks=(*param.marks, pytest.mark.slow(reason=why)))
+    """``param`` marked slow only because Triton's interpreter runs it (``interpreter``: .ci/run leaves these
+    to GPU runs, where the same cases run natively in the default run)."""
+    return pytest.param(*param.values, id=param.id,
+                        marks=(*param.marks, pytest.mark.slow(reason=why), pytest.mark.interpreter))
 
 
 def targets(slow_on_interpreter: Optional[str] = None):

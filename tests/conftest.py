@@ -14,7 +14,8 @@ it) by ``pytest.param(..., marks=...)``, mostly through ``cases.targets(slow_on_
 a test slow only through the interpreter covers stays covered in the default run by the same cases on
 the native backends (CPU kernels, the CUDA kernels' host build) and the other cases through the
 interpreter.  The default run deselects slow tests (pyproject.toml: addopts -m 'not slow'); ``-m slow``
-runs them, and .ci/run does.
+runs them.  Those slow only through the interpreter are marked ``interpreter`` too: .ci/run runs
+``-m "slow and not interpreter"``, and a GPU run covers them natively.
 """
 
 import os
