@@ -218,7 +218,8 @@ class Family:
     tokens: bool = True  # has a token table (get_input_embeddings() is an nn.Embedding)
     # The costly tests that run on this family besides those every family runs (each picks a few families
     # that cover its kinds): "compile" (fullgraph), "device_map", "offload" (accelerate's hooks),
-    # "static_cache" (compiled generation), "optimum", "exporters" (transformers.exporters).
+    # "static_cache" (compiled generation), "optimum", "exporters" (transformers.exporters), "exporters_slow"
+    # (their ONNX and static-cache cases).
     costly: FrozenSet[str] = frozenset()
 
 
@@ -237,25 +238,26 @@ FAMILIES = [
     Family("m2m100_unscaled", lambda: m2m100(scale_embedding=False), "seq2seq"),
     Family("nllb_moe", nllb_moe, "seq2seq"),
     Family("marian", marian, "seq2seq", costly=frozenset(
-        {"compile", "device_map", "offload", "static_cache", "optimum", "exporters"})),
+        {"compile", "device_map", "offload", "static_cache", "optimum", "exporters", "exporters_slow"})),
     Family("marian_unscaled_odd_width", marian_odd_width, "seq2seq"),
     Family("pegasus", pegasus, "seq2seq", costly=frozenset({"compile", "static_cache", "optimum", "exporters"})),
     Family("fsmt", fsmt, "seq2seq",
            trainable_pe=("model.encoder.embed_positions.weight", "model.decoder.embed_positions.weight"),
            costly=frozenset({"compile", "device_map", "exporters"})),
     Family("speech_to_text", speech_to_text, "speech", costly=frozenset({"compile", "exporters"})),
-    Family("whisper", whisper, "whisper", costly=frozenset({"exporters"})),
+    Family("whisper", whisper, "whisper", costly=frozenset({"exporters", "exporters_slow"})),
     Family("whisper_audio_classification", whisper_audio_classification, "audio_classification", generates=False,
            tokens=False),
     Family("xlm", xlm, "causal", trainable_pe=("transformer.position_embeddings.weight",),
            costly=frozenset({"compile", "device_map", "offload", "exporters"})),
     Family("distilbert", distilbert, "mlm", generates=False,
-           trainable_pe=("distilbert.embeddings.position_embeddings.weight",), costly=frozenset({"compile", "exporters"})),
+           trainable_pe=("distilbert.embeddings.position_embeddings.weight",),
+           costly=frozenset({"compile", "exporters", "exporters_slow"})),
     Family("musicgen", musicgen, "musicgen", tokens=False),
     Family("musicgen_text_to_audio", musicgen_text_to_audio, "musicgen_text", tokens=False),
     Family("kosmos2_text", kosmos2_text, "causal"),
     Family("kosmos2_image_rows", kosmos2, "kosmos2"),
-    Family("xglm", xglm, "causal", costly=frozenset({"exporters"})),
+    Family("xglm", xglm, "causal", costly=frozenset({"exporters", "exporters_slow"})),
     Family("pegasus_x", pegasus_x, "seq2seq"),
     Family("seamless_m4t", seamless_m4t, "seq2seq"),
     Family("seamless_m4t_v2", seamless_m4t_v2, "seq2seq"),
@@ -1290,10 +1292,23 @@ def _check_exports(family: Family, model, inputs: dict, exporter, config, cache:
         _close(out["logits"] if isinstance(out, dict) else out.logits, _logits(model, copy.deepcopy(step_inputs)))
 
 
-@pytest.mark.parametrize("backend", ["dynamo", pytest.param("onnx", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("family,cache", [(f, "dynamic") for f in EXPORTER_FAMILIES]
-                         + [pytest.param(f, "static", marks=pytest.mark.slow) for f in EXPORTER_FAMILIES if f.generates],
-                         ids=lambda p: p.name if isinstance(p, Family) else p)
+def _exporter_params():
+    """Every exporter family through DynamoExporter with a dynamic cache (the default run); OnnxExporter and
+    the static cache (1 to 3 minutes each on two cores, marked slow) on one family of each kind
+    (``costly``'s "exporters_slow"): the ONNX translation is of the same standard ops whatever the family."""
+    params = []
+    for family in EXPORTER_FAMILIES:
+        for cache in ("dynamic", "static") if family.generates else ("dynamic",):
+            for backend in ("dynamo", "onnx"):
+                slow = cache == "static" or backend == "onnx"
+                if slow and "exporters_slow" not in family.costly:
+                    continue
+                params.append(pytest.param(family, cache, backend, id=f"{family.name}-{cache}-{backend}",
+                                           marks=[pytest.mark.slow] if slow else []))
+    return params
+
+
+@pytest.mark.parametrize("family,cache,backend", _exporter_params())
 def test_transformers_exporters_with_dynamic_shapes(family, cache, backend, seed):
     """transformers' DynamoExporter / OnnxExporter with dynamic shapes (``_check_exports``): every graph the
     unpatched model exports right, the patched one does too.  Where the unpatched model fails (an export,
