@@ -52,8 +52,8 @@ def build(base: str, workdir: str, isa: str = "best") -> str:
     same_header = subprocess.run(["git", "-C", REPO, "diff", "--quiet", base, "--", "csrc/cpu/cpu_kernels.h",
                                   "csrc/common/forward_args.h"])
     if same_header.returncode != 0:
-        sys.exit(f"csrc/cpu/cpu_kernels.h or csrc/common/forward_args.h differs between {base} and the working tree: the two "
-                 "builds could not share one ForwardArgs")
+        sys.exit(f"csrc/cpu/cpu_kernels.h or csrc/common/forward_args.h differs between {base} and the working "
+                 "tree: the two builds could not share one ForwardArgs")
     base_dir = os.path.join(workdir, "base")
     os.makedirs(base_dir)
     archive = subprocess.run(["git", "-C", REPO, "archive", base, "csrc"], check=True, capture_output=True).stdout

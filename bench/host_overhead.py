@@ -409,7 +409,8 @@ def main(argv=None) -> int:
     if args.real:
         return _main_real(torch.device(args.real), args, num_sequences, d_model, vocab)
     cuda_backend.use_host_emulation(_build.build_host_emulation())
-    cuda_backend._lookup.state = cuda_backend._lookup()._replace(module=_ZeroTokenLaunches(cuda_backend._lookup().module))
+    loaded = cuda_backend._lookup()
+    cuda_backend._lookup.state = loaded._replace(module=_ZeroTokenLaunches(loaded.module))
     layer = pf.SinusoidalEmbedding(vocab, d_model, backend="cuda")
     ids = torch.randint(0, vocab, (num_sequences, 1))
     rows = {}

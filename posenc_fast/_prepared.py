@@ -3,10 +3,10 @@ worked out once.
 
 A decoding step calls the layer with a few tokens, so its cost is host time: validation, backend
 choice, argument packing and the binding's conversion of thirty-one arguments (bench/host_overhead.py
-times it).  The general path (``functional.apply_spec`` / ``apply_add_spec``) builds one after an eager call that could
-have taken it, from the backend it resolved and the spec's kernel parameters: a ``PreparedLaunch`` (the
-backend's binding with those parameters bound, the backend's own object) and what a call must match to
-use it.
+times it).  The general path (``functional.apply_spec`` / ``apply_add_spec``) builds one after an eager
+call that could have taken it, from the backend it resolved and the spec's kernel parameters: a
+``PreparedLaunch`` (the backend's binding with those parameters bound, the backend's own object) and what
+a call must match to use it.
 
 - ``SinusoidalEmbedding`` keeps a :class:`PreparedForward` on the module; ``sinusoidal_embedding`` keeps
   one per spec, backend and table here (``functional_embedding``).
@@ -25,10 +25,10 @@ everything and raises the errors.
 What a prepared launch holds does not depend on the table's data: its pointer and row stride are
 read on every call, so in-place updates, ``.data`` swaps and a new Parameter of the same shape need
 no invalidation.  (A zero tensor, which has no memory, is refused by the binding itself.)  Every
-backend's launch is called the same way (``backends.PreparedLaunch``: the call's tensors, offset, length
-and token count); ``cpu`` and ``cuda`` hand pointers to their binding's ``ForwardLaunch``, ``triton`` hands its
-kept kernel's launch function the call's pointers (``triton_launch``), the rest worked out once.  The ``torch`` reference has none: its entry points always take
-the general path.
+backend's launch is called the same way (``backends.PreparedLaunch``: the call's tensors, offset,
+length and token count); ``cpu`` and ``cuda`` hand pointers to their binding's ``ForwardLaunch``,
+``triton`` hands its kept kernel's launch function the call's pointers (``triton_launch``), the rest
+worked out once.  The ``torch`` reference has none: its entry points always take the general path.
 """
 
 from __future__ import annotations
@@ -273,7 +273,7 @@ class _NoAddition(PreparedAddition):
 
 # The functional entry points' prepared launches: id(spec) -> (spec, {key or slot: launch}).  By identity: a
 # spec is made once per set of arguments and kept (_validate.make_spec), and hashing its frequencies would cost
-# each call more than the lookup saves; the spec kept beside them guards against a reused id.
+# each call more than the lookup saves; the entry holds its spec, so the id stays that spec's.
 _FUNCTIONAL: dict = {}
 
 

@@ -13,10 +13,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Every backend is accepted by the example: on the CPU (triton through its interpreter) without a GPU,
 # triton and cuda on the GPU where there is one.
-@pytest.mark.parametrize("pe,dropout,backend", [("add", "0", "auto"), ("concat", "0.1", "auto"), ("none", "0.1", "auto")] + [
+EXAMPLE_RUNS = [("add", "0", "auto"), ("concat", "0.1", "auto"), ("none", "0.1", "auto")] + [
     pytest.param(*traits.example, name, id=f"{traits.example[0]}-{traits.example[1]}-{name}",
-                 marks=[pytest.mark.slow(reason=traits.example_slow), pytest.mark.interpreter] if traits.example_slow else [])
-    for name, traits in BACKEND_TRAITS.items()])
+                 marks=[pytest.mark.slow(reason=traits.example_slow), pytest.mark.interpreter]
+                 if traits.example_slow else [])
+    for name, traits in BACKEND_TRAITS.items()]
+
+
+@pytest.mark.parametrize("pe,dropout,backend", EXAMPLE_RUNS)
 def test_train_tiny_lm_runs(pe, dropout, backend):
     on_gpu = __import__("torch").cuda.is_available()
     if backend == "cuda" and (not on_gpu or cuda_extension_problem() is not None):
