@@ -1042,10 +1042,14 @@ def test_tables_made_trainable_after_patching_train_as_unpatched(family, seed):
     original.eval()
 
     def same_logits():
-        got, expected = _logits(model, inputs), _logits(original, inputs)
+        got = _logits(model, inputs)
         if len(read) == len(_patched_modules(model)):  # every patched module runs its own forward: bit for bit
-            torch.testing.assert_close(got, expected, atol=0, rtol=0)
-        else:  # computed PE (buffer tables), after a step that amplifies its rounding
+            torch.testing.assert_close(got, _logits(original, inputs), atol=0, rtol=0)
+        else:  # computed PE (buffer tables): its rounding reaches the gradients, checked above, and the step can
+            # amplify that past GRAD_RTOL in the logits (Kosmos-2's image rows, some draws): so on our weights
+            twin = copy.deepcopy(original)
+            twin.load_state_dict(model.state_dict())
+            expected = _logits(twin, inputs)
             torch.testing.assert_close(got, expected, atol=GRAD_RTOL * float(expected.abs().max()), rtol=0)
 
     _, said = _reading_warnings(same_logits)
