@@ -207,7 +207,7 @@ def _triton_on_a_stand_in_driver():
     import fake_cuda_driver
     from posenc_fast.backends import triton_backend
 
-    saved = (triton_backend.triton, triton_backend._kernels, triton_backend._kernels_interpreted,
+    saved = (triton_backend.triton, triton_backend._Kernels.state, triton_backend._kernels_interpreted,
              triton_backend.available, triton_backend.interpreting, triton_backend.KeptLaunches)
     why_not = fake_cuda_driver.unavailable()
     if why_not is None and (triton_backend._kernels_interpreted or triton_backend.interpreting()):
@@ -231,13 +231,13 @@ def _triton_on_a_stand_in_driver():
         restore_driver = None
         stub = SimpleNamespace(forward_kernel=_NoTritonLaunch(), grad_chunk_kernel=_NoTritonLaunch(),
                                grad_carry_kernel=_NoTritonLaunch())
-        triton_backend.triton, triton_backend._kernels, triton_backend._kernels_interpreted = triton, stub, False
+        triton_backend.triton, triton_backend._Kernels.state, triton_backend._kernels_interpreted = triton, stub, False
         timed = f"ours up to Triton's launcher, which is stubbed (no stand-in driver: {why_not})"
     triton_backend.available = lambda device: None
     triton_backend.interpreting = lambda: True  # the prepared launch's check for CPU tensors
 
     def restore():
-        (triton_backend.triton, triton_backend._kernels, triton_backend._kernels_interpreted,
+        (triton_backend.triton, triton_backend._Kernels.state, triton_backend._kernels_interpreted,
          triton_backend.available, triton_backend.interpreting, triton_backend.KeptLaunches) = saved
         if restore_driver is not None:
             restore_driver()

@@ -41,12 +41,10 @@ import torch
 from . import backends as _backends
 from . import config
 from ._dispatch import get_backend
-from ._routing import eager_call
-from ._validate import check_id_bounds
-from .ops import AddSinusoidalFunction, check_ids_if_enabled, dense_weight_gradient, sparse_weight_gradient
+from .ops import AddSinusoidalFunction, dense_weight_gradient, sparse_weight_gradient
 
 _STRIDED, _CONTIGUOUS = torch.strided, torch.contiguous_format
-_TENSOR, _grad_enabled = torch.Tensor, torch.is_grad_enabled  # (module names: each attribute lookup costs)
+_grad_enabled = torch.is_grad_enabled  # (a module name: each attribute lookup costs)
 _INT64_MIN, _INT64_END = -(2**63), 2**63
 # add_sinusoidal's launch reads rows 0..N-1 that it numbers itself, so the table's row count is only
 # a bound: the largest for which the CUDA kernels keep 32-bit row arithmetic (forward_kernels.cuh).
@@ -71,20 +69,34 @@ def _dense(t: torch.Tensor) -> bool:
     return t.layout is _STRIDED and t.is_contiguous() and not t.is_neg() and not t._is_zerotensor()
 
 
-class PreparedForward:
+class _Bound:
+    """What both prepared launches share: the backend's compiled code they were bound to (``source.state``,
+    ``backends.PreparedLaunch``)."""
+
+    __slots__ = ("source", "state")
+
+    def is_current(self) -> bool:
+        return self.source.state is self.state
+
+
+class _NeverReplaced:
+    """The ``source`` of the stand-ins that serve no call (``_NoForward``, ``_NoAddition``)."""
+
+    state = None
+
+
+class PreparedForward(_Bound):
     """The embedding's prepared launch for one spec, backend and kind of table (module docstring)."""
 
     __slots__ = ("spec", "backend", "dropout", "dtype", "shape", "device", "width", "launch", "id_dtypes",
-                 "last_argument", "is_current", "keep_alive", "gradient", "id_range")
+                 "last_argument", "keep_alive", "gradient")
 
     def __init__(self, spec, backend: str, dropout: float, weight: torch.Tensor, name: str,
                  launch: _backends.PreparedLaunch):
         self._identify(spec, backend, dropout, weight)
         self.width = spec.width
         self.launch, self.id_dtypes, self.last_argument = launch.launch, launch.id_dtypes, launch.last_argument
-        self.is_current = launch.is_current
-        self.keep_alive = launch.turns
-        self.id_range = launch.id_range
+        self.source, self.state, self.keep_alive = launch.source, launch.state, launch.turns
         # What the weight gradient needs (LaunchedEmbeddingFunction), after the call's ``sparse``.
         padding_idx = -1 if spec.padding_idx is None else spec.padding_idx
         self.gradient = (weight.shape[0], weight.shape[1], spec.embed_scale, padding_idx, weight.dtype, name)
@@ -115,9 +127,10 @@ class PreparedForward:
 
     def run(self, spec, backend: str, dropout, training: bool, sparse, weight, ids, offset) -> Optional[torch.Tensor]:
         """The layer's output for ``ids`` at ``offset`` when this launch was prepared for that call
-        (positions ``offset + t``, no dropout applied); else None, and the caller takes the general path."""
+        (positions ``offset + t``, no dropout applied); else None, and the caller takes the general path.
+        The caller has checked that the call is eager (``_routing.eager_call``)."""
         # The checks of prepared_for, inline (a decoding step pays each Python call), then the call's own.
-        if (type(offset) is not int or type(ids) is not _TENSOR or not _INT64_MIN <= offset < _INT64_END
+        if (type(offset) is not int or not _INT64_MIN <= offset < _INT64_END
                 or spec is not self.spec or backend != self.backend or type(dropout) is not float
                 or dropout != self.dropout or (training and dropout) or (sparse is not False and sparse is not True)):
             return None
@@ -127,7 +140,7 @@ class PreparedForward:
                     or ids.layout is not _STRIDED or not ids.is_contiguous() or ids.is_neg() or ids._is_zerotensor()
                     or ids.is_nested or weight.layout is not _STRIDED or not weight.is_contiguous() or weight.is_neg()
                     or weight._is_zerotensor() or ids.device != self.device or weight.device != self.device
-                    or not eager_call(ids, weight) or not self.is_current()):
+                    or self.source.state is not self.state):
                 return None
         except RuntimeError:  # a table without sizes (a nested tensor's shape raises): the general path names it
             return None
@@ -137,12 +150,6 @@ class PreparedForward:
 
     def _output(self, weight, ids, offset) -> torch.Tensor:
         shape = ids.shape
-        if config.id_check_enabled():
-            bounds = None if self.id_range is None else self.id_range(ids)
-            if bounds is None:
-                check_ids_if_enabled(ids, self.shape[0])
-            else:
-                check_id_bounds(*bounds, self.shape[0])
         # Same dtype and device as the table; new_empty with the sizes unpacked is the cheapest allocation
         # call (about 1 us against 2 for torch.empty with a shape tuple and keywords).  Not a view, as
         # nn.Embedding's output: under no_grad a view could not later be modified in place with grad on.
@@ -150,7 +157,7 @@ class PreparedForward:
         if _backends.POISON_OUTPUTS:
             out.fill_(float("nan"))
         self.launch(ids, weight, self.shape[1], out, offset, shape[-1] if shape else 1, ids.numel(),
-                    self.last_argument())
+                    self.last_argument(), config.check_ids)
         return out
 
 
@@ -162,29 +169,26 @@ class _NoForward(PreparedForward):
 
     def __init__(self, spec, backend: str, dropout: float, weight: torch.Tensor):
         self._identify(spec, backend, dropout, weight)
-        self.is_current = _always
+        self.source, self.state = _NeverReplaced, None
 
     def run(self, *args) -> None:
         return None
 
 
-def _always() -> bool:
-    return True
-
-
-class PreparedAddition:
+class PreparedAddition(_Bound):
     """``add_sinusoidal``'s prepared launch for one spec, backend, dtype and device: ``x [..., S, D]``
     (contiguous) is the table, its row n read by token n, through row numbers 0..N-1 kept on the device
     (``_row_numbers``)."""
 
     __slots__ = ("spec", "backend", "dtype", "device", "width", "x_scale", "launch", "last_argument",
-                 "is_current", "keep_alive", "on_gpu", "numbers", "growing")
+                 "keep_alive", "on_gpu", "numbers", "growing")
 
     def __init__(self, spec, backend: str, x: torch.Tensor, launch: _backends.PreparedLaunch):
         self._identify(spec, backend, x)
         self.width, self.x_scale = spec.pe_width, spec.embed_scale
         self.launch = launch.launch  # row numbers are int64, which every launch takes
-        self.last_argument, self.is_current, self.keep_alive = launch.last_argument, launch.is_current, launch.turns
+        self.last_argument, self.keep_alive = launch.last_argument, launch.turns
+        self.source, self.state = launch.source, launch.state
         self.on_gpu = x.device.type == "cuda"
         self.numbers = None  # (row numbers, the stream handle they were made on: on a GPU, the only one using them)
         self.growing = threading.Lock()
@@ -204,12 +208,13 @@ class PreparedAddition:
                 and self.is_current())
 
     def run(self, spec, backend: str, x, offset) -> Optional[torch.Tensor]:
-        """``x_scale * x + pe_scale * PE(offset + t)`` when this launch was prepared for that call; else None."""
+        """``x_scale * x + pe_scale * PE(offset + t)`` when this launch was prepared for that call; else None.
+        The caller has checked that the call is eager (``_routing.eager_call(x, x)``)."""
         try:
-            if (type(offset) is not int or type(x) is not _TENSOR or not _INT64_MIN <= offset < _INT64_END
+            if (type(offset) is not int or not _INT64_MIN <= offset < _INT64_END
                     or spec is not self.spec or backend != self.backend or x.dtype is not self.dtype
                     or x.dim() < 2 or x.shape[-1] != self.width or not _dense(x) or x.device != self.device
-                    or not eager_call(x, x) or not self.is_current()):
+                    or self.source.state is not self.state):
                 return None
         except RuntimeError:  # (as PreparedForward.run)
             return None
@@ -254,7 +259,7 @@ class PreparedAddition:
         out = torch.empty_like(x, memory_format=_CONTIGUOUS)
         if _backends.POISON_OUTPUTS:
             out.fill_(float("nan"))
-        self.launch(rows, x, self.width, out, offset, x.shape[-2], x.numel() // self.width, last_argument)
+        self.launch(rows, x, self.width, out, offset, x.shape[-2], x.numel() // self.width, last_argument, False)
         return out
 
 
@@ -265,7 +270,7 @@ class _NoAddition(PreparedAddition):
 
     def __init__(self, spec, backend: str, x: torch.Tensor):
         self._identify(spec, backend, x)
-        self.is_current = _always
+        self.source, self.state = _NeverReplaced, None
 
     def run(self, *args) -> None:
         return None

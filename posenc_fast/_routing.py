@@ -1,7 +1,7 @@
 """What kind of call is running: eager on plain tensors, or traced, transformed or intercepted.
 
-The package's entry points (``functional``, the prepared launches of ``_prepared``) ask these
-predicates before choosing how to run a call; they depend on torch alone, so every layer may ask.
+The package's entry points (``module``, ``functional``) ask these predicates before choosing how to run a
+call (a prepared launch serves eager calls only); they depend on torch alone, so every layer may ask.
 """
 
 from __future__ import annotations
@@ -17,12 +17,6 @@ from ._spec import dispatch_mode_depth
 def jit_tracing() -> bool:
     """Inside ``torch.jit.trace`` (and TorchScript's ONNX exporter, which traces)."""
     return not torch.compiler.is_compiling() and torch._C._is_tracing()  # (Dynamo cannot trace _is_tracing)
-
-
-def tracing() -> bool:
-    """Inside torch.compile / torch.export or jit.trace: what the entry points ask before a prepared launch,
-    which reads sizes (each a TracerWarning under jit.trace) and would not be traced as the op."""
-    return _is_compiling() or _is_tracing()
 
 
 def eager_call(ids, weight) -> bool:

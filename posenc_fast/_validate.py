@@ -399,21 +399,26 @@ def make_batch(ids, weight: torch.Tensor, spec: PESpec, positions, offset) -> Ba
     )
 
 
-def check_id_range(ids: torch.Tensor, num_embeddings: int, vocab_start: int = 0) -> None:
-    """Raise IndexError naming the first out-of-range id (host sync; skipped by the caller when disabled).
+def check_id_range(ids: torch.Tensor, num_embeddings: int, vocab_start: int = 0, bounds=None) -> None:
+    """Raise IndexError naming the first out-of-range id: a host sync on a GPU, so skipped while a CUDA graph
+    is captured (and by the caller when the check is off, ``config.id_check``).
 
     ``ids`` may be shifted by ``vocab_start`` (a vocabulary-parallel shard's local ids): the
     check and the message are about the global id ``ids + vocab_start`` in ``[0, num_embeddings)``.
+    ``bounds``: the ids' (smallest, largest) where the caller has them (a prepared launch's scan on CPU),
+    else None: ``torch.aminmax`` finds them.
     """
-    if ids.numel() == 0 or ids.is_meta:  # a meta tensor has no values to check
-        return
-    low, high = torch.aminmax(ids)
-    check_id_bounds(int(low), int(high), num_embeddings, vocab_start)
+    if ids.numel() == 0 or ids.is_meta or (ids.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return  # (a meta tensor has no values to check)
+    if bounds is None:
+        low, high = torch.aminmax(ids)
+        bounds = int(low), int(high)
+    if bounds[0] < -vocab_start or bounds[1] >= num_embeddings - vocab_start:  # (local ids: no wrap in range)
+        check_id_bounds(*bounds, num_embeddings, vocab_start)
 
 
 def check_id_bounds(low: int, high: int, num_embeddings: int, vocab_start: int = 0) -> None:
-    """``check_id_range`` on the ids' smallest and largest values, found by the caller (a prepared launch
-    on CPU scans them without allocating: ``backends.PreparedLaunch.id_range``)."""
+    """``check_id_range``'s error, from the ids' smallest and largest values."""
     # Local ids are global ids minus vocab_start in int64, which wraps for a global id within
     # vocab_start of -2**63; wrapping back recovers the global id to name it.
     low, high = (_wrap_int64(v + vocab_start) for v in (low, high))

@@ -18,24 +18,26 @@ from __future__ import annotations
 import contextlib
 import os
 
-_state = {"check_ids": os.environ.get("POSENC_FAST_CHECK_IDS", "1") != "0"}
+# The switch itself; a prepared launch reads it directly (one attribute read, no call, per launch).
+check_ids = os.environ.get("POSENC_FAST_CHECK_IDS", "1") != "0"
 
 
 def id_check_enabled() -> bool:
-    return _state["check_ids"]
+    return check_ids
 
 
 def set_id_check(enabled: bool) -> None:
     """Turn the host-side id range check on or off (process-wide)."""
-    _state["check_ids"] = bool(enabled)
+    global check_ids
+    check_ids = bool(enabled)
 
 
 @contextlib.contextmanager
 def id_check(enabled: bool):
     """Context manager form of :func:`set_id_check`."""
-    previous = _state["check_ids"]
-    _state["check_ids"] = bool(enabled)
+    global check_ids
+    previous, check_ids = check_ids, bool(enabled)
     try:
         yield
     finally:
-        _state["check_ids"] = previous
+        check_ids = previous

@@ -13,15 +13,12 @@ from ._dispatch import resolve_backend
 from ._dropout import check_dropout_p, draw_seed
 from ._prepared import functional_addition, functional_embedding, remember_addition, remember_embedding
 from ._routing import eager_call as _eager_call, in_onnx_export as _in_onnx_export, jit_tracing as _jit_tracing
-from ._routing import tracing as _tracing
 from ._spec import PESpec, dispatch_mode_depth
 from ._validate import check_offset, check_weight, check_weight_for_spec, make_batch, make_spec, refuse_nested
 from .ops import (AddSinusoidalFunction, EmbeddingFunction, add_sinusoidal_forward, add_sinusoidal_op,
                   add_sinusoidal_standard_ops, run_forward, sinusoidal_embedding_op, standard_ops_forward)
 from .positions import make_positions, packed_positions
 from .presets import POSITION_RULES
-
-_TENSOR, _PARAMETER = torch.Tensor, torch.nn.Parameter
 
 
 def _quiet_under_jit_trace(function):
@@ -32,7 +29,7 @@ def _quiet_under_jit_trace(function):
     On the general paths (``apply_spec``, ``apply_add_spec``): the public functions are not wrapped, so a
     decoding step's prepared launch does not pay the wrapper's argument repacking (about 0.6 us).  Before
     the general path they read only what cannot warn or silences its own (``make_spec``'s table sizes and
-    frequencies), and under jit.trace they skip the prepared launch (``_routing.tracing``), which reads sizes."""
+    frequencies), and under jit.trace they skip the prepared launch (``_routing.eager_call``), which reads sizes."""
     @functools.wraps(function)
     def call(*args, **kwargs):
         if not _jit_tracing():
@@ -92,10 +89,9 @@ def sinusoidal_embedding(
     # trace the op and its checks).  Its spec was made before, so its arguments are valid; the prepared launch
     # checks what check_weight does (a dense table with memory, not nested, of the float dtype it was prepared for).
     # (Where the spec is not cached that way, frequencies given, it is tried after the checks.)
-    simple_call = positions is None and cu_seqlens is None and not _tracing()
+    simple_call = positions is None and cu_seqlens is None and _eager_call(ids, weight)
     spec = None
-    if (simple_call and (type(weight) is _TENSOR or type(weight) is _PARAMETER) and weight.dim() == 2
-            and not weight.is_nested):
+    if simple_call and weight.dim() == 2 and not weight.is_nested:
         shape = weight.shape
         spec = make_spec(shape[0], shape[1], mode, d_pos, base, layout, embed_scale, pe_scale, padding_idx,
                          frequencies, zero_pe_at_padding, precision, only_cached=True)
@@ -323,9 +319,9 @@ def add_sinusoidal(
     token n), so the same accuracy.
     """
     # A repeated call: as sinusoidal_embedding's (the prepared launch checks x's float dtype and memory).
-    simple_call = positions is None and cu_seqlens is None and not _tracing()
+    simple_call = positions is None and cu_seqlens is None and _eager_call(x, x)
     spec = None
-    if simple_call and type(x) is _TENSOR and x.dim() >= 2 and not x.is_nested:
+    if simple_call and x.dim() >= 2 and not x.is_nested:
         spec = make_spec(1, x.shape[-1], "add", None, base, layout, x_scale, pe_scale, None, frequencies, False,
                          precision, only_cached=True)
         if spec is not None:

@@ -14,7 +14,7 @@ from ._dispatch import check_backend_name
 from ._dropout import check_dropout_p
 from ._validate import check_weight, make_spec
 from ._prepared import PreparedAddition, PreparedForward
-from ._routing import tracing
+from ._routing import eager_call
 from .functional import apply_add_spec, apply_spec
 from .presets import PADDING_AWARE_RULES, POSITION_RULES
 
@@ -179,10 +179,10 @@ class SinusoidalEmbedding(nn.Module):
         parameters = self._parameters
         weight = parameters["weight"] if "weight" in parameters else self.weight
         spec, backend, dropout = self.spec, self.backend, self.dropout
-        # A repeated call (a decoding step, a training step): see posenc_fast._prepared (never under
-        # torch.compile or jit.trace, which trace the op and its checks).
+        # A repeated call (a decoding step, a training step): see posenc_fast._prepared (eager only: never under
+        # torch.compile or jit.trace, which trace the op and its checks, or a transform or dispatch mode).
         simple_call = (positions is None and cu_seqlens is None and self.position_rule == "offset"
-                       and self.vocab_range is None and not tracing())
+                       and self.vocab_range is None and eager_call(ids, weight))
         prepared = self._prepared  # read once: another thread may replace it
         if simple_call and prepared is not None:
             out = prepared.run(spec, backend, dropout, self.training, self.sparse, weight, ids, offset)
@@ -331,7 +331,7 @@ class SinusoidalPositionalEncoding(nn.Module):
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             raise TypeError(f"x must be a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}")
         spec, backend = self.spec, self.backend
-        simple_call = positions is None and cu_seqlens is None and not tracing()
+        simple_call = positions is None and cu_seqlens is None and eager_call(x, x)
         prepared = self._prepared  # (see SinusoidalEmbedding.forward)
         if simple_call and prepared is not None:
             out = prepared.run(spec, backend, x, offset)

@@ -29,17 +29,6 @@ from .reference import dropout_keep
 from .backends import KernelParams, sort_ids_for_gradient
 
 
-def _capturing(t: Tensor) -> bool:
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
-
-
-def check_ids_if_enabled(ids: Tensor, vocab_size: int, vocab_start: int = 0) -> None:
-    """The run-time id range check, unless it is turned off (``config.id_check``) or a CUDA graph is
-    being captured (it reads the ids on the host)."""
-    if config.id_check_enabled() and not _capturing(ids):
-        check_id_range(ids, vocab_size, vocab_start)
-
-
 def sinusoidal_embedding_forward(
     ids: Tensor,
     weight: Tensor,
@@ -85,7 +74,8 @@ def run_forward(ids, weight, turns, positions, offsets, offset, seq_len, params:
     after ``check_op_inputs``; ``functional.apply_spec``'s eager path calls it directly with a
     validated ``Batch`` and the spec's cached ``KernelParams`` (a decoding step's host time is this
     Python, bench/host_overhead.py)."""
-    check_ids_if_enabled(ids, vocab_size, vocab_start)
+    if config.id_check_enabled():
+        check_id_range(ids, vocab_size, vocab_start)
     return get_backend(backend).forward(ids, weight, turns, positions, offsets, offset, seq_len, params,
                                         dropout_for(dropout_seed, dropout_p))
 

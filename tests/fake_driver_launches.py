@@ -114,7 +114,7 @@ def main() -> None:
 
     def launch(call):
         prepared.launch(call["ids"], call["weight"], WIDTH, call["out"], call["offset"], call["seq_len"],
-                        call["num_tokens"], 0)
+                        call["num_tokens"], 0, False)
         return fake_cuda_driver.last_launch()
 
     # First every call once: each compiles a new specialization (or shape), which is kept.
@@ -205,7 +205,7 @@ def main() -> None:
                             torch.float32, None)
     fma_contraction = {}
     for kernel_name in ("forward_kernel", "grad_chunk_kernel", "grad_carry_kernel"):
-        jit_function = getattr(triton_backend._kernels, kernel_name)
+        jit_function = getattr(triton_backend._Kernels.state, kernel_name)
         fma_contraction[kernel_name] = [compiled.metadata.enable_fp_fusion
                                         for caches in jit_function.device_caches.values()
                                         for compiled in caches[0].values()]

@@ -17,7 +17,7 @@ import posenc_fast as pf
 from posenc_fast import _build, reference
 from posenc_fast._dispatch import resolve_backend
 from posenc_fast._spec import PEColumns
-from posenc_fast.backends import KernelParams, cpu_backend
+from posenc_fast.backends import KernelParams, _extension, cpu_backend
 from posenc_fast.backends._extension import Extension
 from posenc_fast.positions import make_positions
 
@@ -444,22 +444,29 @@ def test_results_do_not_depend_on_where_threads_come_from(threading, threads, se
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64], ids=str)
-def test_prepared_launch_finds_the_id_range_without_torch(dtype, seed):
-    """A prepared launch's id range scan (the binding's one pass, no tensor allocated) agrees with
-    torch.aminmax, extreme values included; above its size it leaves the check to torch."""
+def test_prepared_launch_checks_ids_through_the_bindings_scan(dtype, seed):
+    """The binding's id range scan (one pass, no tensor allocated) agrees with torch.aminmax, extreme values
+    included; a prepared launch that checks its ids names an out-of-range one, through the scan or, above its
+    size, through torch."""
     g = torch.Generator().manual_seed(seed)
     info = torch.iinfo(dtype)
-    params = KernelParams(False, 4, 4, PEColumns(True, 0, 2, 1, 2), 1.0, 1.0, -1)
-    launch = cpu_backend.prepare_forward(torch.float32, 10, torch.device("cpu"), torch.zeros(2, dtype=torch.int64),
-                                         params)
-    assert launch.id_range is not None
+    module = cpu_backend.extension()
+    code = _extension.dtype_code(module, dtype, "cpu")
     for numel in (1, 2, 7, 4096):
         ids = torch.randint(-1000, 1000, (numel,), generator=g, dtype=dtype)
         for position, value in ((0, info.min), (numel - 1, info.max), (numel // 2, 0)):
             ids_case = ids.clone()
             ids_case[position] = value
             low, high = torch.aminmax(ids_case)
-            assert launch.id_range(ids_case) == (int(low), int(high))
-    too_many = torch.zeros(cpu_backend.ID_RANGE_SERIAL_MAX + 1, dtype=dtype)
-    assert launch.id_range(too_many) is None
-    assert launch.id_range(torch.zeros(0, dtype=dtype)) is None
+            assert module.id_range(ids_case.data_ptr(), code, numel) == (int(low), int(high))
+    params = KernelParams(False, 4, 4, PEColumns(True, 0, 2, 1, 2), 1.0, 1.0, -1)
+    launch = cpu_backend.prepare_forward(torch.float32, 10, torch.device("cpu"), torch.zeros(2, dtype=torch.int64),
+                                         params).launch
+    weight = torch.randn(10, 4, generator=g)
+    for numel, bad in ((5, 10), (5, -1), (_extension.ID_RANGE_SERIAL_MAX + 1, 10)):
+        ids = torch.randint(0, 10, (numel,), generator=g, dtype=dtype)
+        ids[int(torch.randint(0, numel, (), generator=g))] = bad
+        out = torch.full((numel, 4), float("nan"))
+        with pytest.raises(IndexError, match=f"id {bad} is out of range for an embedding table of 10 rows"):
+            launch(ids, weight, 4, out, 0, numel, numel, 1, True)
+        assert out.isnan().all()  # nothing launched

@@ -206,11 +206,11 @@ def test_functional_compiles_fullgraph():
 
 def _through_the_op(monkeypatch, fn):
     """``fn()`` with every call going through the torch.library op, as under torch.compile or a dispatch mode."""
-    from posenc_fast import _prepared, functional
+    from posenc_fast import functional, module
 
     with monkeypatch.context() as patch:
         patch.setattr(functional, "_eager_call", lambda ids, weight: False)
-        patch.setattr(_prepared, "eager_call", lambda *args: False)  # and no prepared launch
+        patch.setattr(module, "eager_call", lambda ids, weight: False)  # and no module's prepared launch
         return fn()
 
 

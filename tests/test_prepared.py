@@ -9,6 +9,7 @@ grad mode, the backend's extension) either keeps it valid or sends the call back
 import copy
 import itertools
 import pickle
+import sys
 import warnings
 
 import pytest
@@ -45,6 +46,22 @@ def prepared_runs(monkeypatch):
     for kind in (_prepared.PreparedForward, _prepared.PreparedAddition):
         monkeypatch.setattr(kind, "run", counting(kind.run))
     return served
+
+
+def _general_path_only(patch):
+    """No prepared launch serves a call (each takes the general path)."""
+    for kind in (_prepared.PreparedForward, _prepared.PreparedAddition):
+        patch.setattr(kind, "run", lambda self, *args: None)
+
+
+def _no_functional_attempt(patch):
+    """The functional entry points try no prepared launch: their own eager check (not the general path's route)
+    says the call is not eager."""
+    eager_call = functional._eager_call
+
+    def entry_point_says_no(*args):
+        return sys._getframe(1).f_code.co_name not in ("sinusoidal_embedding", "add_sinusoidal") and eager_call(*args)
+    patch.setattr(functional, "_eager_call", entry_point_says_no)
 
 
 def _layer(case, weight, backend, **extra):
@@ -405,7 +422,7 @@ def test_every_entry_point_equals_the_general_path(entry, autograd, backend, dev
     got = [step(*c) for c in calls]
     served = len(prepared_runs)
     with monkeypatch.context() as patch:
-        patch.setattr(_prepared, "eager_call", lambda *args: False)  # no prepared launch serves or is prepared
+        _general_path_only(patch)
         want = [step(*c) for c in calls]
     assert len(prepared_runs) == served
     for c, g, w in zip(calls, got, want):
@@ -451,7 +468,7 @@ def test_functional_calls_alternating_kinds_of_table(make_call, shape, frequenci
     got = [call(tables[turn % 2]) for turn in range(6)]
     served = len(prepared_runs)
     with monkeypatch.context() as patch:
-        patch.setattr(_prepared, "eager_call", lambda *args: False)  # the general path
+        _general_path_only(patch)
         want = [call(tables[turn % 2]) for turn in range(6)]
     for turn, (a, b) in enumerate(zip(got, want)):
         assert a.dtype == tables[turn % 2].dtype and torch.equal(a, b), turn
@@ -492,7 +509,7 @@ def test_functional_bad_tables_after_prepared_calls_raise_as_the_general_path(ma
         call(good)
         got = outcome(call, bad)
         with monkeypatch.context() as patch:
-            patch.setattr(functional, "_tracing", lambda: True)  # the general path, nothing tried before it
+            _no_functional_attempt(patch)  # the general path, nothing tried before it
             want = outcome(call, bad)
         assert got[:2] == want[:2], (name, got, want)
         if len(got) > 2 and got[-1] is not None:
@@ -780,7 +797,7 @@ def test_triton_launches_follow_the_kernel_module(backend, device, monkeypatch, 
         layer(ids)
         assert len(prepared_runs) == 1
         kernels = triton_backend._load_kernels()
-        monkeypatch.setattr(triton_backend, "_kernels", SimpleNamespace(
+        monkeypatch.setattr(triton_backend._Kernels, "state", SimpleNamespace(
             forward_kernel=kernels.forward_kernel, grad_chunk_kernel=kernels.grad_chunk_kernel,
             grad_carry_kernel=kernels.grad_carry_kernel))
         assert torch.equal(layer(ids), want)
@@ -798,3 +815,54 @@ def test_backend_traits_name_every_backend():
     assert set(BACKEND_TRAITS) == set(_dispatch.BACKENDS)
     for name, traits in BACKEND_TRAITS.items():
         assert traits.prepared_launch == hasattr(_dispatch.get_backend(name), "prepare_forward"), name
+
+
+def _files_entered(call):
+    """The package files whose functions ``call()`` enters, in order (a run of calls within one file counted
+    once), and each call from one package file into another as (caller, callee) paths under posenc_fast/.
+    The first call is the entry point's; after it, only calls from the package count (not a kernel's)."""
+    root = pf.__file__.rsplit("/", 1)[0] + "/"
+    files, crossings = [], []
+
+    def profile(frame, event, arg):
+        callee = frame.f_code.co_filename
+        caller = frame.f_back.f_code.co_filename if frame.f_back is not None else ""
+        # (After the entry point, only calls from the package: Triton's interpreter calling the kernel is not.)
+        if event != "call" or not callee.startswith(root) or (files and not caller.startswith(root)):
+            return
+        callee = callee[len(root):]
+        if not files or files[-1] != callee:
+            files.append(callee)
+        if caller.startswith(root) and caller[len(root):] != callee:
+            crossings.append((caller[len(root):], callee))
+
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    return files, crossings
+
+
+@pytest.mark.parametrize("backend,device", [t for t in TARGETS if t.values[0] in PREPARED_BACKENDS])
+@pytest.mark.parametrize("autograd", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("entry", [_module_entry, _addition_module_entry], ids=["embedding", "addition"])
+def test_a_repeated_module_call_goes_down_to_its_launch(entry, autograd, backend, device):
+    """A module's repeated call reaches its backend's launch through six of the package's files at most, each
+    entered once, and every call from one file into another goes to the same layer or a lower one
+    (tests/test_layering.py's layers): nothing calls back up."""
+    from test_layering import LAYER_OF
+
+    layer, make_input, table = entry(backend, device)
+    source = make_input(1)
+    if table is None:
+        source.requires_grad_(autograd)
+    with torch.set_grad_enabled(autograd):
+        for _ in range(2):  # the general path, then the prepared launch's first call (Triton: its tiles, kept)
+            layer(source, offset=3)
+        files, crossings = _files_entered(lambda: layer(source, offset=3))
+    assert files[0] == "module.py" and any(path.startswith("backends/") for path in files), files
+    assert len(files) <= 6 and len(set(files)) == len(files), files
+    layer_of = {path: LAYER_OF[path.split("/")[0].removesuffix(".py")] for path in files}
+    upward = [(a, b) for a, b in crossings if layer_of[b] > layer_of[a]]
+    assert not upward, (upward, files)

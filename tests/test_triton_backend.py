@@ -119,7 +119,7 @@ def recording_gpu_launch(monkeypatch):
     """A prepared launch for a GPU whose kernel is a _RecordingKernel (no GPU needed), and that kernel."""
     real = triton_backend._load_kernels().forward_kernel
     kernel = _RecordingKernel(real.fn)
-    monkeypatch.setattr(triton_backend, "_kernels", SimpleNamespace(forward_kernel=kernel))
+    monkeypatch.setattr(triton_backend._Kernels, "state", SimpleNamespace(forward_kernel=kernel))
     monkeypatch.setattr(triton_backend, "_kernels_interpreted", False)
     current_device = [0]  # what the stand-in for torch's current-device query answers
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: current_device[0], raising=False)

@@ -20,7 +20,7 @@ lives in ``posenc_fast._dispatch``.
 from __future__ import annotations
 
 import functools
-from typing import Callable, NamedTuple, Optional, Tuple
+from typing import Callable, NamedTuple, Tuple
 
 import torch
 
@@ -73,23 +73,22 @@ def new_buffer(shape, dtype, device) -> torch.Tensor:
 class PreparedLaunch(NamedTuple):
     """A backend's forward with the arguments that stay fixed between a module's calls bound once
     (``prepare_forward``), for positions ``offset + t % seq_len`` and no dropout.  Called as
-    ``launch(ids, weight, weight_row_stride, out, offset, seq_len, num_tokens, last_argument())`` with
+    ``launch(ids, weight, weight_row_stride, out, offset, seq_len, num_tokens, last_argument(), check_ids)`` with
     contiguous ``ids`` of a dtype in ``id_dtypes``, a contiguous table ``weight`` of the prepared dtype (an
     embedding's: of the prepared row count; ``add_sinusoidal``'s ``x``: at most) whose rows are
-    ``weight_row_stride`` elements apart, and ``out`` to fill (``num_tokens`` rows of the
-    layer's width); the same call on every backend.  ``is_current()`` turns False when the backend's
-    compiled code changes (another extension or kernel module; Triton's interpreter turned off for CPU
-    tensors)."""
+    ``weight_row_stride`` elements apart, and ``out`` to fill (``num_tokens`` rows of the layer's width); with
+    ``check_ids``, the ids are range-checked against the prepared row count first (``_validate.check_id_range``,
+    on CPU through the binding's scan: no tensor allocated, so that a module's freshly freed output stays where
+    the next call allocates it).  The same call on every backend.  It is current while ``source.state is
+    state``: the backend gives ``source`` a new ``state`` when its compiled code changes (another extension or
+    kernel module), an attribute read instead of a call on every launch."""
 
     launch: Callable
     id_dtypes: Tuple[torch.dtype, ...]  # the id dtypes the launch takes
     last_argument: Callable[[], int]  # asked per call: the CUDA stream handle, or the CPU thread count
-    is_current: Callable[[], bool]
+    source: object  # what holds the backend's compiled code as ``state``
+    state: object  # ``source.state`` when the launch was made
     turns: torch.Tensor  # the int64 frequencies the launch reads: kept alive with it
-    # (smallest, largest) of contiguous ids for the id range check, allocating no tensor (CPU: so that a
-    # module's freshly freed output stays where the next call allocates it), or None from the call where
-    # the caller should use torch.aminmax (no ids, or more than the backend scans); the field None: always.
-    id_range: Optional[Callable[[torch.Tensor], Optional[Tuple[int, int]]]] = None
 
 
 ID_DTYPES = (torch.int32, torch.int64)  # the id dtypes every kernel reads
@@ -109,14 +108,13 @@ def current_stream_function(device: torch.device) -> Callable[[], int]:
     """``current_stream`` of ``device`` as a function of nothing, as cheap as it can be: a prepared launch
     asks it on every call (it is what a launch runs on, and what ``_prepared`` keys a GPU's row numbers by)."""
     if device.type != "cuda":
-        return _no_stream
+        return _NO_STREAM
     if _raw_stream is not None:
         return functools.partial(_raw_stream, device.index)
     return functools.partial(current_stream, device)
 
 
-def _no_stream() -> int:
-    return 0
+_NO_STREAM = int  # int() is 0: the stream handle off CUDA devices, a call that runs no Python
 
 
 # The current stream's raw handle without building a torch.cuda.Stream object (a few us per call,

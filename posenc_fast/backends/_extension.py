@@ -14,7 +14,8 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from . import new_buffer
+from .._validate import check_id_range
+from . import ID_DTYPES, PreparedLaunch, new_buffer
 
 
 class Extension(NamedTuple):
@@ -116,24 +117,41 @@ def dtype_code(module, dtype: torch.dtype, backend: str) -> int:
     return code
 
 
-def bind_forward(module, backend: str, dtype: torch.dtype, num_rows: int, turns: torch.Tensor, params, id_dtypes,
-                 *device_arguments):
-    """The binding's ``ForwardLaunch`` (csrc/common/launch_arguments.h) for tables of ``num_rows`` rows of ``dtype``
-    with ``params`` (a ``KernelParams``) and ``turns`` (contiguous int64, kept alive by the caller) bound, as the
-    backends' prepared launch takes its arguments (``backends.PreparedLaunch``: tensors).  ``device_arguments``:
-    what the binding's device part takes at the end (the CUDA one: the device index)."""
+# Above this many ids the range check goes back to torch.aminmax (multithreaded): the scan runs on the
+# calling thread, and is for the batches where two small allocations beside the output matter.
+ID_RANGE_SERIAL_MAX = 1 << 16
+
+
+def prepare_forward(lookup: Lookup, backend: str, dtype: torch.dtype, num_rows: int, turns: torch.Tensor, params,
+                    last_argument: Callable[[], int], *device_arguments) -> Optional[PreparedLaunch]:
+    """A compiled backend's ``PreparedLaunch``: its binding's ``ForwardLaunch`` (csrc/common/launch_arguments.h)
+    for tables of ``num_rows`` rows of ``dtype`` with ``params`` (a ``KernelParams``) and ``turns`` bound, current
+    while ``lookup`` holds the extension it was made with; the id check through the binding's one-pass scan where
+    it has one (the CPU's, up to ID_RANGE_SERIAL_MAX ids).  ``device_arguments``: what the binding's device part
+    takes at the end (the CUDA one: the device index).  None when the extension is missing."""
+    state = lookup()
+    module = state.module
+    if module is None:
+        return None
+    turns = int64_vector(turns)
     columns = params.columns
     bound = module.ForwardLaunch(
         dtype_code(module, dtype, backend), turns.data_ptr(), turns.numel(), num_rows, params.token_width,
         params.pe_width, bool(params.concat), bool(columns.interleaved), columns.sin_base, columns.num_sin,
         columns.cos_base, columns.num_cos, int(params.pe_zero_id), float(params.embed_scale), float(params.pe_scale),
         bool(params.float64_math), *device_arguments)
-    id_codes = {dtype: dtype_code(module, dtype, backend) for dtype in id_dtypes}
+    id_codes = {dtype: dtype_code(module, dtype, backend) for dtype in ID_DTYPES}
+    scan = getattr(module, "id_range", None)
 
-    def launch(ids, weight, weight_row_stride, out, offset, seq_len, num_tokens, last_argument):
+    def launch(ids, weight, weight_row_stride, out, offset, seq_len, num_tokens, last_argument, check_ids):
+        if check_ids:
+            bounds = None
+            if scan is not None and 0 < num_tokens <= ID_RANGE_SERIAL_MAX:
+                bounds = scan(ids.data_ptr(), id_codes[ids.dtype], num_tokens)
+            check_id_range(ids, num_rows, 0, bounds)
         bound(ids.data_ptr(), id_codes[ids.dtype], weight.data_ptr(), weight_row_stride, out.data_ptr(), offset,
               seq_len, num_tokens, last_argument)
-    return launch
+    return PreparedLaunch(launch, ID_DTYPES, last_argument, lookup, state, turns)
 
 
 def start_forward(ids, weight, params, require):

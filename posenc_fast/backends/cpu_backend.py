@@ -23,10 +23,10 @@ from typing import Optional
 
 import torch
 
-from . import ID_DTYPES, Dropout, KernelParams, PreparedLaunch, gradient_rows, new_buffer, sort_ids_for_gradient
+from . import Dropout, KernelParams, PreparedLaunch, _extension, gradient_rows, new_buffer, sort_ids_for_gradient
 from ._extension import Lookup
 from ._extension import constant_under_compile as _constant_under_compile
-from ._extension import bind_forward, dtype_code, int64_vector, pointer, start_forward
+from ._extension import dtype_code, int64_vector, pointer, start_forward
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FLOAT64_MATH = True  # precision="float64": float64 arithmetic and polynomials, one rounding
@@ -104,35 +104,9 @@ def _dropout_arguments(dropout: Optional[Dropout]):
 
 
 def prepare_forward(dtype, num_rows: int, device, turns, params: KernelParams) -> Optional[PreparedLaunch]:
-    """``_cpu.ForwardLaunch`` bound to a table's dtype and row count and to ``params``
-    (``posenc_fast._prepared``); None when the extension is missing."""
-    state = _lookup()
-    module = state.module
-    if module is None:
-        return None
-    turns = int64_vector(turns)
-    launch = bind_forward(module, "cpu", dtype, num_rows, turns, params, ID_DTYPES)
-    return PreparedLaunch(launch, ID_DTYPES, torch.get_num_threads, lambda: _lookup.state is state, turns,
-                          _id_range_function(module))
-
-
-# Above this many ids the range check goes back to torch.aminmax (multithreaded): the scan runs on the
-# calling thread, and is for the batches where two small allocations beside the output matter.
-ID_RANGE_SERIAL_MAX = 1 << 16
-
-
-def _id_range_function(module):
-    """``PreparedLaunch.id_range`` for ``module``: the binding's one-pass scan up to ID_RANGE_SERIAL_MAX ids,
-    else None from the call (the caller then checks with torch); None where the binding has no scan."""
-    scan = getattr(module, "id_range", None)
-    if scan is None:
-        return None
-    codes = {dtype: dtype_code(module, dtype, "cpu") for dtype in ID_DTYPES}
-
-    def id_range(ids):
-        count = ids.numel()
-        return scan(ids.data_ptr(), codes[ids.dtype], count) if 0 < count <= ID_RANGE_SERIAL_MAX else None
-    return id_range
+    """``_cpu.ForwardLaunch`` bound to a table's dtype and row count and to ``params``, with the binding's id
+    scan (``posenc_fast._prepared``); None when the extension is missing."""
+    return _extension.prepare_forward(_lookup, "cpu", dtype, num_rows, turns, params, torch.get_num_threads)
 
 
 def forward(ids, weight, turns, positions, offsets, offset, seq_len, params: KernelParams,

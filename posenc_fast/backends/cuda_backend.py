@@ -29,11 +29,11 @@ from typing import Optional
 
 import torch
 
-from . import (ID_DTYPES, Dropout, KernelParams, PreparedLaunch, current_stream, current_stream_function,
+from . import (Dropout, KernelParams, PreparedLaunch, _extension, current_stream, current_stream_function,
                gradient_rows, new_buffer, sort_ids_for_gradient)
 from ._extension import Extension, Lookup
 from ._extension import constant_under_compile as _constant_under_compile
-from ._extension import bind_forward, dtype_code, int64_vector, pointer, start_forward
+from ._extension import dtype_code, int64_vector, pointer, start_forward
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FLOAT64_MATH = True  # precision="float64": the kernels' float64 variant (longer polynomials, one rounding)
@@ -222,15 +222,10 @@ def _stream_and_device(t: torch.Tensor):
 
 def prepare_forward(dtype, num_rows: int, device, turns, params: KernelParams) -> Optional[PreparedLaunch]:
     """``_C.ForwardLaunch`` bound to a table's dtype, row count and device and to ``params``
-    (``posenc_fast._prepared``); None when the extension is missing."""
-    state = _lookup()
-    module, emulating = state.module, _host_emulation
-    if module is None:
-        return None
-    turns = int64_vector(turns)
-    launch = bind_forward(module, "cuda", dtype, num_rows, turns, params, ID_DTYPES, device.index or 0)
-    return PreparedLaunch(launch, ID_DTYPES, current_stream_function(device),
-                          lambda: _lookup.state is state and _host_emulation == emulating, turns)
+    (``posenc_fast._prepared``); None when the extension is missing.  (Host emulation on or off replaces the
+    lookup's state: ``use_host_emulation``.)"""
+    return _extension.prepare_forward(_lookup, "cuda", dtype, num_rows, turns, params,
+                                      current_stream_function(device), device.index or 0)
 
 
 def forward(ids, weight, turns, positions, offsets, offset, seq_len, params: KernelParams,

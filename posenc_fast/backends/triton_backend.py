@@ -27,6 +27,7 @@ import torch
 
 from . import (ID_DTYPES, KernelParams, PreparedLaunch, current_stream_function, gradient_rows, new_buffer,
                sort_ids_for_gradient)
+from .._validate import check_id_range
 from .triton_launch import KeptLaunches, int_specialization
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -47,7 +48,15 @@ _FMA_CONTRACTION = {"enable_fp_fusion": True}
 GRAD_CHUNK = 32
 
 triton = None  # the triton package, once loaded
-_kernels = None  # the triton_kernels module, once loaded
+
+
+class _Kernels:
+    """``state``: the triton_kernels module, once loaded (a benchmark may stand another in); a prepared launch is
+    current while it is the module the launch was made with (``backends.PreparedLaunch``)."""
+
+    state = None
+
+
 _kernels_interpreted: Optional[bool] = None  # whether they were defined under TRITON_INTERPRET=1
 _load_lock = threading.Lock()
 _interpreter_lock = threading.Lock()  # one interpreted launch at a time (see the module docstring)
@@ -58,22 +67,22 @@ def interpreting() -> bool:
 
 
 def _load_kernels():
-    global triton, _kernels, _kernels_interpreted
-    if _kernels is None:
+    global triton, _kernels_interpreted
+    if _Kernels.state is None:
         with _load_lock:
-            if _kernels is None:
+            if _Kernels.state is None:
                 import triton as triton_package
 
                 from . import triton_kernels
 
                 triton, _kernels_interpreted = triton_package, interpreting()
-                _kernels = triton_kernels  # last: another thread that sees it sees the rest
-    return _kernels
+                _Kernels.state = triton_kernels  # last: another thread that sees it sees the rest
+    return _Kernels.state
 
 
 def available(device: torch.device) -> Optional[str]:
     """None if this backend can run on ``device``, else the reason it cannot."""
-    if _kernels is None and importlib.util.find_spec("triton") is None:
+    if _Kernels.state is None and importlib.util.find_spec("triton") is None:
         return ("backend='triton' needs Triton (3.5 to 3.9): pip install 'triton>=3.5,<3.10' numpy, or install "
                 "posenc_fast with its [triton] extra (Triton comes with PyTorch's CUDA wheels on Linux)")
     if device.type == "cuda":
@@ -297,7 +306,11 @@ def prepare_forward(dtype, num_rows: int, device, turns, params: KernelParams) -
     compiled_launches = KeptLaunches(kernels.forward_kernel, device.index if on_gpu else None)
     turns_address, turn_low_address, turn_high_address = fixed_before_addresses[:3]
 
-    def launch(ids, weight, weight_row_stride, out, offset, seq_len, num_tokens, last_argument):
+    def launch(ids, weight, weight_row_stride, out, offset, seq_len, num_tokens, last_argument, check_ids):
+        if not on_gpu and not interpreting():  # CPU tensors with the interpreter since turned off: as the general path
+            raise RuntimeError(available(device))
+        if check_ids:
+            check_id_range(ids, num_rows)
         if num_tokens == 0:
             return
         # The rows the kernel may read: the table's (an embedding), or x's own (add_sinusoidal, whose launch
@@ -306,7 +319,8 @@ def prepare_forward(dtype, num_rows: int, device, turns, params: KernelParams) -
         if seq_len < 1:
             seq_len = 1
         if interpreted:
-            grid, arguments_after, constexprs, _ = shape_for((num_tokens, table_rows, weight_row_stride))
+            key = (num_tokens, table_rows, weight_row_stride)
+            grid, arguments_after, constexprs, _ = shapes.get(key) or shape_for(key)  # (kept: no call)
             with _interpreter_lock:
                 kernels.forward_kernel[grid](ids, weight, out, *fixed_before, offset, seq_len, *arguments_after,
                                              **constexprs)
@@ -331,10 +345,7 @@ def prepare_forward(dtype, num_rows: int, device, turns, params: KernelParams) -
                                                                      *arguments_after, **constexprs),
                                    grid, launcher_arguments_after)
 
-    def is_current() -> bool:  # the same kernels (their mode is fixed once loaded); on CPU the interpreter still on
-        return _kernels is kernels and (on_gpu or interpreting())
-
-    return PreparedLaunch(launch, ID_DTYPES, current_stream_function(device), is_current, turns)
+    return PreparedLaunch(launch, ID_DTYPES, current_stream_function(device), _Kernels, kernels, turns)
 
 
 def _backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype, dropout, sorted_ids):
