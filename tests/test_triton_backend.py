@@ -140,7 +140,7 @@ def test_compiled_launch_passes_what_the_jit_passes(recording_gpu_launch):
     ids = torch.randint(0, 50, (2, 5))
     out = torch.empty(10, 96)
     for stream in (7, 8):
-        prepared.launch(ids, weight, 96, out, 12345, 5, 10, stream)
+        prepared.launch(ids, weight, 96, out, 12345, 5, 10, stream, False)
     assert len(kernel.jit_calls) == 1 and len(kernel.launches) == 1
     grid, arguments, keywords = kernel.jit_calls[0]
     assert keywords.pop("num_warps") >= 1
@@ -174,7 +174,7 @@ def test_a_launcher_replaced_before_the_launch_is_prepared_is_called(recording_g
                                               layer.spec.turns_tensor("cpu"), layer.spec.kernel_params(False))
     ids, out = torch.randint(0, 50, (4,)), torch.empty(4, 96)
     for _ in range(3):
-        prepared.launch(ids, weight, 96, out, 0, 4, 4, 3)
+        prepared.launch(ids, weight, 96, out, 0, 4, 4, 3, False)
     assert len(kernel.jit_calls) == 3 and not kernel.launches
 
 
@@ -192,12 +192,13 @@ def test_the_launches_ask_for_fma_contraction_unless_the_user_chose(recording_gp
         assert triton_backend.compile_options() == asked
         prepared = triton_backend.prepare_forward(torch.float32, 50, torch.device("cuda", 0),
                                                   layer.spec.turns_tensor("cpu"), layer.spec.kernel_params(False))
-        prepared.launch(ids, weight, 96, out, 0, 4, 4, 3)
+        prepared.launch(ids, weight, 96, out, 0, 4, 4, 3, False)
         assert kernel.jit_calls[-1][2].get("enable_fp_fusion") == asked.get("enable_fp_fusion"), users_default
 
 
 def _launch(prepared, call):
-    prepared.launch(call["ids"], call["weight"], 96, call["out"], call["offset"], call["seq_len"], call["ids"].numel(), 3)
+    prepared.launch(call["ids"], call["weight"], 96, call["out"], call["offset"], call["seq_len"], call["ids"].numel(), 3,
+                    False)
 
 
 def test_a_new_specialization_goes_through_the_jit(recording_gpu_launch):
@@ -306,8 +307,8 @@ def test_a_launch_hook_gets_its_metadata(recording_gpu_launch, monkeypatch, hook
     and passes None for each."""
     prepared, kernel, weight = recording_gpu_launch
     ids, out = torch.randint(0, 50, (4,)), torch.empty(4, 96)
-    prepared.launch(ids, weight, 96, out, 0, 4, 4, 3)
-    prepared.launch(ids, weight, 96, out, 0, 4, 4, 3)
+    prepared.launch(ids, weight, 96, out, 0, 4, 4, 3, False)
+    prepared.launch(ids, weight, 96, out, 0, 4, 4, 3, False)
     assert kernel.launches[-1][6:9] == (None, None, None)
 
     def hook(metadata):
@@ -321,7 +322,7 @@ def test_a_launch_hook_gets_its_metadata(recording_gpu_launch, monkeypatch, hook
             monkeypatch.setattr(chain, "calls", [hook])
         else:
             monkeypatch.setattr(triton.knobs.runtime, name, hook)
-    prepared.launch(ids, weight, 96, out, 0, 4, 4, 3)
+    prepared.launch(ids, weight, 96, out, 0, 4, 4, 3, False)
     assert len(kernel.launches) == 2
     hooks = triton.knobs.runtime
     assert kernel.launches[-1][6:9] == (
@@ -435,7 +436,7 @@ def test_compiled_launches_match_the_jit_path_on_a_gpu(dtype, seed, monkeypatch)
             for _ in range(2):
                 got.fill_(float("nan"))
                 prepared.launch(call_ids, call_weight, 96, got, offset, seq_len, num_tokens,
-                                prepared.last_argument())
+                                prepared.last_argument(), False)
                 torch.cuda.synchronize()
                 assert torch.equal(_bits(got), _bits(want)), (offset, seq_len, output_start)
     assert served.count(True) >= len(calls) * 2, served  # the kept kernels served the repeats
