@@ -25,7 +25,6 @@ from .module import SinusoidalEmbedding, SinusoidalPositionalEncoding
 from .positions import make_positions, packed_positions
 
 
-
 def patch_model(model, *, ignore_table_values: bool = False):
     """Make a Hugging Face transformers model compute its sinusoidal PE with posenc_fast, in place; returns ``model``.
 

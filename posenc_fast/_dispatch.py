@@ -7,11 +7,9 @@ import torch
 from .backends import cpu_backend, cuda_backend, torch_backend, triton_backend
 
 BACKENDS = {"torch": torch_backend, "triton": triton_backend, "cuda": cuda_backend, "cpu": cpu_backend}
-# "auto" tries these in order for each device type.  On CUDA, the CUDA C++ kernels where the extension
-# is built, then Triton: measured on an H200 (bench/results/nvidia-h200.json, docs/cuda_backend.md), the
-# two are within 10% of each other on large calls and the CUDA backend's decoding step takes half the
-# time (Triton's launcher costs host time).  On CPU the native kernels (docs/cpu_backend.md) when the
-# extension is built, else the float64 torch op.
+# "auto" tries these in order for each device type: the native extension where it is built, then (on CUDA)
+# Triton, then the torch reference.  Why the CUDA extension comes before Triton: docs/cuda_backend.md,
+# "Choosing it".
 _AUTO_ORDER = {"cuda": ("cuda", "triton", "torch"), "cpu": ("cpu", "torch")}
 _DEFAULT_AUTO = ("torch",)
 

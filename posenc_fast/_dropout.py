@@ -15,12 +15,8 @@ from torch import Tensor
 
 
 class Dropout(NamedTuple):
-    """What a backend needs for the fused dropout of one call (mask: ``reference.dropout_keep``).
-
-    Element (t, c) of the flat output is kept iff Philox word ``c % 4`` of counter
-    ``(c // 4, t mod 2**32, t >> 32, 0)`` under key ``(seed mod 2**32, seed >> 32)`` is
-    ``>= threshold``; kept elements are multiplied by ``scale``, dropped ones are 0.
-    """
+    """What a backend needs for the fused dropout of one call: the mask of ``reference.dropout_keep``;
+    kept elements are multiplied by ``scale``, dropped ones are 0."""
 
     seed: Tensor  # int64, one element, on the device; read by the kernels (no host sync)
     threshold: int  # in [0, 2**32)

@@ -1,16 +1,14 @@
-"""Host-side parameters of the layer, computed once and shared by every backend.
+"""The layer's host-side parameters (:class:`PESpec`), computed once and shared by every backend.
 
-A :class:`PESpec` is the complete, immutable description of *what* is computed
-(mode, widths, layout, frequencies, scales, padding row).  Backends receive it
-and turn it into plain numbers and pointers; none of them derives frequencies
-or layout rules on its own.
+A :class:`PESpec` is the complete, immutable description of *what* is computed (mode, widths,
+layout, frequencies, scales, padding row).  Backends turn it into plain numbers and pointers;
+none derives frequencies or layout rules on its own.
 
-Exact angles (docs/design.md, "Numerics"): the angle of pair ``i`` at integer
-position ``p`` is ``2*pi * p * r_i`` with ``r_i = w_i / (2*pi)`` turns per
-position.  Only the fractional part of ``p * r_i`` matters, so we store
-``R_i = round(r_i * 2**64) mod 2**64`` (as a two's-complement int64) and every
-backend computes ``p * R_i`` with a wrapping 64-bit multiply: the result is the
-fractional turn, exact to 2**-64 per unit of position, for every int64 ``p``.
+Exact angles (docs/design.md, "Numerics"): the angle of pair ``i`` at integer position ``p`` is
+``2*pi * p * r_i`` with ``r_i = w_i / (2*pi)`` turns per position.  Only the fractional part of
+``p * r_i`` matters, so the spec stores ``R_i = round(r_i * 2**64) mod 2**64`` (as a two's-complement
+int64) and every backend computes ``p * R_i`` with a wrapping 64-bit multiply: the fractional turn,
+exact to 2**-64 per unit of position, for every int64 ``p``.
 """
 
 from __future__ import annotations
@@ -34,9 +32,9 @@ MAX_SCALE = 3.4028234663852886e38  # torch.finfo(torch.float32).max
 # cover a row with at most 65535 column blocks; 2**22 columns keeps every backend well inside that.
 MAX_ROW_WIDTH = 1 << 22
 
-# 2*pi * 10**60, rounded to an integer.  R_i is computed in exact integer arithmetic
-# (float64 would lose ~2^-53 relative, i.e. 0.5 microradian at p = 2^32); plain
-# Python ints also keep the computation traceable by torch.compile.
+# 2*pi * 10**60, rounded to an integer: R_i is computed in exact integer arithmetic (float64 would
+# round it to 2**-53 relative, an error that grows with p), and plain Python ints stay traceable by
+# torch.compile.
 _TWO_PI_E60 = 6283185307179586476925286766559005768394338798750211641949889
 _E60 = 10**60
 _TWO_POW_64 = 1 << 64
@@ -223,13 +221,12 @@ class PESpec:
         return self.pe_width // 2
 
     def turns_tensor(self, device) -> torch.Tensor:
-        """The int64 ``R_i`` on ``device``; cached, so one host-to-device copy per (spec, device).
+        """The int64 ``R_i`` on ``device``, cached: one host-to-device copy per (spec, device).
 
-        The cache is process-wide (specs are shared by every layer with the same parameters), so it
-        only ever holds a plain tensor.  Under a dispatch mode (torch.export's or a FakeTensorMode's
-        fake tensors, make_fx's proxies, a user's mode) the tensor is made under that mode and not kept;
-        what torch.compile traces is a graph constant; one made under a torch.func transform, inference
-        mode or jit.trace is made outside them (a trace then holds it as a constant)."""
+        The cache is process-wide (layers with equal parameters share a spec), so it holds plain tensors
+        only: under a dispatch mode (fake tensors, make_fx's proxies, a user's mode) the tensor is made
+        under that mode and not kept; under torch.compile it is a graph constant; under a torch.func
+        transform, inference mode or jit.trace it is made outside them (a trace holds it as a constant)."""
         cached = self._turns_by_device.get(device)  # a torch.device already (weight.device): no conversion
         if cached is None:
             device = torch.device(device)

@@ -102,20 +102,19 @@ def make_spec(
     ``frequencies`` (radians per position) replaces the ``base`` recipe: h = D // 2 of
     them, or h + 1 for an odd D whose last column is then the sin of the extra one.
     ``precision="float64"`` computes the PE and the sum in float64 before rounding once.
-    Specs are cached per argument tuple, so a repeated call returns the same object
-    (whose device tensors are cached in turn).  ``only_cached``: that spec, or None where these
-    arguments have not made one yet (nothing checked, nothing raised: the caller checks its other
-    arguments first, then calls again).
+    Specs are cached per argument tuple: a repeated call returns the same object (whose
+    device tensors are cached in turn).  ``only_cached=True`` returns that cached spec, or None
+    without checking or raising anything (the caller checks its other arguments first, then
+    calls again).
     """
     validated_key = None
     if torch.compiler.is_compiling():
         pass
     elif torch._C._is_tracing():  # (Dynamo cannot trace _is_tracing: asked only outside it)
-        # jit.trace gives sizes as traced 0-dim tensors.  The table's (or x's) shape is a constant of a
-        # traced layer: taken as ints, so the frequencies are computed in float64 as always and the
-        # spec cache never keys on a tensor.
-        # Tensor frequencies become floats here too.  (A TracerWarning for each would be noise to whoever
-        # traces a model around the layer: silenced, as the general path's are, functional._quiet_under_jit_trace.)
+        # jit.trace gives sizes as traced 0-dim tensors, but the table's (or x's) shape is a constant of a
+        # traced layer: taken as ints (and tensor frequencies as floats), the frequencies are computed in
+        # float64 as always and the spec cache never keys on a tensor.  The TracerWarnings are silenced, as
+        # on the general path (functional._quiet_under_jit_trace): they are noise to whoever traces a model.
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", torch.jit.TracerWarning)
             num_embeddings, token_width = (int(size) if isinstance(size, torch.Tensor) else size
@@ -124,9 +123,8 @@ def make_spec(
                 frequencies = _frequency_values(frequencies)
     elif frequencies is None:
         # A repeated call (the functional entry points build their spec on every call) skips the checks
-        # below: the arguments, and the types of those where True, 1 and 1.0 are equal keys but not
-        # equally valid, name a spec already built from them.
-        # (-0.0 and 0.0 are equal keys but not the same scale: a zero's sign joins the key.)
+        # below.  The key adds the types (True, 1 and 1.0 are equal keys but not equally valid) and a zero
+        # scale's sign (-0.0 == 0.0, but they are different scales).
         validated_key = (num_embeddings, token_width, mode, d_pos, base, layout, embed_scale, pe_scale, padding_idx,
                          zero_pe_at_padding, precision, type(num_embeddings), type(token_width), type(d_pos),
                          type(base), type(embed_scale), type(pe_scale), type(padding_idx), type(zero_pe_at_padding),
@@ -334,9 +332,9 @@ def make_batch(ids, weight: torch.Tensor, spec: PESpec, positions, offset) -> Ba
     if (positions is None and type(offset) is int and type(ids) is torch.Tensor and ids.dtype in ID_DTYPES
             and ids.layout == torch.strided and not ids.is_nested and ids.device == weight.device
             and _INT64_MIN <= offset < _INT64_END and _memory_backed(ids)):
-        # The common call (a decoding step: ids and an int offset) in a few us; the same checks as below.
+        # The common call (a decoding step: ids and an int offset): the same checks as below, in fewer steps.
         shape = ids.shape
-        flat_ids = ids if len(shape) == 1 else ids.reshape(-1)  # a view costs about 1 us
+        flat_ids = ids if len(shape) == 1 else ids.reshape(-1)  # (reshape would make a view even of 1-D ids)
         if not flat_ids.is_contiguous():
             flat_ids = flat_ids.contiguous()
         return Batch(flat_ids, (*shape, spec.width), shape[-1] if shape else 1, offset, None, None)
@@ -486,8 +484,8 @@ def _check_index_vector(name: str, value: torch.Tensor, numel: int, device: torc
 def check_op_inputs(ids, weight, turns, positions, offsets, seq_len: int, concat: bool, pe_width: int,
                     pe_columns, dropout_seed) -> None:
     """What every backend's forward kernel assumes of the op's arguments: each bound a kernel uses
-    follows from the tensors given.  The public API always passes consistent arguments (this is
-    metadata only, about 1 us); a direct call of the torch.library op may not."""
+    follows from the tensors given.  The public API always passes consistent arguments; a direct call
+    of the torch.library op may not.  Reads metadata only."""
     device = weight.device
     if ids.dim() != 1 or ids.dtype not in ID_DTYPES or ids.device != device or not ids.is_contiguous():
         raise ValueError(f"ids must be a contiguous 1-D int32 or int64 tensor on {device}, got dtype {ids.dtype}, "

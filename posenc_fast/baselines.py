@@ -1,4 +1,4 @@
-"""What users run today, written the way real code does it; the comparison point for ``check`` and bench/.
+"""The eager layer users write, as real code does it; the comparison point for ``check`` and bench/.
 
 ``EagerSinusoidalEmbedding``: nn.Embedding + a registered fp32 sinusoid table buffer
 (Annotated Transformer / fairseq style), embed scale, add (or torch.cat), cast.

@@ -1,8 +1,5 @@
-"""Command line: ``python -m posenc_fast {check,bench,plot,experiment} ...``.
-
-Each command lives in its own module and registers itself through an
-``add_subcommand(subparsers)`` function; the modules are listed in ``_COMMAND_MODULES``.
-"""
+"""Command line: ``python -m posenc_fast {check,bench,plot,experiment} ...``; each command lives in
+its own module (``_COMMAND_MODULES``)."""
 
 from __future__ import annotations
 
@@ -10,7 +7,7 @@ import argparse
 import importlib
 from typing import List, Optional
 
-# Modules that define ``add_subcommand(subparsers)``; each sets ``func`` on its parser(s).
+# Each defines ``add_subcommand(subparsers)``, which sets ``func`` on its parser(s).
 _COMMAND_MODULES = ("posenc_fast.check", "posenc_fast.benchmark", "posenc_fast.explore.cli")
 
 

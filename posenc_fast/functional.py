@@ -1,4 +1,5 @@
-"""Public functional API: validate, choose a backend, call the op, restore the shape."""
+"""The public functions ``sinusoidal_embedding`` and ``add_sinusoidal``, and the general path under them and
+the modules (``apply_spec``, ``apply_add_spec``): validate, choose a backend, route the call, restore the shape."""
 
 from __future__ import annotations
 
@@ -22,14 +23,12 @@ from .presets import POSITION_RULES
 
 
 def _quiet_under_jit_trace(function):
-    """Under jit.trace every size is a traced value, so each shape check, width and table size the
-    layer reads becomes a TracerWarning.  Those are constants of a layer; what varies between calls
-    (lengths, batch, positions) reaches the output only through tensors (``_refuse_jit_trace``).  So the
-    warnings are noise to whoever traces a model around the layer, and are silenced, for this call only.
-    On the general paths (``apply_spec``, ``apply_add_spec``): the public functions are not wrapped, so a
-    decoding step's prepared launch does not pay the wrapper's argument repacking (about 0.6 us).  Before
-    the general path they read only what cannot warn or silences its own (``make_spec``'s table sizes and
-    frequencies), and under jit.trace they skip the prepared launch (``_routing.eager_call``), which reads sizes."""
+    """Silence jit.trace's TracerWarnings for this call only.  Under jit.trace every size the layer reads
+    (shape checks, widths, table sizes) warns, yet those are constants of a layer: what varies between
+    calls reaches the output only through tensors (``_refuse_jit_trace``).  It wraps the general paths,
+    not the public functions, so that a decoding step's prepared launch does not pay for the wrapper.
+    Before the general path the public functions read nothing that warns (``make_spec`` silences its
+    own), and under jit.trace they skip the prepared launch (``_routing.eager_call``), which reads sizes."""
     @functools.wraps(function)
     def call(*args, **kwargs):
         if not _jit_tracing():
@@ -64,31 +63,36 @@ def sinusoidal_embedding(
 ) -> torch.Tensor:
     """Token embedding lookup + sinusoidal positional encoding, fused.
 
-    ``y[..., :] = embed_scale * weight[ids] (+) pe_scale * PE(position)`` where (+) is
-    addition (``mode="add"``) or concatenation of ``d_pos`` PE columns (``mode="concat"``).
-    Positions are ``offset + t`` along the last axis of ``ids`` (``offset``: an int or one int
-    per sequence, shape ``ids.shape[:-1]``), or the explicit integer ``positions`` tensor
-    (broadcastable to ``ids.shape``).  Returns ``ids.shape + (width,)`` in ``weight.dtype``.
-    Only ``weight`` receives a gradient (deterministic; zero for ``padding_idx``).
-    ``frequencies`` replaces the ``base`` recipe (radians per position, one per pair);
-    ``zero_pe_at_padding`` gives padding tokens no PE (fairseq).  ``cu_seqlens`` packs
-    several sequences along the last axis (cumulative lengths ``[0, l0, l0 + l1, ...]``):
-    positions restart at 0 at each start.  ``precision="float64"`` computes the PE and the
-    sum in float64 (fp32 outputs correctly rounded; slower on GPUs with little fp64 throughput).
-    ``dropout_p`` > 0 with ``training`` (as ``F.dropout``) applies dropout to the result inside
-    the same kernel: each element is zeroed with probability ``dropout_p``, the others scaled by
+    ``y[..., :] = embed_scale * weight[ids] (+) pe_scale * PE(position)``, where (+) is addition
+    (``mode="add"``) or concatenation of ``d_pos`` PE columns (``mode="concat"``).  Returns
+    ``ids.shape + (width,)`` in ``weight.dtype``.  Only ``weight`` receives a gradient
+    (deterministic; zero for ``padding_idx``).
+
+    Positions are ``offset + t`` along the last axis of ``ids`` (``offset``: an int, or one int per
+    sequence, shape ``ids.shape[:-1]``), or the explicit integer ``positions`` tensor (broadcastable
+    to ``ids.shape``).  ``cu_seqlens`` packs several sequences along the last axis (cumulative
+    lengths ``[0, l0, l0 + l1, ...]``): positions restart at 0 at each start.
+    ``frequencies`` replaces the ``base`` recipe (radians per position, one per pair).
+    ``zero_pe_at_padding`` gives padding tokens no PE (fairseq).  ``precision="float64"`` computes
+    the PE and the sum in float64 (fp32 outputs correctly rounded; slower on GPUs with little fp64
+    throughput).
+
+    ``dropout_p`` > 0 with ``training`` (as ``F.dropout``) applies dropout to the result in the same
+    kernel: each element is zeroed with probability ``dropout_p``, the others scaled by
     ``1 / (1 - dropout_p)``.  The mask is Philox of a seed drawn from torch's generator (so
     ``torch.manual_seed`` reproduces it) and is regenerated in backward, not stored.
+
     ``sparse=True`` makes the weight's gradient a sparse COO tensor of the rows the ids touch, as
     ``nn.Embedding(sparse=True)`` does (for ``torch.optim.SparseAdam``, SGD...): deterministic, and
     its cost tracks the tokens, not the vocabulary.  Eager only (not under torch.compile/export).
-    Presets for other libraries:
-    ``posenc_fast.presets``.  See ``posenc_fast.reference`` for the exact definition.
+
+    Presets for other libraries: ``posenc_fast.presets``.  The exact definition:
+    ``posenc_fast.reference``.
     """
-    # A repeated call (a decoding step): see posenc_fast._prepared (never under torch.compile or jit.trace, which
-    # trace the op and its checks).  Its spec was made before, so its arguments are valid; the prepared launch
-    # checks what check_weight does (a dense table with memory, not nested, of the float dtype it was prepared for).
-    # (Where the spec is not cached that way, frequencies given, it is tried after the checks.)
+    # A repeated call (a decoding step) takes a prepared launch (posenc_fast._prepared), on plain eager calls
+    # only, so that torch.compile and jit.trace trace the op and its checks.  A cached spec means valid
+    # arguments, and the launch checks what check_weight does; a spec not cached that way (frequencies given)
+    # is tried after the checks.
     simple_call = positions is None and cu_seqlens is None and _eager_call(ids, weight)
     spec = None
     if simple_call and weight.dim() == 2 and not weight.is_nested:
@@ -166,12 +170,11 @@ def _route(ids, weight, standard_ops_under_export: bool = False) -> str:
 
 
 def _refuse_jit_trace(positions, offset, cu_seqlens, position_rule: str = "offset") -> None:
-    """jit.trace records Python values as constants.  With explicit ``positions`` nothing is derived
-    from the call's length or offsets, and the standard-ops form (``_route``) reads only tensors and
-    their sizes, which the tracer records: that trace is right at every shape (what patch_model's
-    position modules pass, so TorchScript's ONNX exporter, and optimum's, take a patched model).
-    Positions derived from a length, an offset or ``cu_seqlens`` could be baked in: refused, before the
-    call's own validation."""
+    """Under jit.trace, refuse a call whose positions derive from its length, an offset, ``cu_seqlens`` or
+    a position rule: the tracer records Python values as constants and would bake them in.  With explicit
+    ``positions``, the standard-ops form (``_route``) reads only tensors and their sizes, which the tracer
+    records, so the trace is right at every shape; patch_model's position modules pass positions, so
+    TorchScript's ONNX exporter, and optimum's, take a patched model.  Runs before the call's validation."""
     if not _jit_tracing():
         return
     if (isinstance(positions, torch.Tensor) and cu_seqlens is None and position_rule == "offset"
@@ -230,7 +233,7 @@ def apply_spec(ids, weight, spec: PESpec, turns: torch.Tensor, positions, offset
     refuse_nested("ids", ids)  # (before a position rule or cu_seqlens reads its shape)
     if sparse is not False and sparse is not True:
         raise TypeError(f"sparse must be a bool, got {sparse!r}")
-    dropout_p = check_dropout_p(dropout_p)  # checked even when not training, as F.dropout does
+    dropout_p = check_dropout_p(dropout_p)
     if not training:
         dropout_p = 0.0
     check_weight_for_spec(weight, spec)  # a module's weight may have been replaced since it was built
@@ -310,13 +313,12 @@ def add_sinusoidal(
 ) -> torch.Tensor:
     """The PE added to an existing float tensor, fused: ``y = x_scale * x + pe_scale * PE(position)``.
 
-    ``x`` is ``[..., seq_len, D]`` (conv features of a speech encoder, summed codebook
-    embeddings, token rows with image vectors substituted); the PE has its last width D.
-    Positions, ``offset`` (int or one per sequence, shape ``x.shape[:-2]``) and ``cu_seqlens``
-    follow the axis before the last exactly as they follow the last axis of ``ids`` in
-    :func:`sinusoidal_embedding`.  Returns ``x.shape`` in ``x.dtype``; the gradient to ``x`` is
-    ``x_scale * grad``.  Same kernels as the embedding (``x`` plays the table, row n read by
-    token n), so the same accuracy.
+    ``x`` is ``[..., seq_len, D]`` (conv features of a speech encoder, summed codebook embeddings,
+    token rows with image vectors substituted); the PE is D wide.  ``positions``, ``offset`` (an int,
+    or one per sequence, shape ``x.shape[:-2]``) and ``cu_seqlens`` follow the axis before the last
+    exactly as they follow the last axis of ``ids`` in :func:`sinusoidal_embedding`.  Returns
+    ``x.shape`` in ``x.dtype``; the gradient to ``x`` is ``x_scale * grad``.  Same kernels as the
+    embedding (``x`` plays the table, row n read by token n), so the same accuracy.
     """
     # A repeated call: as sinusoidal_embedding's (the prepared launch checks x's float dtype and memory).
     simple_call = positions is None and cu_seqlens is None and _eager_call(x, x)

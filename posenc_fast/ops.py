@@ -1,14 +1,13 @@
-"""The torch.library ops: forward, weight gradient, fake (meta) implementations and autograd.
+"""The layer's torch.library ops (embedding forward, weight gradient, ``add_sinusoidal``) with their fake
+implementations and autograd; the autograd.Functions that run the same implementations without the
+custom-op wrapper; and the layer in standard torch ops, for capture by other runtimes.
 
-Registered as opaque custom ops so ``torch.compile(fullgraph=True)`` traces
-through them without graph breaks and autograd sees one node.  Arguments are
-plain numbers and tensors; the backend is chosen by name before the call
-(``_dispatch``), and the data-dependent id range check runs here, at run time,
-before any kernel (skipped while a CUDA graph is being captured), after the metadata checks that keep
-every kernel inside the tensors it is given (``_validate.check_op_inputs``).  Fused dropout takes its
-seed as a tensor input: autograd keeps it (8 bytes) and backward regenerates the mask from it.  The
-weight gradient is linear in the output gradient, so it has its own autograd formula: double
-backward (e.g. a gradient penalty) works.
+Opaque custom ops, so that ``torch.compile(fullgraph=True)`` traces them without graph breaks and autograd
+sees one node.  Arguments are plain numbers and tensors; the caller names the backend (``_dispatch``).  The
+metadata checks that keep every kernel inside its tensors (``_validate.check_op_inputs``) run first, then the
+data-dependent id range check, at run time.  Fused dropout takes its seed as a tensor input: autograd keeps
+the seed and backward regenerates the mask from it.  The weight gradient has an autograd formula of its own,
+so double backward (e.g. a gradient penalty) works.
 """
 
 from __future__ import annotations
@@ -70,19 +69,16 @@ def sinusoidal_embedding_forward(
 
 def run_forward(ids, weight, turns, positions, offsets, offset, seq_len, params: KernelParams, vocab_start: int,
                 vocab_size: int, dropout_seed, dropout_p: float, backend: str) -> Tensor:
-    """The forward past its metadata checks: the id range check, then the backend.  The op calls it
-    after ``check_op_inputs``; ``functional.apply_spec``'s eager path calls it directly with a
-    validated ``Batch`` and the spec's cached ``KernelParams`` (a decoding step's host time is this
-    Python, bench/host_overhead.py)."""
+    """The forward after its metadata checks (``check_op_inputs``): the id range check, then the backend.
+    Eager calls (``functional.apply_spec``) call it directly, with a validated ``Batch`` and the spec's
+    cached ``KernelParams``."""
     if config.id_check_enabled():
         check_id_range(ids, vocab_size, vocab_start)
     return get_backend(backend).forward(ids, weight, turns, positions, offsets, offset, seq_len, params,
                                         dropout_for(dropout_seed, dropout_p))
 
 
-# Registered under its own name; ``run_forward`` stays callable directly (see
-# ``functional._eager_call``: eager calls skip the dispatcher, ~20 us of Python per call, and in
-# training its custom-op autograd wrapper, ~150 us: ``EmbeddingFunction``).
+# The op under a name of its own; eager calls bypass it through ``run_forward`` (``_routing.eager_call``).
 sinusoidal_embedding_op = torch.library.custom_op("posenc_fast::sinusoidal_embedding", mutates_args=())(
     sinusoidal_embedding_forward)
 
@@ -145,11 +141,11 @@ def _(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weig
 
 
 def weight_gradient_op(grad_out, ids, *rest, sorted_ids=None) -> Tensor:
-    """The backward op, or its implementation directly where the call is eager on plain tensors
-    (``_routing.eager_call``) and records no graph (the op's own autograd gives a double backward):
-    torch.library's wrapper costs as much host time as the rest of the gradient of a small batch
-    (30 of 60 us for 64 tokens on a 2-core VM).  ``sorted_ids`` as ``weight_gradient``
-    takes it (the op sorts the ids itself: the same order, so the same bits)."""
+    """The backward op; or, where the call is eager on plain tensors (``_routing.eager_call``) and records
+    no graph, its implementation directly, since torch.library's wrapper is a large share of a small
+    batch's host time.  A recorded graph takes the op, whose autograd gives the double backward.
+    ``sorted_ids`` as ``weight_gradient`` takes it; the op sorts the ids itself, into the same order, so
+    the result is the same bits."""
     if not (torch.is_grad_enabled() and grad_out.requires_grad) and eager_call(ids, grad_out):
         return _direct_weight_gradient(grad_out, ids, *rest, sorted_ids=sorted_ids)
     return sinusoidal_embedding_backward_op(grad_out, ids, *rest)
@@ -167,8 +163,8 @@ _profiler_enabled = torch.autograd._profiler_enabled
 
 
 def _save_for_weight_gradient(ctx, ids, weight, embed_scale, padding_idx, dropout_seed, dropout_p, backend):
-    """What the weight gradient needs, kept by the op's autograd and by EmbeddingFunction alike: the ids
-    and the seed (nothing of size tokens x width) and the numbers."""
+    """Keep what the weight gradient needs, for the op's autograd and ``EmbeddingFunction`` alike: the ids,
+    the seed and the numbers, nothing of size tokens x width."""
     ctx.save_for_backward(ids, dropout_seed)
     ctx.num_embeddings, ctx.token_width = weight.shape
     ctx.weight_dtype = weight.dtype
@@ -204,8 +200,8 @@ sinusoidal_embedding_op.register_autograd(_backward, setup_context=_setup_contex
 
 
 def _by_slices(function, info, in_dims, *args):
-    """A vmap rule for these Functions: one call per slice of the batched arguments, stacked (what PyTorch's
-    fallback for ops without a batching rule does, without its warning; an error inside stays the error)."""
+    """A vmap rule for these Functions: one call per slice of the batched arguments, stacked.  PyTorch's
+    fallback for ops without a batching rule does the same but warns; an error inside is raised as is."""
     calls = []
     for b in range(info.batch_size):
         # A tensor's in_dim is an int or None; a non-tensor argument's (KernelParams, a list) is a tree of Nones.
@@ -215,14 +211,14 @@ def _by_slices(function, info, in_dims, *args):
 
 
 class _DirectApply:
-    """``apply`` without torch's per-call argument binding where nothing needs it.  For a Function with a
-    separate ``setup_context`` (what torch.func requires), ``torch.autograd.Function.apply`` binds the
-    arguments to ``forward``'s signature on every call (``inspect.signature(...).bind``), only to fill in
-    defaults: about 50 us for these Functions' arguments, more than the rest of a training call.  Every
-    call here passes every argument, so outside torch.func the binding is skipped and the C++ apply (which
-    runs ``forward`` then ``setup_context``) is called directly; under torch.func, torch's own apply.
-    (That also skips torch's unwrapping of "dead" functorch wrappers, tensors kept from a finished
-    transform, 2 us a call: such a tensor is not ``plain`` and takes the op, whose dispatcher unwraps it.)"""
+    """``apply`` without ``torch.autograd.Function.apply``'s argument binding, outside torch.func.
+
+    For a Function with a separate ``setup_context`` (which torch.func requires), torch's ``apply`` binds
+    the arguments to ``forward``'s signature on every call only to fill in defaults, more host time than
+    the rest of a training call.  Every caller passes every argument, so outside torch.func this calls the
+    C++ apply (``forward``, then ``setup_context``) directly; under torch.func, torch's own.  It also skips
+    torch's unwrapping of tensors kept from a finished functorch transform: such a tensor is not ``plain``
+    and takes the op, whose dispatcher unwraps it."""
 
     @classmethod
     def apply(cls, *args):
@@ -231,16 +227,14 @@ class _DirectApply:
         return super(torch.autograd.Function, cls).apply(*args)
 
 
-
-
 class EmbeddingFunction(_DirectApply, torch.autograd.Function):
     """The op's forward and autograd formula without torch.library's custom-op wrapper, for eager
     training, forward-mode AD and torch.func (``functional._route`` picks it).
 
-    - Eager training: in torch 2.13 the custom-op wrapper re-reads the op's schema once per argument on
-      every call (``torch._library.utils.fill_defaults``), about 150 us of Python for this op's 20
-      arguments, 7x the rest of the call.  Same implementation (``run_forward``), same saved tensors,
-      same backward op, so gradients, determinism and double backward are those of the op.
+    - Eager training: the custom-op wrapper re-reads the op's schema for every argument on every call
+      (``torch._library.utils.fill_defaults``), most of a training call's host time.  Same implementation
+      (``run_forward``), saved tensors and backward op, so gradients, determinism and double backward are
+      the op's.
     - Forward-mode AD and ``torch.func.jvp``/``jacfwd``: the output is linear in the weight, so its
       tangent is the same layer on the weight's tangent with no PE (``pe_scale = 0``), the same dropout
       mask, and none at ``padding_idx`` tokens: the adjoint of the weight gradient, so ``jacfwd`` and
@@ -347,15 +341,14 @@ def _padding_mask(ids: Tensor, padding_idx: int) -> Optional[Tensor]:
 
 def sparse_weight_gradient(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype,
                            dropout_seed, dropout_p, backend) -> Tensor:
-    """The weight gradient as a sparse COO tensor of the rows the ids touch (``sparse=True``, as
-    ``nn.Embedding`` has it; coalesced here: one row per distinct id, in id order).
+    """The weight gradient as a sparse COO tensor of the rows the ids touch (``sparse=True``, as in
+    ``nn.Embedding``), coalesced: one row per distinct id, in id order.
 
-    The same deterministic weight-gradient op, on the ids renumbered 0..U-1 in id order: the dense
-    ``[U, token_width]`` it returns is the gradient's values, so the cost tracks the tokens, never the
-    vocabulary.  The padding row and out-of-range ids (id check off) are left out.  One stable sort of the
-    ids serves both the renumbering and the backend's kernel (``sorted_ids``): sorting the renumbered ids
-    again would give the same order, since the renumbering keeps the ids' order.  The dropout mask is a
-    function of the token's place, not its id: the renumbering keeps it."""
+    The dense weight-gradient op (deterministic) runs on the ids renumbered 0..U-1 in id order; its
+    ``[U, token_width]`` result is the values, so the cost tracks the tokens, never the vocabulary.  The
+    padding row and out-of-range ids (id check off) are left out.  One stable sort serves both the
+    renumbering and the backend's kernel (``sorted_ids``): the renumbering keeps the ids' order.  The
+    dropout mask depends on the token's place, not its id, so the renumbering keeps it too."""
     # Left-out tokens take the sentinel id num_embeddings, which sorts last: sort_ids_for_gradient gives it to
     # out-of-range ids, so the padding tokens become one (-1, which fits any id dtype).
     padding = _padding_mask(ids, padding_idx)
@@ -412,19 +405,18 @@ class WeightGradient(_DirectApply, torch.autograd.Function):
 
 
 def dense_weight_gradient(grad_out, ids, *rest) -> Tensor:
-    """The dense weight gradient of a backward pass: ``WeightGradient.apply``, the gradient with its own
-    derivatives (double backward, jvp, vmap), where a graph is recorded or a transform runs; in a plain
-    eager backward that records nothing (``create_graph=False``), the implementation alone: the
-    Function's apply is a fifth of a small batch's gradient on the host (12 of 45 us, 64 tokens)."""
+    """The dense weight gradient of a backward pass.  Where a graph is recorded or a transform runs,
+    ``WeightGradient.apply``: the gradient with its own derivatives (double backward, jvp, vmap).  In a
+    plain eager backward that records nothing (``create_graph=False``), the implementation alone, without
+    the Function's apply and its host time."""
     if not torch.is_grad_enabled() and eager_call(ids, grad_out):
         return _direct_weight_gradient(grad_out, ids, *rest)
     return WeightGradient.apply(grad_out, ids, *rest)
 
 
-# The PE added to an existing float tensor (speech encoders: conv features; MusicGen: summed codebooks):
-# ``y = x_scale * x + pe_scale * PE(position)``.  It is the embedding op with ``weight = x`` viewed as
-# [N, D] and ids 0..N-1, so every backend's forward kernel serves it unchanged; its gradient to x is
-# ``x_scale * grad_y`` row for row (no sort, no scatter).
+# ``add_sinusoidal``: ``y = x_scale * x + pe_scale * PE(position)`` is the embedding op with ``weight = x``
+# viewed as [N, D] and ids 0..N-1, so every backend's forward kernel serves it unchanged; its gradient to x
+# is ``x_scale * grad_y`` row for row (no sort, no scatter).
 def _add_params(x, pe_columns, x_scale, pe_scale, float64_math) -> KernelParams:
     """``add_sinusoidal``'s kernel parameters: the embedding op's, with ``x`` [N, D] as the table."""
     return KernelParams(False, x.shape[1], x.shape[1], PEColumns.from_list(pe_columns), x_scale, pe_scale, -1,
@@ -500,12 +492,12 @@ class AddSinusoidalFunction(_DirectApply, torch.autograd.Function):
 
 
 # --- The layer in standard torch ops -------------------------------------------------------------------
-# Where a graph is captured for another runtime, the public functions emit the definition itself instead of
-# the fused op (functional._route): torch.onnx.export(dynamo=True), which translates standard ops only,
+# Where a graph is captured for another runtime, the public functions emit this definition instead of the
+# fused op (functional._route): torch.onnx.export(dynamo=True), which translates standard ops only,
 # jit.trace (TorchScript, and its ONNX exporter), and torch.export of a patched Hugging Face model (a program
 # that runs without posenc_fast).  It is the torch backend's float64 math on flat inputs: a gather, the exact
 # fixed-point phase as a wrapping int64 multiply, float64 sin/cos, one rounding.  Lengths and offsets stay
-# symbolic; the id range check is a host-side check and is not captured.  ``padding_idx`` (-1: none) gets no
+# symbolic; the id range check runs on the host and is not captured.  ``padding_idx`` (-1: none) gets no
 # gradient, as in the ops' backward.
 def standard_ops_forward(ids, weight, turns, positions, offsets, offset, seq_len, params: KernelParams,
                          dropout_seed, padding_idx: int = -1) -> Tensor:

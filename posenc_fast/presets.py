@@ -1,14 +1,13 @@
 """Presets: the sinusoid, scaling and position rule of the libraries users come from.
 
 A preset is host-side data (a frequency recipe, a column layout, scales, a position
-rule, a precision); the kernels stay library-agnostic.  Marian and XLM build their
-tables in float64 and round once, so their presets compute in float64 too
-(``precision="float64"``: identical fp32 outputs; pass ``precision="float32"`` for
-speed on GPUs with little fp64 throughput, at ~1e-7).  Adding a library is one entry in
-``_REGISTRY``.  Each entry names the code it reproduces.  Frequencies are computed
-in float64 from the library's own formula; angles are then exact (docs/design.md),
-so a preset matches the library's float64 math and is more accurate than the
-library's own fp32 table.
+rule, a precision); the kernels stay library-agnostic.  Adding a library is one entry in
+``_REGISTRY``, naming the code it reproduces.  Frequencies are computed in float64 from
+the library's own formula and angles are exact (docs/design.md), so a preset matches the
+library's float64 math and is more accurate than the library's own fp32 table.  Marian
+and XLM build their tables in float64 and round once, so their presets compute in float64
+too (``precision="float64"``: identical fp32 outputs); ``precision="float32"`` is faster on
+GPUs with little fp64 throughput, at the cost of fp32 rounding error.
 
     layer = SinusoidalEmbedding.from_preset("fairseq", vocab, 512, padding_idx=1)
     posenc_fast.presets.get("whisper").kwargs(384)     # for the functional API
@@ -22,8 +21,7 @@ import types
 from typing import Callable, Dict, List, Tuple
 
 # "offset": start + t.  "fairseq": make_positions (padding stays at padding_idx, with no PE).
-# "fsmt": HF FSMT's variant, where the past length moves padding too (make_positions(..., shift_padding=True)):
-# a padding token decoded after step 0 gets position padding_idx + past and its PE, as in FSMT.
+# "fsmt": make_positions(..., shift_padding=True), where the past length moves padding too.
 POSITION_RULES = ("offset", "fairseq", "fsmt")
 PADDING_AWARE_RULES = ("fairseq", "fsmt")
 

@@ -54,8 +54,8 @@ def exact_sinusoid(positions: torch.Tensor, turns: torch.Tensor, pe_width: int, 
     slots = max(len(sin_columns), len(cos_columns), turns.numel())
     turns = turns.reshape(-1).to(positions.device)
     if slots > turns.numel():
-        # Concatenated, not copied into a zero buffer: torch 2.11's ONNX exporter renames a constant copied
-        # whole into a buffer of its own dtype, and then fails to find it (pytorch/pytorch#178868).
+        # Concatenated, not copied into a zero buffer: torch 2.11's ONNX exporter loses a constant copied
+        # whole into a buffer of its own dtype (pytorch/pytorch#178868).
         turns = torch.cat([turns, turns.new_zeros(slots - turns.numel())])
     frac = positions.unsqueeze(-1) * turns  # wraps mod 2**64: the exact fractional turn
     angle = frac.to(torch.float64) * _RADIANS_PER_UNIT  # in [-pi, pi)
@@ -182,8 +182,8 @@ def dropout_keep(seed: torch.Tensor, num_tokens: int, width: int, threshold: int
     seed = seed.reshape(()).to(torch.int64)
     key = torch.stack([seed & _U32, (seed >> 32) & _U32])
     groups = torch.arange((width + 3) // 4, dtype=torch.int64, device=seed.device).reshape(1, -1)
-    # Rows in slices of ~2**18 Philox calls: int64 temporaries of the whole output would take
-    # about 9x its float32 size.
+    # Rows in slices of ~2**18 Philox calls: int64 temporaries of the whole output would be many
+    # times its size.
     rows_per_slice = max(1, 2**18 // max(groups.shape[1], 1))
     slices = []
     for start in range(first_token, first_token + num_tokens, rows_per_slice):

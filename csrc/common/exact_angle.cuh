@@ -2,11 +2,10 @@
 //
 // The phase of pair i at position p is the wrapping 64-bit product p * R_i: the fractional turn
 // scaled by 2^64, exact for every int64 position.  Its top two bits (after adding 1/8 turn) give
-// the nearest quarter turn exactly; the remainder, at most 1/8 turn, becomes an angle |a| <= pi/4
-// whose sin and cos come from short Taylor polynomials, followed by an exact rotation by the
-// quadrant.  Same reduction and polynomials as triton_kernels.sin_cos_of_turns, in fp32 (terms to
-// x^9 / x^10, truncation < 2e-9) or float64 (to x^17 / x^18, truncation < 1e-19).  No sin/cos
-// library call, so results do not depend on a math library's implementation.
+// the nearest quarter turn exactly; the remainder becomes an angle |a| <= pi/4 for Taylor
+// polynomials (fp32: to x^9 / x^10, truncation < 2e-9; float64: to x^17 / x^18, < 1e-19), then an
+// exact rotation by the quadrant.  Same reduction and polynomials as
+// triton_kernels.sin_cos_of_turns; no math-library sin/cos, so results do not depend on one.
 #pragma once
 
 #include <cstdint>
@@ -18,12 +17,11 @@ namespace posenc {
 
 // 2*pi radians per 2^64 units of turn.
 constexpr double kRadiansPerUnit = 2.0 * 3.14159265358979323846 / 18446744073709551616.0;
-// The quadrant split the CPU kernel's AVX2 reduction spells out (cpu_kernels.cpp).
+// The quadrant split, spelled out by the CPU kernel's AVX2 reduction (cpu_kernels.cpp).
 constexpr uint64_t kEighthTurn = uint64_t(1) << 61;
 constexpr uint64_t kQuarterTurnMask = (uint64_t(1) << 62) - 1;
 
-// Phase of `position` at rate `turn_rate` (R_i): the product mod 2^64.  Unsigned, because the
-// wrap is the point and signed overflow would be undefined behaviour.
+// The product mod 2^64, in unsigned arithmetic: the wrap is intended, and signed overflow is undefined.
 __device__ __forceinline__ uint64_t phase_of(int64_t position, int64_t turn_rate) {
   return static_cast<uint64_t>(position) * static_cast<uint64_t>(turn_rate);
 }
@@ -31,12 +29,10 @@ __device__ __forceinline__ uint64_t phase_of(int64_t position, int64_t turn_rate
 // The angle of `turn_units` reduced to |a| <= pi/4 (in Math), after the nearest quarter turn.
 template <typename Math>
 __device__ __forceinline__ Math reduced_angle(uint64_t turn_units) {
-  // The remainder after the nearest quarter turn is the low 62 bits of turn_units as a signed
-  // number, in [-2^61, 2^61).  Shifted left by two it is the whole int64 turn_units << 2: four times
-  // the remainder, exactly, with no sign extension to compute.  Converted (round to nearest) and
-  // multiplied by the constant rounded to Math, divided by 4: the same result bit for bit as
-  // converting the remainder and multiplying by the constant (as Triton does), because scaling by
-  // a power of two commutes with both roundings here (no overflow, no subnormals).
+  // The remainder after the nearest quarter turn is the low 62 bits of turn_units, signed, in
+  // [-2^61, 2^61); int64(turn_units << 2) is exactly four times it, with no sign extension needed.
+  // Scaling by a power of two commutes with both roundings here (no overflow, no subnormals), so
+  // the result equals converting the remainder itself and multiplying by the constant (as Triton does).
   const int64_t remainder_x4 = static_cast<int64_t>(turn_units << 2);
   return static_cast<Math>(remainder_x4) * (static_cast<Math>(kRadiansPerUnit) * Math(0.25));
 }
@@ -84,8 +80,7 @@ __device__ __forceinline__ void taylor_sin_cos(double a, double& sin_a, double& 
 // (b, a) if bit 30 of `quarter` is set, else (a, b): the odd quadrants' swap of sin and cos.
 __device__ __forceinline__ void swap_if_odd(uint32_t quarter, float a, float b, float& first, float& second) {
 #if defined(__CUDA_ARCH__)
-  // The bit test as and + setp.ne, which ptxas turns into one LOP3 writing the predicate (the
-  // C++ form is canonicalised to shift, and, compare: three instructions per pair).
+  // and + setp.ne, which ptxas fuses into one LOP3; the C++ form compiles to shift, and, compare.
   asm("{\n\t.reg .pred odd;\n\t.reg .b32 bit;\n\t"
       "and.b32 bit, %2, 0x40000000;\n\tsetp.ne.b32 odd, bit, 0;\n\t"
       "selp.f32 %0, %4, %3, odd;\n\tselp.f32 %1, %3, %4, odd;\n\t}"
@@ -119,9 +114,8 @@ __device__ __forceinline__ void sin_cos_of_turns(uint64_t turn_units, Math& sin_
   Math sin_a, cos_a;
   taylor_sin_cos(a, sin_a, cos_a);
   // Rotate by quadrant * 90 degrees: (sin, cos) -> (cos, -sin) -> (-sin, -cos) -> (-cos, sin).
-  // The quadrant is the top two bits of the high word of turn_units + 1/8 turn: odd quadrants
-  // swap, sin is negative in quadrants 2 and 3 (bit 31), cos in 1 and 2 (bit 31 of the quadrant
-  // plus one).  The signs flip by XOR (exactly -x), on 32-bit words.
+  // The quadrant is the top two bits of the high word plus 1/8 turn: odd quadrants swap, sin is
+  // negative in quadrants 2 and 3 (bit 31), cos in 1 and 2 (bit 31 of the quadrant plus one).
   const uint32_t high = static_cast<uint32_t>(turn_units >> 32);
   const uint32_t quarter = high + 0x20000000u;
   Math sin_unsigned, cos_unsigned;

@@ -1,15 +1,13 @@
 // Philox4x32-10 and the fused dropout's keep mask (posenc_fast/reference.py: philox4x32_10,
 // dropout_keep; docs/cuda_backend.md, "Dropout").
 //
-// Philox (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC 2011) is a counter-based
-// generator: the words of a counter are a pure function of (counter, key), with no state to carry.
-// So the mask of element (t, c) can be recomputed anywhere (by the forward's unit that writes it, by
-// the weight gradient's stage 1 that reads its gradient) and is never stored.  Same rounds and
-// constants as Random123 and cuRAND (written here, so that no curand header is needed).
+// Philox (Salmon et al., SC 2011) is counter-based: its words are a pure function of (counter, key),
+// so the mask is recomputed wherever it is needed (forward, weight gradient) and never stored.  Same
+// rounds and constants as Random123 and cuRAND, written out so that no curand header is needed.
 //
 // The mask: element (t, c) of the flat output [N, width] (c counts the token columns first in
 // concat mode) is kept iff word c % 4 of Philox(counter (c / 4, t mod 2^32, t >> 32, 0), key
-// (seed mod 2^32, seed >> 32)) is >= threshold.  One call serves four neighbouring columns.
+// (seed mod 2^32, seed >> 32)) is >= threshold.
 #pragma once
 
 #include <cstdint>
@@ -35,7 +33,7 @@ constexpr int kPhiloxRounds = 10;
 // High and low halves of the 64-bit product a * b.
 __host__ __device__ __forceinline__ uint32_t mulhilo32(uint32_t a, uint32_t b, uint32_t& high) {
 #ifdef __CUDA_ARCH__
-  high = __umulhi(a, b);  // one IMAD.HI; the low half is a separate IMAD, no 64-bit multiply
+  high = __umulhi(a, b);  // avoids a 64-bit multiply
   return a * b;
 #else
   const uint64_t product = static_cast<uint64_t>(a) * b;
@@ -68,17 +66,15 @@ struct DropoutMask {
   PhiloxKey key;
   uint32_t threshold;
 
-  // The seed is read from device memory by the kernel (never copied to the host): no
-  // synchronisation, and a CUDA graph replays each call with the seed drawn for it.
+  // The seed stays in device memory: no host synchronisation, and a replayed CUDA graph reads the
+  // seed drawn for that replay.
   __device__ __forceinline__ static DropoutMask load(const int64_t* seed, uint32_t threshold) {
     const uint64_t s = static_cast<uint64_t>(__ldg(seed));
     return DropoutMask{{static_cast<uint32_t>(s), static_cast<uint32_t>(s >> 32)}, threshold};
   }
 
   // Bit e (e < count <= N) set iff element (token, col + e) is kept; bits at or past `count` are
-  // unspecified.  The span's columns touch groups col / 4 .. (col + count - 1) / 4, one Philox call
-  // each: N / 4 calls for a full span that starts on a group, at most N / 4 + 1 otherwise, and none
-  // for an empty span.
+  // unspecified.  One Philox call per group of four columns the span touches: at most N / 4 + 1.
   template <int N>
   __device__ __forceinline__ uint32_t keep_bits(int64_t token, int64_t col, int count) const {
     static_assert(N % 4 == 0 && N <= 16, "spans cover whole groups of four columns, and 4 * (N / 4 + 1) bits fit");

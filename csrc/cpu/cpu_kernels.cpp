@@ -1,44 +1,20 @@
 // CPU kernels: the fused forward and the deterministic weight gradient (cpu_kernels.h), with the
 // exact-angle math of the CUDA kernels (exact_angle.cuh) and their Philox dropout mask (philox.cuh).
 //
-// Forward, one token row at a time (rows are split across threads):
-//   1. the sin and cos of every pair slot at the token's position, into two scratch arrays: a
-//      loop over pairs whose body is sin_cos_of_turns, which the compiler vectorises (one SIMD
-//      lane per pair: the 64-bit phase, the quarter-turn reduction, the polynomials and the
-//      quadrant selects), 16 fp32 pairs per AVX-512 instruction, 8 per AVX2 one; the phase is a
-//      product, or, without a 64-bit vector multiply, the previous position's plus the rate;
-//   2. the PE row, in the layout's columns, times pe_scale (zero at pe_zero_id);
-//   3. the token row times embed_scale, added (fused multiply-add where the ISA has one) or
-//      placed before the PE (concat);
-//   4. dropout: the Philox words of the row (one call per four columns, vectorised over the
-//      calls), then select-or-scale;
-//   5. one rounding to the output dtype (nearest even), one contiguous store.
-// Steps 2 to 5 work on one row in L1 (a few KiB); only the weight row and the output row touch
-// memory.  When the batch is likely to repeat positions (B sequences sharing a scalar offset, or
-// sequences of a block or more with per-token positions or offsets), the work is split by position
-// column instead of by token: steps 1 and 2 run once per column (once per group of sequences, where
-// short sequences are split into groups), for all the column's tokens at that position, and again for
-// a token at another one (the same values whichever token asks, so the results do not change).
-// Software prefetch of the first 8 lines of weight rows (prefetch_row_start): the hardware prefetchers
-// follow a row once it is touched; what they cannot know is which row comes next.  Position-major, while a
-// block's sins and coses are computed (no memory traffic of their own), the rows that block will read;
-// token-major, the next token's row while this token's sins and coses are computed.  Prefetching whole
-// rows instead filled the line-fill buffers and slowed a 2-thread gather by ~10% (standalone loop); the
-// first 8 lines made the forward inside a model 1.03-1.07x the plain gather instead of 1.00-1.26x, and
-// the token-major forward 1.15x faster.
+// Forward, one token row at a time: the sin and cos of every pair slot at the token's position (a loop
+// the compiler vectorises, one SIMD lane per pair), then the PE row, the scaled token row, dropout and
+// one rounding, all on one row in L1: only the weight and output rows touch memory.  Where the batch is
+// likely to repeat positions, the work is split by position column instead (ForwardPositions).  The
+// first lines of upcoming weight rows are prefetched while sins and coses are computed: the hardware
+// prefetchers cannot know which row comes next, and prefetching whole rows fills the line-fill buffers.
 //
-// Weight gradient: the caller sorts the ids; here the runs of equal ids are found, and each work
-// item (a run and a block of 128 columns) sums its tokens' gradient rows in fp32 in sorted order,
-// scales once and stores.  No atomics, no order that depends on threads: bitwise reproducible.
-// Every row is written once: the rows no run writes are zeroed here first, by all threads, instead of
-// the whole buffer by a serial torch.zeros (the dense [V, d] gradient is the largest buffer of a step,
-// and its first touch, page faults, is most of its cost: the binding also advises the kernel to back it
-// with huge pages); the sparse gradient's [U, d] values, one run per row, are not zeroed at all.
+// Weight gradient: a work item is a run of equal sorted ids and a block of columns.  The rows no run
+// writes are zeroed here in parallel, not the whole buffer by the caller: first touch is most of a
+// large buffer's cost.
 //
-// This file is compiled once per instruction set (POSENC_CPU_ISA: isa_baseline, isa_avx2, isa_avx512;
-// flags in posenc_fast/_build.py: CPU_X86_VARIANTS), each into its own namespace; everything
-// here is inside it, and the shared headers' functions are always inlined, so no code compiled for
-// one variant can be linked into another.
+// Compiled once per instruction set (POSENC_CPU_ISA; flags in posenc_fast/_build.py: CPU_X86_VARIANTS),
+// each into its own namespace, with the shared headers' functions always inlined, so no code compiled
+// for one variant can be linked into another.
 #include "cpu/cpu_kernels.h"
 
 #include <cstdint>
@@ -189,9 +165,8 @@ struct Scratch {
 
 // ---- dropout ----
 
-// Dropout of one row segment, in chunks of kDropoutGroups groups of four columns: first the Philox
-// words of every group (a loop over groups the compiler vectorises: one SIMD lane per group), then
-// row[c] = keep(token, col0 + c) ? row[c] * scale : 0 for c < count.  col0 is a multiple of 4.
+// row[c] = keep(token, col0 + c) ? row[c] * scale : 0 for c < count, col0 a multiple of 4.  Each
+// chunk's Philox words come first, in a loop over groups that the compiler vectorises.
 constexpr int64_t kDropoutGroups = 64;
 
 template <typename Math>
@@ -252,10 +227,9 @@ POSENC_INLINE bool scratch_missing(const ForwardPlan<Math>& p, const Scratch<V>&
 }
 
 #if defined(__AVX2__) && !defined(__AVX512DQ__)
-// AVX2 has no int64-to-float conversion, so the compiler would not vectorise sin_cos_of_turns'
-// static_cast<Math>(remainder).  This is the same reduction (exact_angle.cuh: reduced_angle) with
-// that one conversion done in vectorisable steps, and the same result, bit for bit.  The int64
-// remainder (-2^61 <= r < 2^61) is split into its two 32-bit words, each exact in double; their sum is
+// AVX2 has no int64-to-float conversion, so sin_cos_of_turns would not vectorise.  This is the same
+// reduction (exact_angle.cuh) with that conversion done in vectorisable steps, bit for bit the same:
+// the remainder r (-2^61 <= r < 2^61) splits into two 32-bit words, each exact in double, whose sum is
 // exact wherever r has at most 53 significant bits.
 POSENC_INLINE double words_to_double(int32_t high_word, uint32_t low_word) {
   const double high = static_cast<double>(high_word) * 4294967296.0;
@@ -273,14 +247,12 @@ POSENC_INLINE double int64_to_math<double>(int64_t r) {
   return words_to_double(static_cast<int32_t>(bits >> 32), static_cast<uint32_t>(bits));
 }
 
-// float32 math: where r >= 2^34 or r < -2^34 (the high word outside [-4, 3]), fp32's ulp is 2^11 or more, so its
-// rounding point (half an ulp) and every representable value are multiples of 2^10, and the bits below
-// 2^9 only tell whether r lies exactly on the 2^9 grid.  They are folded into bit 9 (set where any was:
-// r rounded to odd at 2^9), which keeps r in the same open interval between multiples of 2^10, so the
-// fp32 rounding is unchanged, and leaves at most 52 significant bits: the words' sum is exact in double,
-// and the one rounding is double -> float.  Otherwise r itself is exact in double.  Written as 0/1 masks
-// of integers so that GCC vectorises the loop (it refused a short-circuit or a bool mask of a double
-// compare: the scalar loop made the AVX2 forward slower than the SSE2 baseline).
+// float32 math: where r >= 2^34 or r < -2^34 (the high word outside [-4, 3]), fp32's ulp is 2^11 or more, so
+// its rounding points and representable values are multiples of 2^10, and the bits below 2^9 only tell
+// whether r lies on the 2^9 grid.  Folding them into bit 9 (r rounded to odd at 2^9) keeps r in the same
+// open interval between multiples of 2^10, so the fp32 rounding is unchanged, and leaves at most 52
+// significant bits: the words' sum is exact in double, and the one rounding is double -> float.
+// Otherwise r itself is exact in double.  Written as integer 0/1 masks so that GCC vectorises the loop.
 template <>
 POSENC_INLINE float int64_to_math<float>(int64_t r) {
   const uint64_t bits = static_cast<uint64_t>(r);
@@ -294,9 +266,8 @@ POSENC_INLINE float int64_to_math<float>(int64_t r) {
 
 template <typename Math>
 POSENC_INLINE void sin_cos_of_turns_cpu(uint64_t turn_units, Math& sin_out, Math& cos_out) {
-  // exact_angle.cuh's reduced_angle and sin_cos_of_turns: the same reduction, polynomials and quadrant
-  // signs, written as selects and negations that vectorise here (the CUDA version swaps and flips sign
-  // bits instead); the conversion differs as above.
+  // exact_angle.cuh's reduction, polynomials and quadrant signs, with the conversion above and selects
+  // and negations in place of its sign-bit flips, which vectorise here.
   const uint64_t shifted = turn_units + kEighthTurn;
   const unsigned quadrant = static_cast<unsigned>(shifted >> 62);
   const int64_t remainder = static_cast<int64_t>(shifted & kQuarterTurnMask) - static_cast<int64_t>(kEighthTurn);
@@ -312,17 +283,13 @@ POSENC_INLINE void sin_cos_of_turns_cpu(uint64_t turn_units, Math& sin_out, Math
 #else
 template <typename Math>
 POSENC_INLINE void sin_cos_of_turns_cpu(uint64_t turn_units, Math& sin_out, Math& cos_out) {
-  sin_cos_of_turns<Math>(turn_units, sin_out, cos_out);  // the shared function, as the CUDA kernels call it
+  sin_cos_of_turns<Math>(turn_units, sin_out, cos_out);
 }
 #endif
 
-// Phases: position * rate per slot, mod 2^64 (exact_angle.cuh: phase_of).  Those of position + 1 are those
-// of position plus the rates, exactly (mod 2^64), so a run of consecutive positions (the position-major
-// path; a sequence's tokens on the token-major one) can add instead of multiplying.  That pays where the
-// vectorised loop has no 64-bit multiply: AVX2 emulates it by three 32-bit ones (the AVX2 forward at
-// 2 x 512 on one thread, 0.32 -> 0.30 ms); the baseline's sin/cos loop is scalar, with a native multiply
-// (about 2%).  With AVX-512DQ's vpmullq, the multiply in the loop is cheaper than storing the phases
-// back (adding was 1.12-1.16x slower at 1 x 2048).
+// The phases of position + 1 are those of position plus the rates, exactly (mod 2^64), so consecutive
+// positions can add instead of multiplying: worth it without a 64-bit vector multiply.  With AVX-512DQ's
+// vpmullq, multiplying in the loop is cheaper than storing the phases back.
 #if defined(__AVX512DQ__)
 constexpr bool kPhasesByAddition = false;
 #else
@@ -357,8 +324,7 @@ struct PhaseRun {
   bool valid = false;
   uint64_t next = 0;
 
-  // Readies `phases` for sin_cos_row at `position`: kept where they are position's (the position after
-  // the previous call's), a product otherwise.
+  // Readies `phases` for sin_cos_row at `position`, keeping the previous call's where they follow on.
   POSENC_INLINE void start(int64_t position, const int64_t* __restrict__ rates, int64_t slots) {
     if (!valid || static_cast<uint64_t>(position) != next) phases_at(position, rates, slots, phases);
     valid = true;
@@ -475,10 +441,9 @@ POSENC_INLINE void emit_shared_row(const ForwardPlan<Math>& p, int64_t t, int64_
   }
 }
 
-// A padding token's PE row at pe scale 0 (pe_zero_id, fairseq's padding): signed zeros, which carry
-// the signs of its position's sines and cosines.  fairseq puts every padding token at one position
-// (padding_idx), so a work item makes the row at the first padding token and again only where one
-// is at another position than the last.
+// A padding token's PE row at pe scale 0: signed zeros, which carry the signs of its position's sines
+// and cosines.  fairseq puts every padding token at one position, so the row is remade only when the
+// position changes.
 template <typename Math>
 struct ZeroPERow {
   Math* row;  // [width]: the PE at pe_col0
@@ -527,21 +492,14 @@ struct ForwardTokens {
   }
 };
 
-// Position-major, when the batch's sequences are likely to share their positions: a scalar offset (they
-// do), or per-sequence offsets or a positions tensor over sequences of kPositionBlock tokens or more (a
-// training batch: the same offsets, or the same positions but for padding).  The sin/cos row of column j
-// is made once, at the position of the item's first sequence there, and serves every token of column j
-// (j, S + j, 2S + j, ...) at that position; a token at another position makes the row again, at its own.
-// The same function of the same position: results are those of the token-major path.
+// Position-major, when the batch's sequences are likely to share their positions (a scalar offset, or
+// sequences of kPositionBlock tokens or more).  Column j's sin/cos row is made once, at the position of
+// the item's first sequence, and serves every token of column j at that position; a token at another
+// position remakes it.  The PE depends on the position alone, so results equal the token-major path's.
 //
-// A work item is a range of consecutive columns (a chunk; position_work) in a range of sequences
-// (all of them, unless the sequences are too short to give every thread work: then a group of them),
-// taken kPositionBlock columns at a time: the block's PE
-// rows are made first (L1/L2-resident scratch), then each sequence's rows of that block are
-// written one after another.  So every thread writes runs of contiguous output rows, which the
-// hardware prefetchers and write-combining follow; position by position, two threads would
-// interleave their rows page by page in every sequence and each would see only short,
-// broken streams (measured: 1.35x from 1 to 2 threads, against 1.74x for the token-major path).
+// A work item (position_work) takes its columns kPositionBlock at a time: the block's PE rows first,
+// then each sequence's rows of that block, so that every thread writes runs of contiguous output rows,
+// which the hardware prefetchers and write-combining follow.
 constexpr int64_t kPositionBlock = 8;
 
 template <typename T, typename Math, typename IdT>
@@ -591,7 +549,7 @@ struct ForwardPositions {
             const int64_t j = t - start;
             Math* __restrict__ pe_row = pe_rows + j * p.width;
             const int64_t position = p.shared_positions ? row_position[j] : token_position(a, t);
-            if (zero_pe_token(a, id)) {  // a zero PE at this token's position
+            if (zero_pe_token(a, id)) {
               emit_shared_row<T>(p, t, id, zero_pe.at(p, position, token_run, sins, coses), row);
               continue;
             }
@@ -617,23 +575,20 @@ constexpr int64_t kTokenGrain = 16;
 // at::parallel_for stays on one thread.
 constexpr int64_t kGroupElements = 32768;
 
-// The cut of position-major work (ForwardPositions): at most about four items per thread, each of at least
-// kGroupElements output elements where the batch has them (the last chunk may be smaller).  Items are chunks
-// of whole position blocks; where a sequence has too few positions for that many chunks (short sequences, a
-// one-token decoding step over a large batch), each chunk's sequences are split into groups too, and each
-// group computes its chunk's sins and coses again (a few rows).  `width`: of an output row.
+// The cut of position-major work: about four items per thread, each of at least kGroupElements output
+// elements where the batch has them.  Items are chunks of whole position blocks; where sequences are too
+// short for that many chunks, each chunk's sequences are split into groups too.  `width`: of an output row.
 POSENC_INLINE PositionWork position_work(const ForwardArgs& a, int64_t width, int num_threads) {
   PositionWork w;
   const int64_t items = 4 * static_cast<int64_t>(num_threads > 0 ? num_threads : 1);
   w.num_sequences = (a.num_tokens + a.seq_len - 1) / a.seq_len;
-  // A chunk holds at least kGroupElements output elements over its sequences too (a small batch, 2 x 64 at
-  // width 64, stays one item on the calling thread, as the groups below).
+  // A chunk holds at least kGroupElements output elements over its sequences too.
   const int64_t min_chunk = (kGroupElements + w.num_sequences * width - 1) / max_of(w.num_sequences * width, 1);
   const int64_t grain = max_of((a.seq_len + items - 1) / items, min_chunk);
   w.chunk = (grain + kPositionBlock - 1) / kPositionBlock * kPositionBlock;
   const int64_t num_chunks = (a.seq_len + w.chunk - 1) / w.chunk;
   // Groups of at least kGroupElements output elements: a smaller split costs more to hand to another thread
-  // than it saves (37 x 1 at d 512: 3 us on one thread, 6 us split in two).
+  // than it saves.
   const int64_t rows_per_sequence = min_of(w.chunk, a.seq_len);
   const int64_t min_rows = max_of(1, kGroupElements / max_of(width, 1));
   const int64_t most_groups = max_of(1, w.num_sequences * rows_per_sequence / min_rows);
@@ -665,19 +620,16 @@ const char* forward_typed(const ForwardArgs& a, int num_threads) {
   }
   int scratch_failed = 0;
   p.scratch_failed = &scratch_failed;
-  // Position-major where a column's tokens are likely to share a position (ForwardPositions): a scalar
-  // offset, or per-token positions over two or more sequences of a block or more; otherwise (a decoding
-  // step over per-sequence offsets, short sequences, a single sequence, as a cu_seqlens batch of 1-D ids
-  // is) one sin/cos row per token.
+  // Position-major where a column's tokens are likely to share a position (ForwardPositions); otherwise
+  // (a decoding step over per-sequence offsets, short sequences, a single sequence) one sin/cos row per token.
   p.shared_positions = a.positions == nullptr && a.offsets == nullptr;
   const bool position_major = p.shared_positions || a.seq_len >= kPositionBlock;
   if (position_major && a.num_tokens / a.seq_len >= 2) {  // seq_len >= 1: forward() checked
     p.positions = position_work(a, p.width, num_threads);
     parallel_for(p.positions.num_items, 1, num_threads, &ForwardPositions<T, Math, IdT>::run, &p);
   } else {
-    // Work items of at least kGroupElements output elements too (torch's grain), as position_work's groups: a
-    // small batch (64 tokens of 64 columns: 4096 elements, a microsecond) stays on the calling thread, where a
-    // split waits for a second thread (under load from another process, milliseconds).
+    // Work items of at least kGroupElements output elements too, as in position_work: a small batch stays on
+    // the calling thread rather than wait for a second one.
     const int64_t token_grain = max_of(kTokenGrain, (kGroupElements + p.width - 1) / max_of(p.width, 1));
     parallel_for(a.num_tokens, token_grain, num_threads, &ForwardTokens<T, Math, IdT>::run, &p);
   }
@@ -724,8 +676,8 @@ POSENC_INLINE void zero_rows(const WeightGradArgs& a, int64_t begin, int64_t end
 
 // One work item's sum: the run's tokens' gradient columns [col0, col0 + count) in sorted order, in fp32,
 // started from its first token (no zeroed accumulator), scaled once and stored.  kColumns is kGradColumns
-// for a full block (count == kGradColumns: constant loop bounds) or 0 for a row's narrower last block.  The next token's columns are requested while this one's are added: the
-// tokens of a run are rows far apart in grad_out, which no hardware prefetcher predicts.
+// for a full block (constant loop bounds) or 0 for a row's narrower last block.  The next token's columns
+// are prefetched: a run's tokens are rows far apart in grad_out, which no hardware prefetcher predicts.
 template <typename G, typename W, int64_t kColumns>
 POSENC_INLINE void sum_run(const GradPlan& p, int64_t first, int64_t last, int64_t col0, int64_t count,
                            W* __restrict__ out) {
@@ -756,12 +708,9 @@ POSENC_INLINE void sum_run(const GradPlan& p, int64_t first, int64_t last, int64
   for (int64_t k = 0; k < n; ++k) out[k] = Element<W>::narrow(sum[k] * p.scale);
 }
 
-// Items ahead whose first token's columns are requested: a run's first row is at a random place in grad_out
-// (tokens in id order), so without the request each run started with a miss to memory (seen in the
-// sparse gradient's kernel, 4096 tokens, d 512).  A few items: inside the thread's own chunk (kGradChunkColumns).
+// Items ahead whose first token's columns are prefetched: a run's first row is at an unpredictable place in
+// grad_out.  Few enough to stay inside the thread's own chunk (kGradChunkColumns), not another thread's.
 constexpr int64_t kGradPrefetchItems = 4;
-// Columns per chunk of work: 32 full items.  (A build with chunks of 8 items and requests 8 ahead sent every
-// request to the next chunk, often the other thread's: two threads were hardly faster than one.)
 constexpr int64_t kGradChunkColumns = 32 * kGradColumns;
 
 template <typename G>
@@ -797,9 +746,8 @@ struct GradItems {
   }
 };
 
-// The rows of grad_weight in [begin, end) that no run's sums write (ids no token has, padding_idx's) set to
-// zero, so that each row is written once.  The runs' ids are sorted: those in [begin, end) are found by a
-// binary search.
+// The rows of grad_weight in [begin, end) that no run's sums write (ids no token has, padding_idx) set to
+// zero, so that each row is written once.
 template <typename W, typename KeyT>
 struct ZeroUnwrittenRows {
   static void run(void* context, int64_t begin, int64_t end) {
@@ -852,7 +800,6 @@ const char* weight_grad_typed(const WeightGradArgs& a) {
     const uint64_t seed = static_cast<uint64_t>(*a.dropout_seed);
     p.mask = DropoutMask{{static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)}, a.dropout_threshold};
   }
-  // Zero the rows no run writes (padding_idx's too), in parallel, before the sums write the others.
   const int64_t zero_grain = max_of(1, (int64_t(1) << 18) / max_of(1, a.token_width));
   if (keys64) {
     parallel_for(a.num_embeddings, zero_grain, a.num_threads, &ZeroUnwrittenRows<W, int64_t>::run, &p);

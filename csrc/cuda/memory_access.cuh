@@ -3,10 +3,10 @@
 // A "span" is N consecutive elements of one row.  It moves as 16-byte vectors when its address is
 // 16-byte aligned and all N elements are inside the row; otherwise element by element, touching
 // only the elements inside the row.  The test is made per access, so any pointer, row stride and
-// column offset is correct, and aligned rows (the common case) take the vector path.
+// column offset is correct.
 //
-// Loads go into raw storage (Span) and are converted to fp32 only later, so that a thread can have
-// several independent loads in flight before it first waits on one.
+// Loads go into raw storage (Span) and are widened only later, so that a thread can have several
+// independent loads in flight before it first waits on one.
 #pragma once
 
 #include <cstdint>
@@ -56,8 +56,7 @@ __host__ __device__ constexpr int vector_elems() { return kVectorBytes / static_
 
 template <typename T, int N>
 struct alignas(kVectorBytes) Span {
-  // Whole 16-byte vectors in the span; 0 if it is not a multiple of 16 bytes (then it always
-  // moves element by element).
+  // Whole 16-byte vectors in the span; 0 if it is not a multiple of 16 bytes (always element-wise).
   static constexpr int kBytes = static_cast<int>(N * sizeof(T));
   static constexpr int kVectors = kBytes % kVectorBytes == 0 ? kBytes / kVectorBytes : 0;
   T elems[N];
@@ -115,10 +114,9 @@ __device__ __forceinline__ void widen_span(const Span<T, N>& span, Math (&values
   for (int e = 0; e < N; ++e) values[e] = static_cast<Math>(Element<T>::widen(span.elems[e]));
 }
 
-// bf16 widens by placing its bits in the high half of an fp32 word: from a 32-bit word of two
-// elements, one shift (low element) and one mask (high one).  The generic form compiled to a
-// byte permute plus a shift for the high element.
-// (Forward only: in the weight gradient's stage 1 the same change of form moved ptxas to spill.)
+// bf16 widens by placing its bits in the high half of an fp32 word: per 32-bit word of two elements,
+// one shift and one mask, fewer instructions than the generic form.  Forward only: it makes the
+// weight gradient's stage 1 spill.
 template <typename Math, int N>
 __device__ __forceinline__ void widen_bf16_words(const Span<__nv_bfloat16, N>& span, Math (&values)[N]) {
   static_assert(N % 2 == 0, "whole 32-bit words");
@@ -145,9 +143,8 @@ __device__ __forceinline__ uint32_t pack_pair(T lo, T hi) {
   return static_cast<uint32_t>(l) | (static_cast<uint32_t>(h) << 16);
 }
 
-// 16 bytes of T rounded from values[first .. first + vector_elems), as four 32-bit words: an
-// explicit 128-bit vector, so that the store is one STG.128 (a byte copy into a uint4 compiled to
-// four 32-bit stores).
+// 16 bytes of T rounded from values[first .. first + vector_elems), built word by word into a uint4
+// so that the store stays one 128-bit store (a byte copy into a uint4 becomes four 32-bit stores).
 template <typename T, typename Math, int N>
 __device__ __forceinline__ uint4 pack_vector(const Math (&values)[N], int first) {
   uint32_t words[4];
@@ -171,9 +168,8 @@ __device__ __forceinline__ uint4 pack_vector(const Math (&values)[N], int first)
   return vector;
 }
 
-// One 16-byte store.  On the GPU an explicit st.global.v4: given a uint4 built from separately
-// computed words, the compiler split the assignment into four 32-bit stores (4x the store
-// instructions and L2 write requests).
+// One 16-byte store.  On the GPU an explicit st.global.v4: the compiler may split the store of a
+// uint4 built from separately computed words into four 32-bit stores.
 __device__ __forceinline__ void store_vector(uint4* p, const uint4& v) {
 #if defined(__CUDA_ARCH__)
   asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)

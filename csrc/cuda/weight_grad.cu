@@ -1,26 +1,20 @@
-// Weight gradient: deterministic, sort-based, no atomics (docs/design.md, "Backward").
+// Weight gradient: deterministic, sort-based, no atomics (docs/design.md, "Backward").  The caller
+// sorts the ids stably (out-of-range ids become the sentinel num_embeddings), as int32 keys when they fit.
 //
-// The caller sorts the ids (stably; out-of-range ids become the sentinel num_embeddings), as
-// int32 keys when they fit (a radix sort's passes scale with the key width) or int64.
 // Stage 1 (grad_chunk_kernel): each work item takes `chunk` consecutive sorted tokens and a span
 //   of columns, and walks them in order summing runs of equal ids in fp32.  A run wholly inside
 //   the chunk is final and written once (times embed_scale, rounded to the weight dtype).  A run
 //   crossing the chunk's start leaves its partial sum in slot 0; one that starts here and crosses
 //   the end leaves it in slot 1.
 // Stage 2 (grad_carry_kernel): the chunk where a crossing run starts owns it and adds its slot 1
-//   and slot 0 of each following chunk the run covers, in order.  It finds the run's end by a
-//   galloping search and keeps several partial loads in flight, so a hot id (a frequent token's
-//   run over thousands of chunks) costs a few round trips to memory, not one per chunk.
-// The order of every sum is fixed by the sorted order, so results are bitwise reproducible, and
-// the work per item is bounded even for a hot id.  Same scheme as the Triton backend.
-//
-// A thread owns 16 bytes of gradient columns; the rows of several tokens are loaded before the
-// first is added, so that their loads overlap.
+//   and slot 0 of each following chunk the run covers, in order.  A galloping search for the run's
+//   end and batched partial loads keep a hot id's cost to a few round trips, not one per chunk.
+// Every sum's order is fixed by the sorted order, so results are bitwise reproducible.  Same scheme
+// as the Triton backend.
 //
 // With dropout (kDropout), stage 1 zeroes each gradient element the forward dropped, as the row is
-// read: the keep bits of token order[i] come from Philox (philox.cuh), computed while the rows are
-// in flight.  A thread's first column is a multiple of its 4 or 8 columns, so its groups of four
-// are whole: one call per four columns.  The dropout scale is folded into embed_scale.
+// read (philox.cuh).  A thread's first column is a multiple of its 4 or 8 columns, so its groups of
+// four are whole.  The dropout scale is folded into embed_scale.
 #include <cstdint>
 
 #include "cuda/memory_access.cuh"
@@ -149,9 +143,8 @@ __global__ void __launch_bounds__(kGradThreads) grad_carry_kernel(const GradKern
                               sorted_id<KeyT>(a, start - 1) == run_id;
   if (started_before || !writable(a, run_id)) return;  // owned by an earlier chunk, or never written
 
-  // The run's last token: gallop from this chunk's end, then bisect, so a hot id costs
-  // O(log run length) dependent loads rather than one per chunk (ids are sorted, so "== run_id"
-  // holds on one contiguous range).
+  // The run's last token: gallop from this chunk's end, then bisect (ids are sorted, so "== run_id"
+  // holds on one contiguous range): O(log run length) dependent loads.
   int64_t inside = end;  // sorted_ids[inside] == run_id
   int64_t outside = a.num_tokens;  // first index known past the run
   for (int64_t step = a.chunk;; step *= 2) {
@@ -173,8 +166,7 @@ __global__ void __launch_bounds__(kGradThreads) grad_carry_kernel(const GradKern
   }
   const int64_t last_chunk = inside / a.chunk;
 
-  // slot 1 of this chunk, then slot 0 of each later chunk the run reaches, added in chunk order;
-  // the loads of kInFlight partials are issued before the first of them is added.
+  // Slot 1 of this chunk, then slot 0 of each later chunk the run reaches, added in chunk order.
   constexpr int kInFlight = 32 / V;
   Span<float, V> partial[kInFlight];
   float sum[V], more[V];

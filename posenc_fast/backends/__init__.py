@@ -10,8 +10,8 @@
              sorted_ids=None) -> Tensor[V, token_width]   (padding_idx: -1 for none; ``sorted_ids``: the pair
         ``sort_ids_for_gradient(ids, num_embeddings)`` returns, where the caller has it already, else None)
     prepare_forward(dtype, num_rows, device, turns, params) -> Optional[PreparedLaunch]: optional;
-        ``forward`` with the arguments fixed between calls (a table of ``num_rows`` rows of ``dtype`` on
-        ``device``) bound once (``posenc_fast._prepared``)
+        ``forward`` for tables of ``num_rows`` rows of ``dtype`` on ``device``, with what stays fixed
+        between calls bound once (``PreparedLaunch``)
 
 ``params`` is a :class:`KernelParams`; ``dropout`` a :class:`Dropout` (``_dropout``) or None.  Backend choice
 lives in ``posenc_fast._dispatch``.
@@ -42,9 +42,9 @@ def sort_ids_for_gradient(ids: torch.Tensor, num_embeddings: int):
     """
     key_dtype = torch.int32 if num_embeddings < 2**31 - 1 else torch.int64
     source = ids if key_dtype == torch.int32 else ids.to(torch.int64)  # clamp before narrowing
-    # Two elementwise ops instead of four (two compares, an and, a where): the ids clamped to [-1, V], then
-    # -1 taken to V by the remainder modulo V + 1 (a remainder has the divisor's sign); a small batch's
-    # gradient pays each op's host time (a kernel launch on a GPU).
+    # The ids clamped to [-1, V], then -1 taken to V by the remainder modulo V + 1 (a remainder has the
+    # divisor's sign): two elementwise ops where compares, an and and a where would take four, and a small
+    # batch's gradient pays each op's host time (a kernel launch on a GPU).
     keys = torch.remainder(source.clamp(-1, num_embeddings), num_embeddings + 1).to(key_dtype)
     return torch.sort(keys, stable=True)
 
@@ -71,17 +71,19 @@ def new_buffer(shape, dtype, device) -> torch.Tensor:
 
 
 class PreparedLaunch(NamedTuple):
-    """A backend's forward with the arguments that stay fixed between a module's calls bound once
-    (``prepare_forward``), for positions ``offset + t % seq_len`` and no dropout.  Called as
-    ``launch(ids, weight, weight_row_stride, out, offset, seq_len, num_tokens, last_argument(), check_ids)`` with
-    contiguous ``ids`` of a dtype in ``id_dtypes``, a contiguous table ``weight`` of the prepared dtype (an
+    """A backend's forward with the arguments that stay fixed between calls bound once (``prepare_forward``),
+    for positions ``offset + t % seq_len`` and no dropout; what ``posenc_fast._prepared`` runs.  Called the same
+    way on every backend:
+
+        launch(ids, weight, weight_row_stride, out, offset, seq_len, num_tokens, last_argument(), check_ids)
+
+    with contiguous ``ids`` of a dtype in ``id_dtypes``, a contiguous table ``weight`` of the prepared dtype (an
     embedding's: of the prepared row count; ``add_sinusoidal``'s ``x``: at most) whose rows are
     ``weight_row_stride`` elements apart, and ``out`` to fill (``num_tokens`` rows of the layer's width); with
-    ``check_ids``, the ids are range-checked against the prepared row count first (``_validate.check_id_range``,
-    on CPU through the binding's scan: no tensor allocated, so that a module's freshly freed output stays where
-    the next call allocates it).  The same call on every backend.  It is current while ``source.state is
-    state``: the backend gives ``source`` a new ``state`` when its compiled code changes (another extension or
-    kernel module), an attribute read instead of a call on every launch."""
+    ``check_ids``, the ids are first range-checked against the prepared row count (``_validate.check_id_range``).
+    It is current while ``source.state is state``: the backend gives ``source`` a new ``state`` when its
+    compiled code changes (another extension or kernel module), so that checking it on every call is an
+    attribute read, not a call."""
 
     launch: Callable
     id_dtypes: Tuple[torch.dtype, ...]  # the id dtypes the launch takes
@@ -117,6 +119,6 @@ def current_stream_function(device: torch.device) -> Callable[[], int]:
 _NO_STREAM = int  # int() is 0: the stream handle off CUDA devices, a call that runs no Python
 
 
-# The current stream's raw handle without building a torch.cuda.Stream object (a few us per call,
-# which decoding pays on every step); the public API where this private one is missing.
+# The current stream's raw handle without building a torch.cuda.Stream object, host time that a decoding
+# step would pay on every call; the public API where this private one is missing.
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)

@@ -1,18 +1,14 @@
 """Triton backend: launches the kernels in ``triton_kernels`` (CUDA GPUs, or CPU through
 Triton's interpreter when TRITON_INTERPRET=1 is set before the first launch).
 
-Triton decides between compiling and interpreting when a kernel is *defined*, so the
-kernel module is imported lazily, at the first launch, and the mode it was defined
-in is remembered: ``import posenc_fast`` never imports Triton.
+Triton decides between compiling and interpreting when a kernel is *defined*, so the kernel
+module is imported at the first launch (never by ``import posenc_fast``), under a lock, and the
+mode it was defined in is remembered.
 
-A prepared launch (``prepare_forward``) on a GPU launches a compiled kernel without the JIT from its second
-call with the same specialization on, through the kernel's own launch function (``triton_launch``).
-Every launch asks for the same compile options (``compile_options``).
-
-Threads: the lazy load is done once, under a lock.  Triton's interpreter is not thread-safe
-(each launch patches ``triton.language`` module-wide for its duration and runs on one global
-builder holding the grid index), so interpreted launches are serialised here; compiled launches
-on a GPU are not.
+Triton's interpreter is not thread-safe (each launch patches ``triton.language`` module-wide and
+runs on one global builder holding the grid index), so interpreted launches are serialised;
+compiled launches are not.  Prepared launches on a GPU skip the JIT after a specialization's
+first call (``triton_launch``).
 """
 
 from __future__ import annotations
@@ -35,16 +31,16 @@ FLOAT64_MATH = True
 
 
 def compile_options() -> dict:
-    """Compile options of every launch: FMA contraction, which the kernels were measured and checked with on
-    a GPU, unless the user chose Triton's default (TRITON_DEFAULT_FP_FUSION).  Left unset, Triton 3.9 warns
-    at the first launch and says 3.10 turns it off."""
+    """Compile options of every launch: FMA contraction on, as the kernels are checked, unless
+    TRITON_DEFAULT_FP_FUSION asks for Triton's default.  Set explicitly: left unset, Triton 3.9 warns
+    that 3.10 turns it off."""
     return {} if "TRITON_DEFAULT_FP_FUSION" in os.environ else _FMA_CONTRACTION
 
 
 _FMA_CONTRACTION = {"enable_fp_fusion": True}
 
-# Sorted tokens per stage-1 program of the weight gradient; small values are useful in tests
-# to make runs cross many chunk boundaries.
+# Sorted tokens per stage-1 program of the weight gradient (tests make it small so that runs
+# cross many chunk boundaries).
 GRAD_CHUNK = 32
 
 triton = None  # the triton package, once loaded
@@ -112,35 +108,31 @@ class ForwardTiles(NamedTuple):
     warps: int
 
 
-# Add mode: pair slots per program (a whole d_model 1024 row: 512), and the tokens each program
-# walks through one after the other.  Each thread keeps its pairs' frequencies for all of them.
+# Add mode (see _forward_tiles): pair slots per program (a whole d_model 1024 row), and the tokens each
+# program walks one after the other; each thread keeps its pairs' frequencies for all of them.
 ADD_PAIRS_PER_PROGRAM = 512
 ADD_TOKENS_PER_PROGRAM = 16
 ADD_MAX_WARPS = 4
 ADD_FLOAT64_PAIR_TOKENS_PER_THREAD = 64
-# Concat mode: 4 warps, a BLOCK_T x BLOCK_P tile.
+# Concat mode: warps per BLOCK_T x BLOCK_P tile.
 FORWARD_WARPS = 4
 
 
 def _forward_tiles(params, num_tokens: int, element_size: int) -> ForwardTiles:
     """Tile shape and warps of the forward.
 
-    Add mode: a program walks ``block_t`` tokens over ``block_p`` pair slots of their rows, one
-    token at a time; each thread holds the pair slots of one 16-byte output vector per half (split:
-    16 bytes of sin and 16 of cos; interleaved: 16 bytes of (sin, cos) pairs, two vectors for fp32),
-    so its per-token work (id, position, row pointers: scalars) is shared by 8 outputs, and the
-    warps are as many as the row slice needs (up to 4).
+    Add mode: a program walks ``block_t`` tokens, one at a time, over ``block_p`` pair slots of their
+    rows.  Each thread holds the pair slots of one 16-byte output vector per half (interleaved: (sin,
+    cos) pairs, two vectors for fp32; split: one of sin and one of cos), so the per-token scalars (id,
+    position, row pointers) are shared by 8 outputs; warps as many as the row slice needs.
 
-    Concat mode: 4 warps of 8 tokens x 8 consecutive output columns per half; the PE units take
-    twice the pairs in block layouts.  Chosen for few registers (about 32 on sm_90; 32 tokens per
-    program needed 212, which starves occupancy).  Not yet tuned on a GPU (benchmark issue).
+    Concat mode: 4 warps of 8 tokens x 8 consecutive output columns per half (the PE units take twice
+    the pairs in block layouts), a tile small in registers, for occupancy.
     """
     pair_slots = params.pe_width - params.num_pairs
     interleaved = params.columns.interleaved
     if not params.concat:
         block_p = min(ADD_PAIRS_PER_PROGRAM, _next_power_of_2(pair_slots))
-        # Pair slots per thread: 4 (interleaved: 8 columns, one 16-byte vector of bf16, two of fp32),
-        # or one 16-byte vector of sin columns and one of cos (split).
         per_thread = 4 if interleaved else max(4, 16 // element_size)
         warps = max(1, min(ADD_MAX_WARPS, block_p // (32 * per_thread)))
         block_t = ADD_TOKENS_PER_PROGRAM
@@ -171,9 +163,9 @@ _turn_words_lock = threading.Lock()
 
 
 def _turn_words(turns: torch.Tensor):
-    """The int64 turns as two int32 tensors, low and high words, each 16-byte aligned: the kernels
-    load them as contiguous 32-bit vectors (``triton_kernels._load_turns``).  Cached per turns
-    tensor (``PESpec.turns_tensor`` caches those per device), so one small copy per spec and device."""
+    """The int64 turns as two 16-byte aligned int32 tensors, low and high words, which the kernels
+    load as contiguous 32-bit vectors (``triton_kernels._load_turn_words``).  Cached per turns tensor,
+    so one small copy per spec and device (``PESpec.turns_tensor`` caches those per device)."""
     key = id(turns)
     with _turn_words_lock:
         entry = _turn_words_cache.get(key)
@@ -192,9 +184,8 @@ def _turn_words(turns: torch.Tensor):
     return result
 
 
-# Weight-gradient column block: one warp, 1 KiB of a grad_out row per program (32 bytes, two 16-byte
-# vectors, per thread: 512 columns of bf16, 256 of fp32), so the per-token run logic is paid once
-# per 1 KiB.
+# Weight-gradient column block: one warp over 1 KiB of a grad_out row (two 16-byte vectors per
+# thread), so the per-token run logic is paid once per 1 KiB.
 GRAD_BLOCK_BYTES = 1024
 GRAD_WARPS = 1
 # grad_out rows each stage-1 program has requested ahead of the one it adds (grad_chunk_kernel's
@@ -261,12 +252,11 @@ def _forward(ids, weight, turns, positions, offsets, offset, seq_len, params: Ke
 
 
 def prepare_forward(dtype, num_rows: int, device, turns, params: KernelParams) -> Optional[PreparedLaunch]:
-    """``forward_kernel``'s launch for a table of ``dtype`` on ``device`` (``posenc_fast._prepared``): what
-    ``_forward`` works out per call from the parameters (frequency words, columns, constexpr flags) done
-    once, and the tile shape, grid and 64-bit-index decision once per token count and table size.  What
-    stays per call is the call's own tensors, offset and length, and Triton's launcher (on a GPU: argument
-    specialisation and the driver launch), which every Triton kernel pays: on a GPU, only a new specialization's
-    first call (``triton_launch.KeptLaunches``)."""
+    """``forward_kernel``'s launch for a table of ``dtype`` on ``device`` (``posenc_fast._prepared``).
+
+    What ``_forward`` works out per call is done here once from ``params`` (turn words, columns,
+    constexpr flags), and once per token count and table size (tiles, grid, index width).  On a GPU
+    only a specialization's first call goes through Triton's JIT (``triton_launch.KeptLaunches``)."""
     kernels = _load_kernels()
     interpreted = _kernels_interpreted
     turn_low, turn_high = _turn_words(turns)
@@ -274,8 +264,8 @@ def prepare_forward(dtype, num_rows: int, device, turns, params: KernelParams) -
     element_size = torch.empty((), dtype=dtype).element_size()
     shapes = {}  # (num_tokens, table rows, row stride) -> grid and arguments; a decoding loop has one or two
     fixed_before = (turns, turn_low, turn_high, None, None, None)  # no positions, offsets or dropout seed
-    # The same for the compiled launcher: addresses (fixed_before keeps the tensors alive; the spec's turns
-    # tensor is its own, cached, never resized or given new storage).
+    # For the compiled launcher: addresses, stable because fixed_before keeps the tensors alive and the
+    # spec's cached turns tensor is never resized.
     fixed_before_addresses = (turns.data_ptr(), turn_low.data_ptr(), turn_high.data_ptr(), None, None, None)
     fixed_middle = (params.token_width, params.pe_width, params.num_pairs, turns.numel(), columns.sin_base,
                     columns.num_sin, columns.cos_base, columns.num_cos, params.pe_zero_id)
@@ -325,12 +315,11 @@ def prepare_forward(dtype, num_rows: int, device, turns, params: KernelParams) -
                 kernels.forward_kernel[grid](ids, weight, out, *fixed_before, offset, seq_len, *arguments_after,
                                              **constexprs)
             return
-        # The compiled launcher is given the addresses, the JIT the tensors: the launch is prepared for this
-        # device, so Triton's per-pointer check that the address is one the device can use (a driver call
-        # each, made for tensors only) has nothing to find.
+        # The compiled launcher gets addresses, not tensors: Triton's per-tensor check that the device can
+        # use the address (a driver call each) has nothing to find on a launch prepared for this device.
         ids_address, weight_address, out_address = ids.data_ptr(), weight.data_ptr(), out.data_ptr()
-        # The key: the shape, and what Triton specialises the call's tensors, offset and length on (the
-        # alignments: True where 16 divides all three addresses, the usual case, else one flag each).
+        # The key: the shape and what Triton specialises the tensors, offset and length on (alignment:
+        # True when 16 divides all three addresses, else one flag each).
         key = (num_tokens, table_rows, weight_row_stride, ids.dtype,
                True if not (ids_address | weight_address | out_address) & 15
                else (ids_address & 15 == 0, weight_address & 15 == 0, out_address & 15 == 0),

@@ -103,10 +103,9 @@ def round_for_store(value, ptr, SOFTWARE_BF16: tl.constexpr):
 
 @triton.jit
 def dropout_keep(seed, tokens, cols, threshold, col0, GROUPED: tl.constexpr):
-    """Keep mask ``[T, C]`` of output elements (tokens[t], cols[c]) (``reference.dropout_keep``).
+    """Keep mask ``[T, C]`` of output elements (tokens[t], cols[c]), as ``reference.dropout_keep`` defines it.
 
-    Word c % 4 of Philox(key seed, counter (c // 4, t mod 2**32, t >> 32, 0)) >= threshold.
-    GROUPED: ``cols`` is ``col0 + arange(C)`` with col0 and C multiples of 4, so one call
+    GROUPED: ``cols`` is ``col0 + arange(C)`` with col0 and C multiples of 4, so one Philox call
     gives the words of four columns; otherwise each element runs its own call and keeps one word.
     """
     T: tl.constexpr = tokens.shape[0]
@@ -217,17 +216,16 @@ def _add_rows(
 ):
     """Add mode: BLOCK_T consecutive tokens, one after the other, over BLOCK_P pair slots of their rows.
 
-    Everything that depends on the pair slot only (frequencies, columns, masks) is computed once
-    per program; per token there is one id, one position and two row pointers, all scalars (the
-    same in every thread), so the per-token work is paid once per row slice, not per few columns.
-    The position steps from token to token (``within`` wraps at ``seq_len``): one division per
-    program.  WIDE_INDEX: token indices and element offsets need 64 bits (else 32, as the host
-    checked).  ZERO_COS_TAIL: the cos block has a tail slot (``num_cos > num_pairs``), a zero column.
+    What depends on the pair slot only (frequencies, columns, masks) is computed once per program;
+    per token, the id, position and row pointers are scalars, shared by every thread.  The position
+    steps from token to token (``within`` wraps at ``seq_len``): one division per program.
+    WIDE_INDEX: token indices and element offsets need 64 bits (else 32, as the host checked).
+    ZERO_COS_TAIL: the cos block has a tail slot (``num_cos > num_pairs``), a zero column.
     """
     pair_block = tl.program_id(1)
     pairs = pair_block * BLOCK_P + tl.arange(0, BLOCK_P)
-    # The turns as two contiguous 32-bit words (low, high): loaded so, each thread holds consecutive
-    # pairs, as many as its 16-byte output vector needs, and no layout conversion is needed later.
+    # The turns as two contiguous 32-bit words (low, high): each thread then holds the consecutive pairs
+    # of its 16-byte output vector, with no layout conversion later.
     turn_low, turn_high = _load_turn_words(turn_low_ptr, turn_high_ptr, pairs, num_turns)
     turns = (turn_high.to(tl.uint64) << 32 | turn_low.to(tl.uint64)).to(tl.int64, bitcast=True)
     if INTERLEAVED:
@@ -313,8 +311,8 @@ def _add_store(out_row, weight_row, cols, cols_ok, token_ok, id_ok, pe, embed_sc
     rounded once (one token)."""
     w = tl.load(weight_row + cols, mask=_mask_if(cols_ok, id_ok), other=0.0)
     mask = _mask_if(cols_ok, token_ok)
-    # One explicit fma: left to LLVM's contraction, some specializations (by pointer alignment) fused the PE's
-    # own scaling instead, so the same call's outputs differed by an ulp with the tensors' alignment.
+    # One explicit fma: LLVM's contraction may fuse the PE's scaling instead in some specializations (by
+    # pointer alignment), and outputs would then differ by an ulp with the tensors' alignment.
     value = tl.fma(w.to(pe.dtype), embed_scale, pe)
     if DROPOUT:
         C: tl.constexpr = cols.shape[0]
@@ -463,8 +461,7 @@ def grad_chunk_kernel(
 @triton.jit
 def _columns_if(cols, token_width, condition):
     """Mask of ``cols < token_width`` where the scalar ``condition`` holds, else none: one compare
-    against a selected limit (a tensor mask & a scalar condition is int32, not a mask, in Triton
-    3.9's interpreter)."""
+    against a selected limit (not ``&``, see ``_mask_if``)."""
     return cols < tl.where(condition, token_width, 0)
 
 

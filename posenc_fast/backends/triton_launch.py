@@ -2,11 +2,10 @@
 JIT returned for the same specialization, through that kernel's own launch function.
 
 Triton's JIT call (binding the arguments, specialising them, looking up its cache) is most of a small
-launch's host time, more than the eager layer it replaces spends in a decoding step (docs/performance.md),
-so it runs once per specialization.  The key of a call (``int_specialization`` and the prepared launch's
-alignment flags) must be at least as fine as Triton's own specialization; tests/test_triton_backend.py
-checks it against the installed Triton, and the launch against the JIT's on a stand-in CUDA driver
-(tests/fake_driver_launches.py).
+launch's host time (docs/performance.md), so it runs once per specialization.  The key of a call
+(``int_specialization`` and the prepared launch's alignment flags) must be at least as fine as Triton's
+own specialization; tests/test_triton_backend.py checks it against the installed Triton, and the launch
+against the JIT's on a stand-in CUDA driver (tests/fake_driver_launches.py).
 
 Only plain launches take this path: the JIT serves every call while a setting it reads per call is in force
 (debug, an instrumentation mode such as Proton's, a stages-inspection hook, a pre-run hook, a replaced
@@ -29,11 +28,11 @@ TESTED_TRITON = ((3, 5), (3, 10))
 
 
 def int_specialization(value: int):
-    """What Triton's JIT specialises an int argument on (``specialize_impl`` in triton.runtime.jit, the same in
-    Triton 3.5 to 3.9): 1 is made a constant; otherwise its type by range (i32, u64 or i64) and whether 16
-    divides it.  (For a tensor: its dtype and whether 16 divides its address; the caller's key holds those.)
-    The common case, a 32-bit value, is one comparison and one mask: -1 stands for the constant 1, True and
-    False for an i32 that 16 divides or not; a wider value is a pair (16 | value, u64)."""
+    """What Triton's JIT specialises an int argument on (``specialize_impl`` in triton.runtime.jit, Triton 3.5
+    to 3.9): 1 is made a constant; otherwise its type by range (i32, u64 or i64) and whether 16 divides it.
+    Returns -1 for the constant 1, True or False for an i32 that 16 divides or not (one comparison and one
+    mask, the common case), else the pair (16 | value, u64).  Tensors' dtype and alignment are in the
+    caller's key."""
     if -2147483648 <= value <= 2147483647:
         return -1 if value == 1 else value & 15 == 0
     return (value % 16 == 0, value >= 2**63)
@@ -95,11 +94,11 @@ class KeptLaunches:
             return False
         runtime = self._runtime
         enter_hook, exit_hook = runtime.launch_enter_hook, runtime.launch_exit_hook
-        # (_hooks_to_call, inline for the usual case: no hook, or an empty chain of hooks, Triton's default.)
+        # _hooks_to_call inline for the usual case: no hook, or an empty chain (Triton's default).
         if ((enter_hook is None or not getattr(enter_hook, "calls", True))
                 and (exit_hook is None or not getattr(exit_hook, "calls", True))):
-            # None for each, which the launcher skips: the same (nothing is called) without two calls into
-            # Python per launch, and no metadata.
+            # None for both: nothing would be called anyway, and the launcher skips two calls into Python
+            # and the metadata.
             kept.launch(stream, varying)
         else:
             # The hooks (a profiler's) that call something get metadata made as the JIT makes it.
@@ -131,10 +130,10 @@ class _KeptKernel(NamedTuple):
 
 
 def _nvidia_launcher():
-    """Triton's NVIDIA launcher class and its ``__call__``, which ``_launch_function`` may call below.
-    Where the class or the method is not Triton's own (read in Triton 3.5 to 3.9; a tool replaced one), the
-    method is None: no launch is plain (``KeptLaunches._plain``), and every one goes through the JIT,
-    which calls the tool's.  (None, None) without an NVIDIA backend."""
+    """Triton's NVIDIA launcher class and its ``__call__``, whose launch ``_launch_function`` reproduces;
+    (None, None) without an NVIDIA backend.  Where the class or the method is not Triton's own (a tool
+    replaced one), the method is None: no launch is plain (``KeptLaunches._plain``), and the JIT calls
+    the tool's."""
     try:
         from triton.backends.nvidia import driver
     except ImportError:
@@ -153,14 +152,13 @@ _BUILTIN_FUNCTION = type(len)
 
 def _launch_function(compiled, launcher_type, grid, arguments_after: tuple) -> Callable:
     """``compiled``'s launch on ``grid`` with the arguments ``varying + arguments_after``, as a function of the
-    stream and ``varying`` (and the hooks, when there are some to call: then with the launch metadata, made as
-    the JIT makes it; the addresses in place of the tensors change nothing, as it reads the arguments only for
-    a kernel's own launch_metadata function, which these kernels do not define).
+    stream, ``varying`` and the hooks when some are to be called (then with launch metadata made as the JIT
+    makes it; addresses in place of tensors change nothing, as only a kernel's own launch_metadata function
+    reads the arguments, and these kernels define none).
 
-    Through its launcher's own launch function (C), called as the launcher calls it (``CudaLauncher.__call__``,
-    read in Triton 3.5 to 3.9), where that adds nothing else: no scratch memory, no sanitizer, no tensor
-    descriptors.  Otherwise through the launcher itself (its Python frame, which allocates the scratch).
-    ``launcher_type``: ``_nvidia_launcher``'s class, or None."""
+    Calls the launcher's C launch function as ``CudaLauncher.__call__`` does (Triton 3.5 to 3.9) where the
+    launcher adds nothing else (no scratch memory, sanitizer or tensor descriptors); otherwise the launcher
+    itself, which allocates the scratch.  ``launcher_type``: ``_nvidia_launcher``'s class, or None."""
     launcher = compiled.run
     function, packed_metadata = compiled.function, compiled.packed_metadata
     grid_x, grid_y = grid[0], grid[1]

@@ -1,6 +1,6 @@
 """``python -m posenc_fast bench``: time the fused layer against eager PyTorch and torch.compile.
 
-This package owns the benchmark, one concern per module:
+One concern per module:
 
 - ``cases``: the cases, implementations and ops, and the byte model (``bytes_moved``);
 - ``impls``: the implementations built over one case's random inputs, and the callables timed;
@@ -16,29 +16,20 @@ how to read the results and ``docs/performance.md`` the predictions against the 
 Implementations (``IMPLS``):
 
 - ``eager``: ``baselines.EagerSinusoidalEmbedding`` (nn.Embedding + a registered fp32 sinusoid
-  table, embed scale, add or torch.cat, cast): what users run today.
+  table, embed scale, add or torch.cat, cast), the usual PyTorch layer.
 - ``compile`` / ``compile-max-autotune``: ``torch.compile`` of that same module (default mode /
   ``mode="max-autotune-no-cudagraphs"``), ``dynamic=False``, compiled afresh for every case.
-- ``triton`` / ``cuda``: ``SinusoidalEmbedding(backend=...)``, timed with the host-side id range
-  check OFF (``posenc_fast.id_check(False)``); the headline forward with the check on is printed
-  as an extra line (the JSON's ``impl`` enum has no slot for it).
-- ``cpu``: ``SinusoidalEmbedding(backend="cpu")``, the native CPU kernels (what ``auto`` runs on
-  CPU tensors), timed on the CPU cases (group ``cpu``) with the id check off, as triton/cuda are.
+- ``triton`` / ``cuda`` / ``cpu``: ``SinusoidalEmbedding(backend=...)`` (``cpu``: the native CPU
+  kernels, on the ``cpu`` cases), timed with the host-side id range check off
+  (``posenc_fast.id_check(False)``); the headline forward with the check on is printed as an extra
+  line (the JSON's ``impl`` enum has no slot for it).
 - ``torch``: the float64 reference backend; timed only when named, printed but never written to
   the JSON (not in its ``impl`` enum).
 
 Ops: ``forward`` (under ``torch.no_grad()``, as inference and decoding run it), ``backward``
 (``torch.autograd.grad`` of one retained forward graph: the weight gradient alone) and ``step``
-(``weight.grad = None``, forward, ``backward(grad_out)``).
-
-Timing (GPU): ``triton.testing.do_bench`` with ``return_mode="all"`` and the median taken; it
-flushes the L2 cache before every run, after our own warm-up calls (so ``torch.compile``,
-autotuning and Triton's JIT stay out of the numbers).  Inputs are random (ids over the whole
-vocabulary, N(0, 1) weights and output gradients, never zeros) and rotated among several sets
-when one set would fit in L2.  Latency cases (decode) are timed one call at a time with the GPU
-idle at the start event, so host overhead (Python, dispatch, launches) is part of the time, as in
-a decoding loop without CUDA graphs.  CPU: perf_counter around each call (``timing.time_op``),
-against a measured gather + write floor (``timing.gather_bandwidth_GBps``).
+(``weight.grad = None``, forward, ``backward(grad_out)``).  How each is timed: ``timing``; the
+inputs: ``impls``.
 """
 
 from .cases import (  # noqa: F401

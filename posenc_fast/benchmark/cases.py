@@ -1,7 +1,5 @@
-"""The benchmark's cases and byte model: which problem sizes run on which device, which
-implementations and ops exist, the targets, and the fewest bytes each op must move (bench/README.md,
-"The byte model").  One case list serves both devices: the GPU cases, and the CPU cases (what
-bench/cpu_bench.py used to time in a harness of its own)."""
+"""The benchmark's cases and byte model: which problem sizes run on which device (one list for GPU
+and CPU), which implementations and ops exist, the targets, and the fewest bytes each op must move."""
 
 from __future__ import annotations
 
@@ -30,7 +28,7 @@ RESULT_KEYS = ("op", "impl", "dtype", "mode", "tokens", "d_model", "vocab", "med
                "peak_mem_bytes")
 DOCUMENT_KEYS = ("device", "torch", "triton", "cuda", "date", "copy_GBps", "cases")
 
-# Targets of the benchmark issue, checked by summarize(): (op, quantity, bar).
+# (op, quantity, bar), reported met or missed by report.target_report.
 TARGETS = (
     ("forward", "pct_copy", 85.0),
     ("forward", "x_eager", 2.5),
@@ -42,11 +40,8 @@ TARGETS = (
 )
 DECODE_TARGET_X_EAGER = 2.0
 
-# Targets on CPU, for the cpu-headline case.  The floor there ("copy_GBps" of a CPU run) is a
-# measured gather + write: torch.index_select of random rows of a table larger than the last-level
-# cache into a fresh output, i.e. the forward's own memory traffic without its arithmetic
-# (timing.gather_bandwidth_GBps).  The speedup bars are those the CPU backend was built to
-# (docs/cpu_backend.md): 2x eager and at least torch.compile on the forward, 1.5x eager on the step.
+# Targets of the cpu-headline case; pct_copy is over the CPU floor (timing.gather_bandwidth_GBps), and
+# docs/cpu_backend.md says why these bars.
 CPU_TARGETS = (
     ("forward", "pct_copy", 70.0),
     ("forward", "x_eager", 2.0),
@@ -103,8 +98,7 @@ def _sweep(tokens: int, label: str) -> Case:
     return Case(f"sweep-{label}", "sweep", tokens // 4096, 4096, 1024, 32768, ops=("forward",))
 
 
-# In the order they run: the issue's targets first, so a run cut short by its time budget still
-# has them.
+# In the order they run: the cases with targets first, so a run cut short by its time budget has them.
 CASES: Tuple[Case, ...] = (
     Case("headline", "headline", 64, 8192, 1024, 32768, autotune=True),
     Case("decode", "decode", 64, 1, 4096, 262144, ops=("forward",), latency=True, autotune=True),
@@ -122,9 +116,8 @@ CASES: Tuple[Case, ...] = (
     Case("wide-fp32", "wide", 16, 4096, 4096, 262144, dtype=torch.float32, full_only=True),
 )
 
-# CPU cases, at the sizes people run on CPU (the former bench/cpu_bench.py's case first: 4096 tokens,
-# d_model 512, a 32000-row fp32 table).  They run on torch's threads: `bench --threads 1` times one
-# core (the thread count is part of a CPU run's device name, so each count has its own results file).
+# CPU cases, at the sizes people run on CPU.  They run on torch's threads (`bench --threads 1`: one
+# core); results.device_name says why the count matters.
 CPU_CASES: Tuple[Case, ...] = (
     Case("cpu-headline", "cpu", 8, 512, 512, 32000, dtype=torch.float32, device_type="cpu"),
     Case("cpu-long", "cpu", 4, 4096, 1024, 32000, dtype=torch.float32, device_type="cpu"),
@@ -186,20 +179,15 @@ def bytes_moved(op: str, case: Case) -> int:
     each output written once), with N tokens, width D, token width T (D, or D - d_pos in concat),
     vocabulary V, element size e and 8-byte ids:
 
-    - forward = 8N (ids) + N*T*e (the gathered table rows, one per token) + N*D*e (the output).
-      Positions are ``offset + t`` and the PE is computed, so neither is read.
-    - backward = N*T*e (grad_out's token columns; the PE columns of a concat output have no
-      parameter to feed) + 8N (ids) + V*T*e (the dense [V, T] weight gradient, written once).
-      Zero-fill is *included in that one write*: a minimal kernel writes every row exactly once,
-      the sum of its tokens' gradients or zero, so a separate memset of the gradient is extra
-      traffic an implementation pays, not part of the floor.  Sorting the ids (if an
-      implementation sorts) is likewise the implementation's cost.
-    - step = forward + backward (the backward pass reads the ids again).
+    - forward = 8N (ids) + N*T*e (one gathered table row per token) + N*D*e (the output); the
+      positions and the PE are computed, not read.
+    - backward = N*T*e (grad_out's token columns: PE columns feed no parameter) + 8N (ids) + V*T*e
+      (the dense weight gradient, written once, zero rows included: a separate zero fill, like
+      sorting the ids, is traffic an implementation adds).
+    - step = forward + backward.
 
-    The gathered-row term counts one row per token.  When the table is not much larger than L2
-    (the headline: 64 MiB of bf16 rows against 50-60 MB of L2), repeated ids hit in L2 and the
-    DRAM traffic can be less: as low as 8N + (distinct ids)*T*e + N*D*e.  Then GB/s by this model
-    can exceed the copy bandwidth; docs/performance.md has the byte model.
+    Where the table is not much larger than L2, repeated ids hit in L2, so GB/s by this model can
+    exceed the copy bandwidth (docs/performance.md, "The byte model").
     """
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}; expected one of {OPS}")

@@ -17,8 +17,8 @@ from .report import target_report, format_table, plot_results
 from .run import run_benchmark
 from ..cli import device_from_arg
 
-# In the current directory; a clear name, not a folder of this repository's layout (bench/results/
-# holds the committed results; copy a run's files there by hand).
+# Relative to the current directory, not this repository's layout: bench/results/ holds the committed
+# results, copied there by hand.
 DEFAULT_OUT = "posenc_fast-bench-results"
 
 
@@ -57,7 +57,7 @@ def _split(text: Optional[str]) -> List[str]:
 
 def summarize(path: str, log: Callable[[str], None] = print) -> int:
     """Print a results file's schema check and targets, and (re)draw its PNG (a run stopped by a
-    time limit has a JSON, written after every case, but no plot yet)."""
+    time limit has its JSON but no plot)."""
     with open(path, encoding="utf-8") as f:
         doc = json.load(f)
     problems = validate_document(doc)

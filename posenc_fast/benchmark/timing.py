@@ -1,5 +1,6 @@
-"""How the benchmark times: triton.testing.do_bench (GPU throughput), CUDA events one call at a time
-(latency), perf_counter on CPU; the floor bandwidth (GPU: a copy; CPU: a gather + write) and a
+"""How the benchmark times: triton.testing.do_bench (GPU throughput; it flushes the L2 before every run,
+and our own warm-up calls keep compilation, autotuning and JIT out of the numbers), CUDA events one call
+at a time (latency), perf_counter on CPU; the floor bandwidth (GPU: a copy; CPU: a gather + write) and a
 step's peak memory."""
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def _do_bench_times(fn: Callable, warmup_ms: int = 25, rep_ms: int = 200) -> Lis
 
 
 def _latency_times(fn: Callable, device: torch.device, reps: int = 200) -> List[float]:
-    """One call per pair of events, the GPU idle before each: host overhead counts (decode)."""
+    """One call per pair of events, the GPU idle before each: host overhead counts, as in a decoding
+    loop without CUDA graphs."""
     return cuda_event_times(fn, device, reps)
 
 
@@ -83,7 +85,7 @@ def copy_bandwidth_GBps(device: torch.device, nbytes: Optional[int] = None) -> f
 
 
 def gather_bandwidth_GBps(device: torch.device, rows: int = 65536, width: int = 512, tokens: int = 32768) -> float:
-    """torch.index_select of ``tokens`` random rows of a [rows, width] fp32 table (128 MiB: larger
+    """torch.index_select of ``tokens`` random rows of a [rows, width] fp32 table (by default larger
     than any last-level cache) into an output buffer: ids + gathered rows + output bytes over the time.
     The forward's memory traffic (bytes_moved) without its arithmetic: the floor on CPU."""
     g = torch.Generator(device=device).manual_seed(0)

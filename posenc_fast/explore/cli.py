@@ -1,12 +1,6 @@
-"""The ``plot`` and ``experiment`` commands of ``python -m posenc_fast``.
-
-Owns argument parsing and printing only; the work is in ``plots``,
-``experiment`` and ``subspace``.  Registered by ``posenc_fast.cli`` through
-:func:`add_subcommand`.
-
-    python -m posenc_fast plot --out DIR
-    python -m posenc_fast experiment add-vs-concat [--seeds N] [--steps N] [--d-model D] [--device D] [--out DIR]
-    python -m posenc_fast experiment subspace [--dims 64,128,...] [--out DIR]
+"""The ``plot`` and ``experiment`` commands of ``python -m posenc_fast``: argument parsing and printing
+only; the work is in ``plots``, ``experiment`` and ``subspace``.  Registered by ``posenc_fast.cli``
+through :func:`add_subcommand`.
 """
 
 from __future__ import annotations

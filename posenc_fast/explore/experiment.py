@@ -1,35 +1,17 @@
 """The add-vs-concat experiment: which way of giving a transformer positions trains best?
 
-Owns the task, the model variants, the training loop and the summary table.
+Owns the task, the model variants, the training loop and the summary table; docs/explore.md has the
+results.
 
-Task: sequence reversal.  Input: ``seq_len`` tokens drawn uniformly from
-``vocab_size``; target at position i: the input token at ``seq_len - 1 - i``.  Every
-output depends on *where* a token is.  Without positions the encoder is
-permutation-equivariant: the output at position i is a function of the token
-there and of the multiset of all tokens, so it can only guess.
+The task is sequence reversal: every output depends on *where* a token is, and without positions the
+encoder is permutation-equivariant, so it can only guess.  The variants (:func:`build_variants`) share an
+N(0, 1) token table and the encoder body.  *Equal width*: concat gives d_pos of the d_model columns to the
+PE.  *Equal parameters*: concat keeps the full token table and pays for its wider residual stream with a
+narrower feed-forward layer.  embed_scale = pe_scale = 1, so the comparison is about the layout, not the
+relative loudness of tokens and PE.
 
-Variants (all: N(0, 1) token table, the same ``nn.TransformerEncoder`` body,
-pre-LayerNorm, no dropout, a linear read-out):
-
-* ``none``     tokens only;
-* ``index``    tokens + a learned ``nn.Linear(1, d)`` of the normalised index
-               t / (seq_len - 1), added;
-* ``add``      ``SinusoidalEmbedding(mode="add")``: tokens + PE on all d columns;
-* ``concat``   ``SinusoidalEmbedding(mode="concat", d_pos=...)``.
-
-Two comparisons: *equal width* (every model has width d_model; concat gives
-d_pos of those columns to the PE, so its token table is narrower) and *equal
-parameters* (concat keeps the full d_model token table, appends d_pos PE columns,
-and pays for the wider residual stream with a narrower feed-forward layer so
-that its parameter count matches ``add``).  embed_scale = pe_scale = 1 (the
-library defaults): N(0, 1) token entries next to a PE with entries in [-1, 1];
-neither side is scaled down, so the comparison is about the layout, not the
-relative loudness.
-
-Reproducibility: each run seeds ``torch.manual_seed(seed)`` before building
-the model, draws training batches from its own ``torch.Generator`` seeded with
-``seed`` on the CPU (so the data do not depend on the device), evaluates on a
-fixed held-out set, and runs under ``torch.use_deterministic_algorithms(True)``.
+Each run is reproducible: seeded, its batches drawn from its own CPU generator (the data do not depend on
+the device), evaluated on one fixed held-out set, under deterministic algorithms.
 """
 
 from __future__ import annotations
@@ -57,7 +39,7 @@ SOLVED_ACCURACY = 0.99  # held-out token accuracy that counts as "solved" for th
 
 @dataclasses.dataclass(frozen=True)
 class ExperimentConfig:
-    """Sizes and optimiser settings shared by every variant (defaults: a few minutes on 2 CPU cores)."""
+    """Sizes and optimiser settings shared by every variant."""
 
     vocab_size: int = 32
     seq_len: int = 32
@@ -117,9 +99,8 @@ class OrderTaskModel(nn.Module):
             raise ValueError(f"unknown position kind {variant.position!r}; expected one of {POSITION_KINDS}")
         self.position = variant.position
         self.seq_len = config.seq_len
-        # Build order matters for comparability: with the same seed, the token
-        # table is drawn first (identical N(0, 1) tables for none/index/add), then
-        # the body, and only then the index projection.
+        # Build order keeps variants comparable: with the same seed, none/index/add draw the same token
+        # table first, then the body, and only then the index projection.
         if variant.position in ("add", "concat"):
             self.embedding = SinusoidalEmbedding(
                 config.vocab_size, variant.width, mode=variant.position,
@@ -169,8 +150,7 @@ def build_variants(config: ExperimentConfig) -> List[Variant]:
         Variant("add", EQUAL_WIDTH, "add", d, d, d, ffn),
         Variant("concat", EQUAL_WIDTH, "concat", d, d - d_pos, d_pos, ffn),
     ]
-    # Equal parameters: the parameter count is affine in the FFN width, so two
-    # probes give the slope and we solve for the width that matches `add`.
+    # The parameter count is affine in the FFN width: two probes give the slope, then solve for `add`'s count.
     target = _model_parameters(variants[2], config)
     wide = Variant("concat", EQUAL_PARAMS, "concat", d + d_pos, d, d_pos, 1)
     at_one = _model_parameters(wide, config)
@@ -334,9 +314,8 @@ def format_table(rows: List[Dict]) -> str:
 def trained_subspace_rows(result: Dict, *, energy: float = 0.999) -> List[Dict]:
     """Token-table vs PE(0..seq_len-1) subspace overlap for the ``add`` runs, at init and after training.
 
-    Only ``add`` puts tokens and PE in the same columns; for ``concat`` they are
-    orthogonal by construction.  Needs vocab_size <= d_model (else the tokens
-    span all of R^d and the question has no content); returns [] otherwise.
+    Only ``add`` puts tokens and PE in the same columns (concat's are orthogonal by construction).
+    Returns [] where vocab_size > d_model: the tokens then span all of R^d.
     """
     config = result["config"]
     if config["vocab_size"] > config["d_model"]:

@@ -1,18 +1,7 @@
-"""Geometry of the sinusoidal PE, measured numerically in float64.
-
-Owns the numbers behind the "why sin *and* cos" and "does adding distort the
-token vector" questions:
-
-* :func:`offset_rotation` builds R(k), the fixed linear map with
-  PE(t + k) = R(k) PE(t) for every t, and :func:`rotation_error` measures how
-  far that identity is from exact;
-* :func:`dot_by_offset` tabulates <PE(t), PE(t + k)> for several t, to show it
-  depends only on k;
-* :func:`norm_comparison` measures the PE norm next to the norms of token
-  vectors under common initialisations.
-
-Everything is plain torch (no matplotlib); ``plots`` draws these numbers and the
-tests check them.  PE tables come from :func:`posenc_fast.reference.sinusoidal_table`.
+"""Geometry of the sinusoidal PE, computed in float64: the numbers behind the "why sin *and* cos" and
+"does adding distort the token vector" questions (R(k) with PE(t + k) = R(k) PE(t), <PE(t), PE(t + k)>
+against k, PE vs token norms).  Plain torch; ``plots`` draws these numbers.  PE tables come from
+:func:`posenc_fast.reference.sinusoidal_table`.
 """
 
 from __future__ import annotations
@@ -24,10 +13,8 @@ import torch
 
 from ..reference import sinusoidal_table
 
-# Layouts whose (sin, cos) columns this module knows, as documented for
-# ``sinusoidal_table``: interleaved puts pair i in columns 2i, 2i+1; split in i, h+i.
-# Written out here (not taken from the core's private helpers) so the check is
-# independent of the implementation; the tests compare it with the library's table.
+# Layouts whose (sin, cos) columns this module knows (pair_columns), written out rather than taken from
+# the core's helpers so that the rotation check is independent of the implementation.
 ROTATION_LAYOUTS = ("interleaved", "split")
 
 
@@ -50,15 +37,12 @@ def pe_table(positions, dim: int, *, base: float = 10000.0, layout: str = "inter
 
 
 def offset_rotation(offset: int, dim: int, *, base: float = 10000.0, layout: str = "interleaved") -> torch.Tensor:
-    """The ``[dim, dim]`` float64 matrix R(k) with ``PE(t + k) = R(k) @ PE(t)`` for every t (even ``dim``).
+    """The ``[dim, dim]`` float64 matrix R(k) with ``PE(t + k) = R(k) @ PE(t)`` for every t (even ``dim``):
+    one 2x2 rotation by k * w_i per (sin, cos) pair.
 
-    One 2x2 rotation per (sin, cos) pair, by the angle k * w_i, from
-    sin(a + b) = sin a cos b + cos a sin b and cos(a + b) = cos a cos b - sin a sin b.
-    cos(k w_i) and sin(k w_i) are read off the library's own PE row for position k
-    rather than recomputed as ``cos(k * w_i)`` in float64: the library's angles are
-    exact, while a float64 product k * w_i is off by ~1e-16 * k * w_i, an error of
-    the check, not of the identity being checked.  R(k) depends on k alone, never
-    on t: that is the "relative position is a linear map" property.
+    cos(k w_i) and sin(k w_i) are read off the library's PE row for position k, whose angles are exact,
+    rather than recomputed from a float64 product k * w_i, whose rounding would be an error of the check,
+    not of the identity.
     """
     sin_columns, cos_columns = pair_columns(dim, layout)
     row = pe_table([offset], dim, base=base, layout=layout)[0]
@@ -89,10 +73,7 @@ def dot_by_offset(
     starts: Sequence[int], max_offset: int, dim: int, *, base: float = 10000.0, layout: str = "interleaved"
 ) -> torch.Tensor:
     """``[len(starts), max_offset + 1]`` table of <PE(t), PE(t + k)> for t in starts, k = 0..max_offset.
-
-    Each row is the same function of k (sum_i cos(k w_i)) whatever t is; the
-    spread between rows is the float64 rounding of the sums.
-    """
+    Every row is sum_i cos(k w_i), up to the float64 rounding of the sums."""
     offsets = torch.arange(max_offset + 1, dtype=torch.int64)
     rows = []
     for t in starts:
@@ -111,12 +92,9 @@ def dot_closed_form(max_offset: int, dim: int, *, base: float = 10000.0) -> torc
 def norm_comparison(
     dims: Sequence[int], *, num_tokens: int = 1000, num_positions: int = 512, seed: int = 0
 ) -> List[Dict[str, float]]:
-    """Measured L2 norms, per width d: the PE (over positions 0..num_positions-1) and token vectors.
-
-    Token vectors are sampled, not assumed: ``N(0, 1)`` rows as ``nn.Embedding``
-    (and ``SinusoidalEmbedding``) initialise them, and the same rows times sqrt(d)
-    (the Vaswani et al. embedding scale applied to an N(0, 1) table, as many
-    PyTorch ports do).  Returns one dict per d with means and standard deviations.
+    """L2 norms per width d, one dict of means and standard deviations per d: the PE over positions
+    0..num_positions-1, sampled ``N(0, 1)`` token rows (``nn.Embedding``'s init), and the same rows times
+    sqrt(d) (the Vaswani et al. embedding scale, as many PyTorch ports apply it to an N(0, 1) table).
     """
     generator = torch.Generator().manual_seed(seed)
     rows = []
@@ -134,10 +112,6 @@ def norm_comparison(
 
 
 def column_spread(num_positions: int, dim: int, *, base: float = 10000.0, layout: str = "interleaved") -> torch.Tensor:
-    """Per-column standard deviation of the PE over positions 0..num_positions-1 (``[dim]``).
-
-    Shows where adding the PE "moves" a token vector: fast columns swing over
-    [-1, 1], slow columns are almost a constant (sin ~ 0, cos ~ 1) over a short
-    context, i.e. nearly a fixed bias rather than noise.
-    """
+    """Per-column standard deviation of the PE over positions 0..num_positions-1 (``[dim]``): where adding
+    the PE moves a token vector (slow columns are nearly a constant, a bias rather than noise)."""
     return pe_table(num_positions, dim, base=base, layout=layout).std(dim=0)

@@ -1,10 +1,7 @@
-"""PNG figures for the explore commands (matplotlib, imported lazily).
-
-Owns the drawing only: every number comes from ``geometry``, ``subspace`` or
-``experiment``.  matplotlib is an optional dependency (extra ``plot``), so it is
-imported inside :func:`_figure`, never at module import; figures are built
-with ``matplotlib.figure.Figure`` and the Agg canvas, so no pyplot state or
-interactive backend is touched.
+"""PNG figures for the explore commands: the drawing only, every number from ``geometry``, ``subspace``
+or ``experiment``.  matplotlib is optional (extra ``plot``), so it is imported in :func:`_figure`, never
+at module import; figures use ``matplotlib.figure.Figure``, so no pyplot state or interactive backend is
+touched.
 """
 
 from __future__ import annotations
@@ -22,7 +19,7 @@ MISSING_MATPLOTLIB = (
     "plotting needs matplotlib, an optional dependency of posenc_fast: "
     "pip install 'posenc_fast[plot]'  (or: pip install matplotlib)"
 )
-_DPI = 100  # keeps each PNG well under 200 KB
+_DPI = 100  # keeps the PNGs small enough to commit (docs/img/)
 
 
 def matplotlib_available() -> bool:
@@ -140,7 +137,7 @@ def plot_rotation(out_dir: str, *, dim: int = 128, max_offset: int = 1000, num_s
 
 
 def plot_norms(out_dir: str, *, dims: Sequence[int] = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)) -> str:
-    """|PE(t)| = sqrt(d/2) next to measured token-vector norms (N(0,1) and N(0,1) * sqrt(d))."""
+    """|PE(t)| = sqrt(d/2) next to sampled token-vector norms (N(0,1) and N(0,1) * sqrt(d))."""
     rows = geometry.norm_comparison(dims)
     figure = _figure(11, 4)
     norm_axes, ratio_axes = figure.subplots(1, 2)

@@ -1,17 +1,6 @@
-"""Are token vectors and position vectors in (nearly) orthogonal subspaces?
-
-Owns the subspace measurements:
-
-* :func:`orthonormal_basis` (QR) and :func:`dominant_subspace` (SVD, for sets
-  such as PE(0..L-1) that are numerically low-rank);
-* :func:`principal_angles` between two subspaces, from the SVD of Q_a^T Q_b;
-* :func:`subspace_overlap`, the summary numbers reported by the CLI, with the
-  values a uniformly random subspace would give;
-* :func:`random_tokens_vs_pe`, the sweep over d behind ``experiment subspace``;
-* :func:`nearest_token_recovery`, whether the token is still identifiable
-  after its PE is added ("does adding distort the embedding?").
-
-All linear algebra runs in float64 with ``torch.linalg``.
+"""Are token vectors and position vectors in (nearly) orthogonal subspaces?  Owns the subspace
+computations behind ``experiment subspace``: bases, principal angles, their summary next to what a random
+subspace would give, and nearest-token recovery after the PE is added.  All in float64.
 """
 
 from __future__ import annotations
@@ -23,18 +12,14 @@ import torch
 
 from .geometry import pe_table
 
-# Share of the squared Frobenius norm kept when a spanning set is ill-conditioned.
-# PE(0..L-1) has condition numbers of ~1e9..1e20 (slow pairs collapse onto
-# 1, t, t^2, ...), so its "span" is only meaningful up to a tolerance.
+# Share of the squared Frobenius norm kept when a spanning set is ill-conditioned: in PE(0..L-1) the slow
+# pairs collapse onto 1, t, t^2, ..., so its span is only meaningful up to a tolerance.
 DEFAULT_ENERGY = 0.999
 
 
 def orthonormal_basis(vectors: torch.Tensor, *, rtol: float = 1e-10) -> torch.Tensor:
     """``[d, n]`` orthonormal basis of the span of the rows of ``vectors`` (``[n, d]``, n <= d), by QR.
-
-    Raises ValueError when the rows are numerically dependent (then the span is
-    not well defined; use :func:`dominant_subspace`).
-    """
+    Raises ValueError when the rows are numerically dependent (then use :func:`dominant_subspace`)."""
     if vectors.dim() != 2 or vectors.shape[0] > vectors.shape[1]:
         raise ValueError(f"expected [n, d] with n <= d linearly independent rows, got shape {list(vectors.shape)}")
     q, r = torch.linalg.qr(vectors.to(torch.float64).T, mode="reduced")
@@ -56,13 +41,11 @@ def dominant_subspace(vectors: torch.Tensor, *, energy: float = DEFAULT_ENERGY) 
 
 
 def principal_angles(basis_a: torch.Tensor, basis_b: torch.Tensor) -> torch.Tensor:
-    """Principal angles (radians, ascending, ``min(a, b)`` of them) between two subspaces of R^d.
+    """Principal angles (radians, ascending, ``min(a, b)`` of them) between two subspaces of R^d, given
+    orthonormal bases ``basis_a`` ``[d, a]`` and ``basis_b`` ``[d, b]``.
 
-    ``basis_a`` ``[d, a]`` and ``basis_b`` ``[d, b]`` must have orthonormal columns.
-    The cosines are the singular values of Q_a^T Q_b.  The angle itself is taken
-    as atan2(sin, cos), the sine being the length of the part of each principal
-    vector of b outside span(a): arccos alone loses half the digits near 0
-    (arccos(1 - 1e-16) ~ 1.5e-8).
+    Taken as atan2(sin, cos), the sine being the length of each principal vector of b outside span(a):
+    arccos of the cosines alone loses half the digits near 0.
     """
     if basis_a.shape[0] != basis_b.shape[0]:
         raise ValueError(f"bases live in different spaces: {basis_a.shape[0]} vs {basis_b.shape[0]} rows")
@@ -77,12 +60,10 @@ def principal_angles(basis_a: torch.Tensor, basis_b: torch.Tensor) -> torch.Tens
 def subspace_overlap(token_vectors: torch.Tensor, pe_basis: torch.Tensor) -> Dict[str, float]:
     """How much the span of ``token_vectors`` (``[n, d]`` rows) overlaps the PE subspace ``pe_basis`` (``[d, b]``).
 
-    Keys: ``d``, ``token_dim``, ``pe_dim``; ``min_angle_deg`` (smallest principal
-    angle), ``median_angle_deg``; ``mean_cos2`` (mean squared cosine over the min(a, b) angles, 0 when
-    orthogonal, 1 when one contains the other); ``energy_in_pe`` (mean over tokens
-    of |P_pe x|^2 / |x|^2); and the expectations of the last two for a uniformly
-    random subspace of the same dimension, ``random_mean_cos2`` = max(a, b)/d and
-    ``random_energy_in_pe`` = b/d.
+    Keys: ``d``, ``token_dim``, ``pe_dim``, ``min_angle_deg``, ``median_angle_deg``; ``mean_cos2`` (over the
+    min(a, b) angles: 0 when orthogonal, 1 when one contains the other); ``energy_in_pe`` (mean over tokens
+    of |P_pe x|^2 / |x|^2); and what a uniformly random subspace of the same dimension would give for the
+    last two, ``random_mean_cos2`` = max(a, b)/d and ``random_energy_in_pe`` = b/d.
     """
     d = token_vectors.shape[1]
     token_basis = orthonormal_basis(token_vectors)
@@ -107,11 +88,8 @@ def random_tokens_vs_pe(
     dims: Sequence[int], *, num_tokens: int = 32, num_positions: int = 64, energy: float = DEFAULT_ENERGY,
     seed: int = 0,
 ) -> List[Dict[str, float]]:
-    """:func:`subspace_overlap` of ``num_tokens`` N(0, 1) token vectors vs PE(0..num_positions-1), per d.
-
-    The PE span is its :func:`dominant_subspace` at ``energy``; its dimension is
-    reported as ``pe_dim``.  A seeded generator makes the rows reproducible.
-    """
+    """:func:`subspace_overlap` of ``num_tokens`` seeded N(0, 1) token vectors vs the
+    :func:`dominant_subspace` of PE(0..num_positions-1) at ``energy``, per d."""
     generator = torch.Generator().manual_seed(seed)
     rows = []
     for d in dims:
@@ -123,12 +101,9 @@ def random_tokens_vs_pe(
 
 
 def nearest_token_recovery(token_table: torch.Tensor, pe_rows: torch.Tensor) -> float:
-    """Fraction of (token u, position p) pairs whose nearest table row to ``E[u] + PE(p)`` is still ``E[u]``.
-
-    The Euclidean nearest row v minimises |E_u + PE_p - E_v|^2, i.e. (dropping
-    the common |PE_p|^2) the margin |E_u - E_v|^2 + 2 <E_u - E_v, PE_p>; we form
-    it from Gram matrices so that no [V, V, d] tensor is needed.  A pair counts
-    as recovered when every v != u has a positive margin (ties count as lost).
+    """Fraction of (token u, position p) pairs whose nearest table row to ``E[u] + PE(p)`` is still ``E[u]``:
+    every v != u has a positive margin |E_u - E_v|^2 + 2 <E_u - E_v, PE_p> (ties count as lost).  The
+    margins come from Gram matrices, so no [V, V, d] tensor is formed.
     """
     table = token_table.to(torch.float64)
     pe = pe_rows.to(torch.float64)

@@ -1,51 +1,35 @@
 """``patch_model(model)``: a Hugging Face transformers model computes its sinusoidal PE with posenc_fast, in
 place, exactly and without reading its position table.
 
-The patch works at one module boundary: the model's *position module* (``embed_positions``,
-``position_embeddings``), the module that maps "which positions" to PE rows.  Its ``forward`` is replaced,
-on that instance, by one that computes the PE rows with the fused kernel (the float64 sinusoid rounded
-once) from the same arguments.  Everything else is the model's own code, run as it is on every release:
-the token lookup and its scale, hooks on ``get_input_embeddings()`` (PEFT, NEFTune, LoRA), the KV cache
-and how it reaches the position module, ``inputs_embeds``, gradient checkpointing.  So
-``set_input_embeddings``, ``resize_token_embeddings``, an edited ``embed_scale`` and a second
-``patch_model`` behave as unpatched: they are read by the model's code at call time.
-
-Because the table is never read, a patched model is right where the table is wrong: a model built on
-``meta`` and loaded from a state dict without its (non-persistent) position tables, or a ``device_map`` load
-that left them empty or overwritten (transformers #18259, #36844).
+The patch works at one module boundary, the *position module* (``embed_positions``,
+``position_embeddings``), which maps "which positions" to PE rows.  Its ``forward`` is replaced, on that
+instance, by one that computes the rows with the fused kernel from the same arguments.  Everything else
+(the token lookup and its scale, hooks on the input embeddings, the KV cache, ``inputs_embeds``) stays the
+model's own code, read at call time.
 
 Each family is one function: given the module that owns the position module (a *side*), it checks the
-config, and returns a :class:`_PositionPatch` naming the position module, its preset (frequencies, layout)
-and its *kind*, how its arguments say which positions:
+config and returns a :class:`_PositionPatch`: the position module, its preset and its *kind*, the rule by
+which its arguments say which positions:
 
 - ``"fairseq"``: ids (or ``inputs_embeds``, or explicit ``position_ids``) and a past length; padding tokens
   stay at ``padding_idx`` and get a zero row (M2M100/NLLB, NLLB-MoE, Speech2Text, Kosmos-2);
 - ``"fsmt"``: the same with FSMT's rule (the past length moves padding too);
 - ``"offset"``: a shape (or ids) and a past length, positions ``past + t`` (Marian, Pegasus, MusicGen);
 - ``"offset_batched"``: the same from ``inputs_embeds``, rows repeated over the batch, in the embeddings'
-  dtype, with no table at all (PegasusX, which computes its sinusoid in that dtype: in bf16 its angles are
-  off by whole radians at a few thousand positions; the patched rows are exact);
+  dtype, with no table (PegasusX, whose own sinusoid is computed in that dtype; the patched rows are exact);
 - ``"positions"``: a plain ``nn.Embedding`` called with the positions themselves (XLM, DistilBERT, the
-  Whisper encoder).
+  Whisper encoder; XGLM's fairseq table, read at the positions plus its offset).
 
-What the patch restates is that small rule, so it checks it against the installed code before changing
-anything: the argument names of the module's ``forward`` must be ones it knows, and a probe (a copy of the
-module holding the exact table, on CPU tensors it makes itself whatever the default device, every argument
-form the signature allows, with and without a past length) must give the patched rows.  A module that fails
-either is left unpatched with a warning: never different numbers.  The probe needs no table values, so a
-model built on ``meta`` is patched too; only its table check is skipped (a table on ``meta`` has no values).
+The patch restates that small rule, so before changing anything it checks it against the installed code:
+the forward's argument names must be known ones, and a probe (:func:`_verify`) must give the patched rows.
+A module that fails either is left unpatched with a warning, never with different numbers.  The probe
+needs no table values, so a model built on ``meta`` is patched too.
 
-Sinusoidal tables that transformers 5.x keeps trainable are frozen (``requires_grad=False``), with a
-warning naming them, as the paper, fairseq and transformers 4.x had them: once patched nothing reads them,
-and a trainable Parameter without a gradient breaks ``DistributedDataParallel``.  A table made trainable
-again (``for p in model.parameters(): p.requires_grad_(True)``) is not ignored: a patched module whose table
-requires grad when it is called runs the module's own forward, which reads the table, so gradients and
-training are the unpatched model's; it warns once and reads the table from then on (it may have been
-trained).  Where the table is known not to be the sinusoid (a load broke it, or ``ignore_table_values``),
-that call raises instead.
-
-Nothing is registered or replaced in the module tree: Parameters, buffers, ``state_dict`` and tying are
-unchanged.  To undo, reload the model.
+Because the table is never read, a patched model is right where a load left the table wrong.  Tables
+transformers keeps trainable are frozen: nothing reads them, and a trainable Parameter without a gradient
+breaks ``DistributedDataParallel``.  A table made trainable again is read by the module's own forward
+(:func:`_forward_reading_the_table`), so training is the unpatched model's.  User-facing details:
+docs/presets.md, "Hugging Face models: patch_model".
 """
 
 from __future__ import annotations
@@ -70,21 +54,19 @@ from ..positions import make_positions
 
 __all__ = ["patch_model", "supported_classes", "SUPPORTED_TRANSFORMERS"]
 
-# The transformers releases tests/test_integrations_transformers.py passes on: [first, end).  .ci/run
-# runs it on the oldest and the newest.  Outside this range patch_model warns and leaves the model
-# as it is (unfused, same numbers); inside it every position module is still probed at patch time.
+# The releases [first, end) tests/test_integrations_transformers.py passes on; outside them patch_model
+# warns and leaves the model unpatched.
 SUPPORTED_TRANSFORMERS = ((4, 57), (5, 25))
 
-# Argument names of the position modules' forwards, by what they say.  transformers renamed the past
-# length in 5.24 (``past_key_values_length`` -> ``cache_length``); a name not listed here means the
-# installed code is not the one the patch knows, and the module is left unpatched.
+# Argument names of the position modules' forwards (across the supported releases), by what they say.
+# A name not listed means the installed code is not what the patch knows: the module is left unpatched.
 _ROLES = {
     "input_ids": "ids", "input": "ids", "inputs_embeds": "embeds", "input_embeds": "embeds", "input_ids_shape": "shape",
     "past_key_values_length": "past", "cache_length": "past", "position_ids": "positions",
-    # FSMT before 5.x's cache rewrite: fairseq's incremental-decoding arguments, which its forward ignores
+    # FSMT's older releases: fairseq's incremental-decoding arguments, which its forward ignores
     "incremental_state": "ignored", "timestep": "ignored",
 }
-# Per kind: which roles its forward may take, and what a bare first argument ``input`` means.
+# The roles each kind's forward may take.
 _KIND_ROLES = {
     "fairseq": {"ids", "embeds", "past", "positions"},
     "fsmt": {"ids", "past", "ignored"},
@@ -111,10 +93,8 @@ def _installed_transformers_version() -> Optional[str]:
 
 
 def _callers_stacklevel(*, past_torch: bool = False) -> int:
-    """``stacklevel`` for a warning raised in this package that names the first caller outside it (through
-    ``posenc_fast.patch_model`` or ``posenc_fast.integrations.transformers.patch_model`` alike).  With
-    ``past_torch``, torch's own frames are passed too: a warning from a module's forward then names the
-    model code that called the module, not ``nn.Module.__call__``."""
+    """``stacklevel`` naming the first caller outside this package; with ``past_torch``, outside torch too,
+    so that a warning from a module's forward names the model code that called it."""
     packages = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
     if past_torch:
         packages.append(os.path.dirname(os.path.abspath(torch.__file__)))
@@ -154,14 +134,14 @@ class _State:
 
     family: str
     kind: str
-    spec: PESpec  # a two-row zero table (row 1: the padding row, no PE): the kernel's output is the PE alone
+    spec: PESpec  # for the two-row zero table of _position_forward
     width: int
     zero_position: Optional[int]  # the position whose row the model's table holds as zeros (padding_idx)
     arguments: Tuple[_Argument, ...]
     shift: int = 0  # "positions" kind: the module reads its table at the given positions + shift (XGLM: 2)
     table_name: str = ""  # the table's name in the patched model (state_dict key), for messages
     # False where the table is known not to be the sinusoid (a load broke it, or ignore_table_values=True):
-    # then a call that would read it (the table requires grad) raises instead.
+    # a call that would read it raises instead.
     table_readable: bool = True
 
 
@@ -265,8 +245,8 @@ def _position_forward(self, *args, **kwargs) -> torch.Tensor:
         rows = torch.zeros(positions.shape, dtype=torch.int64, device=positions.device)
     else:
         rows = positions.eq(state.zero_position).to(torch.int64)
-    # Under torch.export the rows are the float64 definition in standard ops: an exported patched model (what
-    # transformers' exporters, ExecuTorch and ONNX take) runs without posenc_fast.
+    # Under torch.export the rows are the float64 definition in standard ops, so an exported patched model
+    # runs without posenc_fast.
     pe = apply_spec(rows, zero_table, state.spec, state.spec.turns_tensor(positions.device), positions, 0, "auto",
                     standard_ops_under_export=True)
     if state.kind == "offset_batched":
@@ -320,7 +300,7 @@ def _exact_table(patch: _PositionPatch, rows: int, width: int, dtype: torch.dtyp
     """The exact table, on CPU (whatever the default device: a model may be patched under ``meta``)."""
     kw = presets.get(patch.preset).kwargs(width)
     positions = torch.arange(rows, dtype=torch.int64, device=_CPU)
-    with _CPU:  # the reference's own constants, made on the default device
+    with _CPU:  # the reference makes its constants on the default device
         table = reference.sinusoidal_table(positions, width, layout=kw["layout"], frequencies=kw["frequencies"])
     if patch.zero_position is not None and patch.zero_position < rows:
         table[patch.zero_position] = 0.0
@@ -328,8 +308,8 @@ def _exact_table(patch: _PositionPatch, rows: int, width: int, dtype: torch.dtyp
 
 
 def _probe_calls(patch: _PositionPatch, arguments: Tuple[_Argument, ...], width: int):
-    """Every argument form the signature allows, with and without a past length: (args, kwargs) pairs, of
-    CPU tensors (not the default device's) drawn from a generator of their own (not the global one)."""
+    """(args, kwargs) for every argument form the signature allows, with and without a past length: CPU
+    tensors whatever the default device, drawn from their own generator, never the global one."""
     roles = {argument.role: argument for argument in arguments}
     pad = patch.zero_position if patch.zero_position is not None else 0
     ids = torch.tensor([[pad, pad, pad + 3, pad + 4, pad + 2], [pad + 5, pad + 1, pad + 2, pad, pad]], device=_CPU)
@@ -374,9 +354,9 @@ def _probe_calls(patch: _PositionPatch, arguments: Tuple[_Argument, ...], width:
 
 
 def _verify(patch: _PositionPatch, state: _State) -> None:
-    """Run the unpatched module's own forward and the patched one on a CPU copy holding the exact table.
-    The module's own code may make tensors on the default device (``meta`` while a model is built under
-    ``with torch.device("meta")``): it runs with CPU as the default device."""
+    """Check the patched forward against the module's own on a CPU copy holding the exact table.  CPU is
+    the default device meanwhile: the module's own code may make tensors there (``meta`` while a model is
+    built under ``with torch.device("meta")``)."""
     with _CPU:
         _verify_on_cpu(patch, state)
 
@@ -418,16 +398,15 @@ def _verify_on_cpu(patch: _PositionPatch, state: _State) -> None:
 
 def _check_table(patch: _PositionPatch, ignore_table_values: bool) -> bool:
     """Whether the table may be read (by a call where it requires grad): it is the sinusoid, or it has no
-    values yet (``meta``: what it gets once materialised is the unpatched model's too).
-    A trainable table that is not the sinusoid may have been fine-tuned: refuse (the PE would change).
-    A frozen or buffer table that is not the sinusoid was broken by loading: patching makes the model right."""
+    values yet (``meta``).  A trainable table that is not the sinusoid may have been fine-tuned: refuse.
+    A frozen or buffer table that is not the sinusoid was broken by loading: warn and patch."""
     table = _table_of(patch.module)
     if table is None or table.is_meta:
         return True
     rows, width = table.shape
     expected = _exact_table(patch, rows, width, torch.float64)
     difference = float((table.detach().to(_CPU, torch.float64) - expected).abs().max()) if rows else 0.0
-    # fp32 tables whose angle is formed in fp32 are off by up to ~4e-4 at a few thousand positions.
+    # Loose enough for fp32 tables whose angles were formed in fp32, which drift at large positions.
     tolerance = 1e-3 + 4 * torch.finfo(table.dtype).eps
     if difference <= tolerance:
         return True
@@ -589,14 +568,15 @@ def patch_model(model: nn.Module, *, ignore_table_values: bool = False) -> nn.Mo
     Covers M2M100/NLLB, NLLB-MoE, Marian, Pegasus, FSMT, Speech2Text, XLM and DistilBERT (sinusoidal
     position embeddings), Kosmos-2, MusicGen, XGLM, PegasusX, SeamlessM4T and v2 (text encoder and decoder), and
     Whisper (encoder; its decoder's PE is learned), with every head.  Each position module's ``forward``
-    computes the exact PE rows instead of reading its table (module docstring), on any default device, a
-    model built on ``meta`` included.  Every module is checked first: a model with none raises ``TypeError``
-    naming its class; a trainable table that is not the sinusoid raises ``ValueError`` (it may have been
-    fine-tuned; ``ignore_table_values=True`` patches anyway, for tables a load broke); a module whose
-    installed code is not what the patch knows is left unpatched with a warning.  A module patched
-    already is left as it is.  Tables that transformers keeps trainable are frozen, with a warning naming
-    them; one made trainable again is read, as unpatched.  Nothing is added, removed or replaced in the
-    module tree; README "Use it in a Hugging Face model".
+    computes the exact PE rows instead of reading its table, on any default device, a model built on
+    ``meta`` included.  A model with no supported module raises ``TypeError`` naming its class; outside
+    ``SUPPORTED_TRANSFORMERS`` it warns and leaves the model unpatched.  A trainable table that is not the
+    sinusoid raises ``ValueError`` (it may have been fine-tuned; ``ignore_table_values=True`` patches
+    anyway, for tables a load broke); a module whose installed code is not what the patch knows is left
+    unpatched with a warning; a module patched already is left as it is.  Tables transformers keeps
+    trainable are frozen, with a warning naming them; one made trainable again is read, as unpatched.
+    Nothing is added, removed or replaced in the module tree; reloading the model undoes the patch.
+    README, "Use it in a Hugging Face model".
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"patch_model takes a transformers model (an nn.Module), got {type(model).__name__}")
