@@ -13,8 +13,8 @@ return before any kernel.  What is timed: the module call, its checks, the outpu
 the binding call: after the first call, the module's prepared launch (``posenc_fast._prepared``,
 ``_C.ForwardLaunch`` with nine arguments), plus the stub's own Python frame (a few tenths of a us,
 so the number is a little high); the general path (validation, backend choice, argument packing,
-``_C.forward`` with 31 arguments) is timed too, with the prepared launch turned off.  Not timed: the
-CUDA launch itself (cudaLaunchKernel, a few us, paid by every implementation alike).
+``_C.ForwardLaunch`` built and run with every argument) is timed too, with the prepared launch turned
+off.  Not timed: the CUDA launch itself (cudaLaunchKernel, a few us, paid by every implementation alike).
 
 Time is the calling thread's CPU time (``time.thread_time``), best of several repeats, so that other
 processes on a shared machine inflate it less than wall time.  For scale, the eager module
@@ -58,7 +58,6 @@ from posenc_fast import _build, _prepared, baselines  # noqa: E402
 from posenc_fast.backends import cpu_backend, cuda_backend  # noqa: E402
 
 TARGET_US = 10.0  # a decoding call under 10 us of host time with the id check off
-_NUM_TOKENS_ARGUMENT = 12  # position of num_tokens in _C.forward's arguments (cuda_backend._launch_forward)
 
 
 class _ZeroTokenLaunches:
@@ -71,18 +70,24 @@ class _ZeroTokenLaunches:
     def __getattr__(self, name):
         return getattr(self._module, name)
 
-    def forward(self, *args):
-        args = list(args)
-        args[_NUM_TOKENS_ARGUMENT] = 0
-        return self._module.forward(*args)
-
     def ForwardLaunch(self, *static):  # noqa: N802 (the binding's class name)
-        launch = self._module.ForwardLaunch(*static)
+        return _ZeroTokenLaunch(self._module.ForwardLaunch(*static))
 
-        def zero_tokens(ids, ids_dtype, weight, weight_row_stride, out, offset, seq_len, num_tokens, stream):
-            return launch(ids, ids_dtype, weight, weight_row_stride, out, offset, seq_len, 0, stream)
 
-        return zero_tokens
+class _ZeroTokenLaunch:
+    """A ``ForwardLaunch`` whose calls (the prepared launch's ``__call__``, the general path's ``run``) pass
+    zero tokens."""
+
+    def __init__(self, launch):
+        self._launch = launch
+
+    def __call__(self, ids, ids_dtype, weight, weight_row_stride, out, offset, seq_len, num_tokens, last):
+        return self._launch(ids, ids_dtype, weight, weight_row_stride, out, offset, seq_len, 0, last)
+
+    def run(self, ids, ids_dtype, weight, weight_row_stride, out, positions, offsets, offset, seq_len, num_tokens,
+            *rest):
+        return self._launch.run(ids, ids_dtype, weight, weight_row_stride, out, positions, offsets, offset, seq_len,
+                                0, *rest)
 
 
 def _cpu_name() -> str:

@@ -61,7 +61,7 @@ _PROBE = """
         print(json.dumps({"missing": str(error)}))
         sys.exit(0)
     import torch
-    from posenc_fast.backends import Dropout, KernelParams, cuda_backend
+    from posenc_fast.backends import Dropout, KernelParams, _extension, cuda_backend
     from posenc_fast._spec import PEColumns
     count, why = C.device_status()
     report = dict(file=C.__file__, device_count=C.device_count(), status_count=count, why=why,
@@ -72,18 +72,17 @@ _PROBE = """
     empty = torch.empty(0, dtype=torch.int64)
     # Without dropout, and with it (a threshold above 2**31 must pass as the binding's uint32).
     for dropout in (None, Dropout(torch.zeros(1, dtype=torch.int64), 2**32 - 1, 10.0)):
-        cuda_backend._launch_forward(C, empty, torch.zeros(4, 6), torch.empty(0, 11),
-                                     torch.zeros(3, dtype=torch.int64), None, None, 7, 1, params, dropout, 0, 0)
+        _extension.launch_forward(C, "cuda", empty, torch.zeros(4, 6), torch.empty(0, 11),
+                                  torch.zeros(3, dtype=torch.int64), None, None, 7, 1, params, dropout, 0, 0)
         cuda_backend._launch_weight_grad(C, empty, empty, torch.empty(0, 11), torch.zeros(4, 6), torch.empty(0),
                                          4, 6, -1, 1.5, dropout, 32, 0, 0)
     try:
-        C.forward(0, C.INT64, 0, 6, 99, 0, 0, 3, 0, 0, 0, 1, 0, 4, 6, 5, True, False, 0, 3, 3, 2, -1, 1.0, 1.0,
-                  False, 0, 0, 1.0, 0, 0)
+        C.ForwardLaunch(99, 0, 3, 4, 6, 5, True, False, 0, 3, 3, 2, -1, 1.0, 1.0, False, 0)
     except ValueError as error:
         report["bad_code"] = str(error)
     try:  # one token and null pointers (a zero tensor has no memory): refused before any device work
-        C.forward(0, C.INT64, 0, 6, C.FLOAT32, 0, 0, 3, 0, 0, 0, 1, 1, 4, 6, 5, True, False, 0, 3, 3, 2, -1, 1.0, 1.0,
-                  False, 0, 0, 1.0, 0, 0)
+        C.ForwardLaunch(C.FLOAT32, 0, 3, 4, 6, 5, True, False, 0, 3, 3, 2, -1, 1.0, 1.0, False, 0).run(
+            0, C.INT64, 0, 6, 0, 0, 0, 0, 1, 1, 0, 0, 1.0, 0)
     except ValueError as error:
         report["null_pointer"] = str(error)
     if count == 0:
@@ -91,8 +90,8 @@ _PROBE = """
         # (the addresses are never dereferenced; nonzero, as null ones are refused first).
         address = 256
         try:
-            C.forward(address, C.INT64, address, 6, C.FLOAT32, address, address, 3, 0, 0, 0, 1, 1, 4, 6, 5, True,
-                      False, 0, 3, 3, 2, -1, 1.0, 1.0, False, 0, 0, 1.0, 0, 0)
+            C.ForwardLaunch(C.FLOAT32, address, 3, 4, 6, 5, True, False, 0, 3, 3, 2, -1, 1.0, 1.0, False, 0).run(
+                address, C.INT64, address, 6, address, 0, 0, 0, 1, 1, 0, 0, 1.0, 0)
         except RuntimeError as error:
             report["launch_error"] = str(error)
     print(json.dumps(report))

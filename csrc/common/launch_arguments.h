@@ -1,19 +1,14 @@
-// What both bindings (posenc_fast._C, binding.cpp, and posenc_fast._cpu, cpu_binding.cpp) share: the
-// dtype-code checks, the prepared launch (ForwardLaunch), and the forward's arguments described once:
-// their types, order and Python names.  Each binding adds only what its device needs last (CUDA: the
-// stream, and the device for a prepared launch; CPU: the thread count).  A binding whose functions do not
-// match this description does not compile (pybind11 checks the constructor and function signatures
-// against the types listed here).
-//
-//   forward(ids, ids_dtype, weight, weight_row_stride, dtype, out, turns, num_turns, positions, offsets,
-//           offset, seq_len, num_tokens, num_embeddings, token_width, pe_width, concat, interleaved,
-//           sin_base, num_sin, cos_base, num_cos, pe_zero_id, embed_scale, pe_scale, float64_math,
-//           dropout_seed, dropout_threshold, dropout_scale, <device's own>...)
-//   ForwardLaunch(<the fixed arguments: dtype ... float64_math>, <device's own>...)
-//   ForwardLaunch.__call__(ids, ids_dtype, weight, weight_row_stride, out, offset, seq_len, num_tokens,
-//                          <device's own>)
-//
-// Pointers are Python ints (uintptr_t), dtypes the modules' codes (FLOAT32, ..., INT64).
+// What both bindings (binding.cpp for posenc_fast._C, cpu_binding.cpp for posenc_fast._cpu) share: the
+// dtype-code checks and the forward's one entry, ForwardLaunch, described once with its arguments' types,
+// order and Python names:
+//   ForwardLaunch(dtype, turns, num_turns, num_embeddings, token_width, pe_width, concat, interleaved,
+//                 sin_base, num_sin, cos_base, num_cos, pe_zero_id, embed_scale, pe_scale, float64_math, <device's>)
+//   .__call__(ids, ids_dtype, weight, weight_row_stride, out, offset, seq_len, num_tokens, <last>)
+//   .run(ids, ids_dtype, weight, weight_row_stride, out, positions, offsets, offset, seq_len, num_tokens,
+//        dropout_seed, dropout_threshold, dropout_scale, <last>)
+// Each binding appends only its device's own arguments (CUDA: the device, and the stream last; CPU: the thread
+// count last); pybind11 checks its signatures against these, so a mismatch does not compile.  Pointers are
+// Python ints (uintptr_t), dtypes the modules' codes (FLOAT32, ..., INT64).
 #pragma once
 
 #include <pybind11/pybind11.h>
@@ -51,11 +46,10 @@ T* pointer(uintptr_t address) {
   return reinterpret_cast<T*>(address);
 }
 
-// The arguments a module's calls share (table dtype and size, PE columns, scales), checked once: a
-// decoding step calls ForwardLaunch with the nine that change, not `forward` with all of them
-// (pybind11's conversion of each argument is most of a binding call's cost).  `Device` runs the
-// filled block: it is made from the constructor's extra arguments, `Device::Last` is a call's last
-// argument (the CUDA stream, the CPU thread count), and `launch(args, last)` runs the kernel.
+// The arguments a module's calls share (table dtype and size, PE columns, scales), converted and checked
+// once, so that a decoding step passes only the nine that change: pybind11's per-argument conversion is
+// most of a binding call's cost.  `Device` is built from the constructor's extra arguments; `Device::Last`
+// is a call's last argument (CUDA stream, CPU thread count), and `launch(args, last)` runs the kernel.
 template <typename Device>
 class ForwardLaunch {
  public:
@@ -106,8 +100,7 @@ class ForwardLaunch {
     args.dropout_scale = dropout_scale;
     if (num_tokens == 0) return;  // nothing to launch; no device needed
     if (seq_len < 1) throw py::value_error("seq_len must be >= 1, got " + std::to_string(seq_len));
-    // A null data pointer (torch's zero tensors have no memory) would be dereferenced; an empty table (no
-    // rows) legitimately has none.
+    // A null data pointer (an empty torch tensor) would be dereferenced; only a table with no rows may have one.
     if (args.ids == nullptr || args.out == nullptr || (args.weight == nullptr && args.num_embeddings > 0)) {
       throw py::value_error("forward: the ids, weight or output tensor has no memory (a null data pointer)");
     }
@@ -119,25 +112,29 @@ class ForwardLaunch {
   Device device_;
 };
 
-// `forward` with every argument.  `Function`'s parameters are the ones listed above, then `last`.
-template <typename Function, typename... LastNames>
-void def_forward(py::module_& m, Function function, const char* doc, LastNames... last) {
-  m.def("forward", function, doc, py::arg("ids"), py::arg("ids_dtype"), py::arg("weight"),
-        py::arg("weight_row_stride"), py::arg("dtype"), py::arg("out"), py::arg("turns"), py::arg("num_turns"),
-        py::arg("positions"), py::arg("offsets"), py::arg("offset"), py::arg("seq_len"), py::arg("num_tokens"),
-        py::arg("num_embeddings"), py::arg("token_width"), py::arg("pe_width"), py::arg("concat"),
-        py::arg("interleaved"), py::arg("sin_base"), py::arg("num_sin"), py::arg("cos_base"), py::arg("num_cos"),
-        py::arg("pe_zero_id"), py::arg("embed_scale"), py::arg("pe_scale"), py::arg("float64_math"),
-        py::arg("dropout_seed"), py::arg("dropout_threshold"), py::arg("dropout_scale"), py::arg(last)...);
+// The dtype codes (FLOAT32, ..., INT64) as module attributes.
+inline void def_dtype_codes(py::module_& m) {
+  m.attr("FLOAT32") = static_cast<int>(DType::kFloat32);
+  m.attr("FLOAT16") = static_cast<int>(DType::kFloat16);
+  m.attr("BFLOAT16") = static_cast<int>(DType::kBFloat16);
+  m.attr("INT32") = static_cast<int>(DType::kInt32);
+  m.attr("INT64") = static_cast<int>(DType::kInt64);
 }
 
-// `ForwardLaunch`: the arguments a module's calls share bound once (`Launch`'s constructor takes the
-// fixed arguments, then `ExtraFixed`, named `extra_fixed`), called with the nine that change
-// (positions offset + t % seq_len, no dropout; `call_last` names the ninth, the device's own).
+// `ForwardLaunch`: constructed from the fixed arguments, then `ExtraFixed` (named `extra_fixed`); called with
+// the nine that change (a prepared launch), or run with every per-call argument; `call_last` names the
+// device's own last argument of both.
 template <typename Launch, typename... ExtraFixed, typename... ExtraNames>
-void def_forward_launch(py::module_& m, const char* doc, const char* call_last, ExtraNames... extra_fixed) {
+void def_forward_launch(py::module_& m, const char* call_last, ExtraNames... extra_fixed) {
   static_assert(sizeof...(ExtraFixed) == sizeof...(ExtraNames), "one name per extra fixed argument");
-  py::class_<Launch>(m, "ForwardLaunch", doc)
+  py::class_<Launch>(
+      m, "ForwardLaunch",
+      "The forward with the arguments that stay fixed between a module's calls bound once: out[N, width] = "
+      "embed_scale * W[ids] (+) pe_scale * PE(pos), in fp32 arithmetic (or float64 with float64_math), rounded "
+      "once. Called with the nine arguments that change (positions offset + t % seq_len, no dropout), or `run` "
+      "with every per-call argument: explicit positions or per-sequence offsets (0: none), and a dropout_seed "
+      "pointer (0: none) whose Philox words below dropout_threshold zero an element, the others scaled by "
+      "dropout_scale.")
       .def(py::init<int, uintptr_t, int64_t, int64_t, int64_t, int64_t, bool, bool, int64_t, int64_t, int64_t,
                     int64_t, int64_t, double, double, bool, ExtraFixed...>(),
            py::arg("dtype"), py::arg("turns"), py::arg("num_turns"), py::arg("num_embeddings"),
@@ -146,7 +143,11 @@ void def_forward_launch(py::module_& m, const char* doc, const char* call_last, 
            py::arg("embed_scale"), py::arg("pe_scale"), py::arg("float64_math"), py::arg(extra_fixed)...)
       .def("__call__", &Launch::operator(), py::arg("ids"), py::arg("ids_dtype"), py::arg("weight"),
            py::arg("weight_row_stride"), py::arg("out"), py::arg("offset"), py::arg("seq_len"),
-           py::arg("num_tokens"), py::arg(call_last));
+           py::arg("num_tokens"), py::arg(call_last))
+      .def("run", &Launch::run, py::arg("ids"), py::arg("ids_dtype"), py::arg("weight"),
+           py::arg("weight_row_stride"), py::arg("out"), py::arg("positions"), py::arg("offsets"), py::arg("offset"),
+           py::arg("seq_len"), py::arg("num_tokens"), py::arg("dropout_seed"), py::arg("dropout_threshold"),
+           py::arg("dropout_scale"), py::arg(call_last));
 }
 
 }  // namespace binding

@@ -1,19 +1,14 @@
 // posenc_fast._cpu: the pybind11 binding of the CPU kernels (cpu_kernels.h), their thread pool, and
 // the run-time choice of instruction-set variant.
 //
-// Like the CUDA extension (binding.cpp) it does not link libtorch or include ATen: arguments are
-// host pointers (Python ints), sizes, strides and dtype codes, so one build works with any torch
-// version.  Validation happens in Python before the call; here only the codes are checked.  The
-// GIL is released while the kernels run.
+// Like binding.cpp it does not link libtorch: arguments are host pointers (Python ints), sizes,
+// strides and dtype codes, so one build works with any torch version.  Validation happens in Python;
+// here only the codes are checked.  The GIL is released while the kernels run.
 //
-// Threads: the kernels run on the OpenMP runtime that the process already has loaded (torch's
-// libgomp, or an LLVM/Intel libomp, which export the same GOMP_ entry points), found among the
-// loaded libraries and never loaded by us.  So they share torch's worker threads: right after a
-// torch op those workers are still spinning, and a second pool of our own would compete with them
-// for the same cores (measured on 2 cores: a forward after a GEMM took 1.0-2.5 ms on our own pool
-// against 0.6 ms alone).  Where no OpenMP runtime is loaded, a small pool of
-// std::threads (created on first use, spinning briefly and then blocked between calls) does the
-// same job.  The caller passes the thread count (posenc_fast passes torch.get_num_threads()).
+// Threads: the kernels run on the OpenMP runtime the process already has loaded (torch's libgomp, or
+// an LLVM/Intel libomp exporting the same GOMP_ entry points), never one loaded by us, so they share
+// torch's worker threads instead of competing with them for the same cores.  Where no OpenMP runtime
+// is loaded, a small pool of std::threads does the job.
 #include <pybind11/pybind11.h>
 
 #include <unistd.h>
@@ -49,11 +44,8 @@ namespace {
 // is left, and report back.  One job at a time; a call that finds the pool busy (another Python
 // thread, the GIL being released) runs on its own thread instead of waiting.
 //
-// Waiting spins (20000 pauses: about 0.5 ms on an AMD EPYC, longer where a pause is, as on recent Intel
-// cores) before it blocks on a condition variable: waking a
-// blocked thread costs about as much again (more in a VM), a large share of a sub-millisecond
-// call, and back-to-back calls (a model's layers, a benchmark) find the workers still spinning.
-// After that the workers sleep and take nothing from torch's own threads.
+// Waiting spins briefly before it blocks: waking a blocked thread is a large share of a short call,
+// and back-to-back calls (a model's layers) find the workers still spinning.
 class ThreadPool {
  public:
   void run(int64_t num_items, int64_t grain, int num_threads, void (*fn)(void*, int64_t, int64_t),
@@ -92,7 +84,6 @@ class ThreadPool {
   }
 
  private:
-  // Spins (up to 20000 pauses) while `busy()` holds; returns early when it stops holding.
   template <typename Condition>
   static void spin_while(Condition busy) {
     for (int i = 0; i < 20000 && busy(); ++i) {
@@ -255,10 +246,9 @@ struct OpenMPJob {
   }
 };
 
-// Asks Linux to back the 2 MiB-aligned part of a buffer that is about to be written for the first
-// time with transparent huge pages (where THP is "madvise", the common default): a large fresh
-// buffer (the [V, d] weight gradient) then costs one fault per 2 MiB instead of one per 4 KiB,
-// which is most of its cost.  Only a hint: no effect on contents, and none where unsupported.
+// Asks Linux to back a buffer about to be written for the first time with transparent huge pages
+// (where THP is "madvise"): a large fresh buffer (the [V, d] weight gradient) then takes one page
+// fault per 2 MiB instead of per 4 KiB.  Only a hint: no effect on contents.
 void advise_huge_pages(void* data, int64_t bytes) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   constexpr uintptr_t kHuge = uintptr_t(1) << 21;
@@ -346,18 +336,6 @@ struct CpuLaunch {
 
 using ForwardLaunch = binding::ForwardLaunch<CpuLaunch>;
 
-void forward(uintptr_t ids, int ids_dtype, uintptr_t weight, int64_t weight_row_stride, int dtype, uintptr_t out,
-             uintptr_t turns, int64_t num_turns, uintptr_t positions, uintptr_t offsets, int64_t offset,
-             int64_t seq_len, int64_t num_tokens, int64_t num_embeddings, int64_t token_width, int64_t pe_width,
-             bool concat, bool interleaved, int64_t sin_base, int64_t num_sin, int64_t cos_base, int64_t num_cos,
-             int64_t pe_zero_id, double embed_scale, double pe_scale, bool float64_math, uintptr_t dropout_seed,
-             uint32_t dropout_threshold, double dropout_scale, int num_threads) {
-  ForwardLaunch(dtype, turns, num_turns, num_embeddings, token_width, pe_width, concat, interleaved, sin_base,
-                num_sin, cos_base, num_cos, pe_zero_id, embed_scale, pe_scale, float64_math)
-      .run(ids, ids_dtype, weight, weight_row_stride, out, positions, offsets, offset, seq_len, num_tokens,
-           dropout_seed, dropout_threshold, dropout_scale, num_threads);
-}
-
 void weight_grad(uintptr_t sorted_ids, int sorted_ids_dtype, uintptr_t order, uintptr_t grad_out,
                  int64_t grad_out_row_stride, int grad_dtype, uintptr_t grad_weight, int weight_dtype,
                  int64_t num_tokens, int64_t num_embeddings, int64_t token_width, int64_t padding_idx,
@@ -418,8 +396,8 @@ void parallel_for(int64_t num_items, int64_t grain, int num_threads, void (*fn)(
 }
 
 // The smallest and largest of num_ids contiguous ids (int32 or int64), for the id range check of a
-// prepared launch: one pass on the calling thread and no tensor allocated, where torch.aminmax allocates two
-// small tensors per call, enough to move the allocator off the 8 MiB output it just freed.
+// prepared launch: no tensor allocated, where torch.aminmax's two small result tensors can move the
+// caching allocator off the output block it just freed.
 py::tuple id_range(uintptr_t ids, int ids_dtype, int64_t num_ids) {
   if (num_ids < 1) throw py::value_error("id_range: num_ids must be >= 1");
   if (ids == 0) throw py::value_error("id_range: ids is a null pointer");
@@ -468,25 +446,11 @@ PYBIND11_MODULE(_cpu, m) {
       "posenc_fast CPU kernels (fused embedding + exact sinusoidal PE, forward and deterministic weight "
       "gradient), multithreaded and vectorised.  Framework-free: host pointers as ints, dtype codes.  Called by "
       "posenc_fast.backends.cpu_backend; not a public API.";
-  m.attr("FLOAT32") = static_cast<int>(posenc::DType::kFloat32);
-  m.attr("FLOAT16") = static_cast<int>(posenc::DType::kFloat16);
-  m.attr("BFLOAT16") = static_cast<int>(posenc::DType::kBFloat16);
-  m.attr("INT32") = static_cast<int>(posenc::DType::kInt32);
-  m.attr("INT64") = static_cast<int>(posenc::DType::kInt64);
+  posenc::binding::def_dtype_codes(m);
   const char* requested = std::getenv("POSENC_FAST_CPU_ISA");
   cpu::select_variant(requested != nullptr ? requested : "");
 
-  posenc::binding::def_forward(
-      m, &cpu::forward,
-      "Run the forward: out[N, width] = embed_scale * W[ids] (+) pe_scale * PE(pos), in fp32 arithmetic (or "
-      "float64 with float64_math), rounded once; with a dropout_seed pointer (0: none), elements whose Philox "
-      "word is below dropout_threshold are 0 and the others scaled by dropout_scale.",
-      "num_threads");
-  posenc::binding::def_forward_launch<cpu::ForwardLaunch>(
-      m,
-      "`forward` with the arguments that stay fixed between a module's calls bound once; called with the nine "
-      "that change (positions offset + t % seq_len, no dropout).",
-      "num_threads");
+  posenc::binding::def_forward_launch<cpu::ForwardLaunch>(m, "num_threads");
   m.def("weight_grad", &cpu::weight_grad,
         "The deterministic weight gradient (ids sorted by the caller; every element of grad_weight is written); with a "
         "dropout_seed pointer (0: none), through the forward's dropout mask.",

@@ -83,18 +83,6 @@ struct CudaLaunch {
 
 using ForwardLaunch = posenc::binding::ForwardLaunch<CudaLaunch>;
 
-void forward(uintptr_t ids, int ids_dtype, uintptr_t weight, int64_t weight_row_stride, int dtype, uintptr_t out,
-             uintptr_t turns, int64_t num_turns, uintptr_t positions, uintptr_t offsets, int64_t offset,
-             int64_t seq_len, int64_t num_tokens, int64_t num_embeddings, int64_t token_width, int64_t pe_width,
-             bool concat, bool interleaved, int64_t sin_base, int64_t num_sin, int64_t cos_base, int64_t num_cos,
-             int64_t pe_zero_id, double embed_scale, double pe_scale, bool float64_math, uintptr_t dropout_seed,
-             uint32_t dropout_threshold, double dropout_scale, uintptr_t stream, int device) {
-  ForwardLaunch(dtype, turns, num_turns, num_embeddings, token_width, pe_width, concat, interleaved, sin_base,
-                num_sin, cos_base, num_cos, pe_zero_id, embed_scale, pe_scale, float64_math, device)
-      .run(ids, ids_dtype, weight, weight_row_stride, out, positions, offsets, offset, seq_len, num_tokens,
-           dropout_seed, dropout_threshold, dropout_scale, stream);
-}
-
 void weight_grad(uintptr_t sorted_ids, int sorted_ids_dtype, uintptr_t order, uintptr_t grad_out,
                  int64_t grad_out_row_stride, int grad_dtype, uintptr_t grad_weight, int weight_dtype,
                  uintptr_t partials, int64_t num_tokens, int64_t num_embeddings, int64_t token_width,
@@ -182,11 +170,7 @@ PYBIND11_MODULE(_C, m) {
       "posenc_fast CUDA kernels (fused embedding + exact sinusoidal PE, forward and deterministic weight "
       "gradient).  Framework-free: device pointers as ints, dtype codes, a stream handle.  Called by "
       "posenc_fast.backends.cuda_backend; not a public API.";
-  m.attr("FLOAT32") = static_cast<int>(posenc::DType::kFloat32);
-  m.attr("FLOAT16") = static_cast<int>(posenc::DType::kFloat16);
-  m.attr("BFLOAT16") = static_cast<int>(posenc::DType::kBFloat16);
-  m.attr("INT32") = static_cast<int>(posenc::DType::kInt32);
-  m.attr("INT64") = static_cast<int>(posenc::DType::kInt64);
+  posenc::binding::def_dtype_codes(m);
   m.attr("CUDA_RUNTIME_VERSION") = CUDART_VERSION;  // the statically linked runtime
   m.attr("CUDA_ARCHS") = POSENC_FAST_CUDA_ARCHS;  // what the build compiled for (nvcc -gencode list)
 #ifdef POSENC_FAST_HOST_EMULATION
@@ -195,17 +179,7 @@ PYBIND11_MODULE(_C, m) {
   m.attr("HOST_EMULATION") = false;
 #endif
 
-  posenc::binding::def_forward(
-      m, &forward,
-      "Launch the forward kernel: out[N, width] = embed_scale * W[ids] (+) pe_scale * PE(pos), in fp32 "
-      "arithmetic (or float64 with float64_math), rounded once; with a dropout_seed pointer (0: none), "
-      "elements whose Philox word is below dropout_threshold are 0 and the others scaled by dropout_scale.",
-      "stream", "device");
-  posenc::binding::def_forward_launch<ForwardLaunch, int>(
-      m,
-      "`forward` with the arguments that stay fixed between a module's calls bound once; called with the nine "
-      "that change (positions offset + t % seq_len, no dropout).",
-      "stream", "device");
+  posenc::binding::def_forward_launch<ForwardLaunch, int>(m, "stream", "device");
   m.def("weight_grad", &weight_grad,
         "Launch both stages of the deterministic weight gradient (ids sorted by the caller); with a "
         "dropout_seed pointer (0: none), of the gradient through the forward's dropout mask.",

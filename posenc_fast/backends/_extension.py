@@ -1,8 +1,10 @@
-"""What the two compiled backends (``cuda``: ``posenc_fast._C``, ``cpu``: ``posenc_fast._cpu``) share
-about finding their extension (the lookup's outcome, loading a build from a file path, keeping the
-availability answer constant under ``torch.compile``) and about calling it (pointers, dtype codes,
-int64 index vectors).  The calling helpers run on every launch, so they avoid per-call allocations:
-a decoding step's host time is mostly this kind of Python."""
+"""What the two compiled backends (``cuda``: ``posenc_fast._C``, ``cpu``: ``posenc_fast._cpu``) share:
+finding their extension (``Lookup``: the lookup's outcome, loading a build from a file path, keeping the
+availability answer constant under ``torch.compile``) and calling its forward.  Both forwards go through
+the binding's one ``ForwardLaunch`` (``bind_forward``): the general path's ``forward`` runs it with every
+per-call argument (``launch_forward``), the prepared launch calls it with the nine that change
+(``prepare_forward``).  The argument helpers (dtype codes, pointers, int64 vectors, dropout) run on every
+general-path call, so they copy or allocate only what the kernels cannot read as given."""
 
 from __future__ import annotations
 
@@ -26,11 +28,11 @@ class Extension(NamedTuple):
 
 
 class Lookup:
-    """One backend's extension (``posenc_fast.<name>``), looked for at its first use (``find``), once, under a
-    lock (threads); calling it gives the outcome.  ``state`` is that outcome: the backend replaces it where it
-    builds or loads another extension (``load_build``), tests where they stand one in; a prepared launch keeps the
-    outcome it was made with and is current while ``state`` is still that object.  ``cached_build``: the
-    ``posenc_fast._build`` function giving the path of an earlier on-demand build, or None."""
+    """One backend's extension (``posenc_fast.<name>``), looked for once, at its first use and under a lock
+    (``find``); calling the lookup gives the outcome.  ``state`` is that outcome, and a prepared launch's
+    ``source.state`` (``backends.PreparedLaunch``): the backend replaces it when it builds or loads another
+    extension (``load_build``), tests when they stand one in.  ``cached_build``: the name of the
+    ``posenc_fast._build`` function that gives the path of an earlier on-demand build (None if there is none)."""
 
     def __init__(self, name: str, cached_build: str, missing: str, hint: str):
         self.name, self.cached_build, self.missing, self.hint = name, cached_build, missing, hint
@@ -95,17 +97,20 @@ def load_file(module_name: str, path: str):
 
 def constant_under_compile(fn):
     """Mark ``fn`` as torch.compiler.assume_constant_result does (torch.compile calls it once while
-    tracing and keeps the answer, instead of tracing the import machinery inside), without
-    importing torch._dynamo, which would add about a second to ``import posenc_fast``."""
+    tracing and keeps the answer, instead of tracing the import machinery inside), without importing
+    torch._dynamo, which would make ``import posenc_fast`` slow."""
     fn._dynamo_marked_constant = True
     return fn
 
 
-_DTYPE_CODES = {}  # id(extension module) -> {torch dtype: the binding's dtype code}
+# id(extension module) -> (module, {torch dtype: the binding's dtype code}); the entry holds its module, so
+# no other module takes its id.
+_DTYPE_CODES = {}
 
 
 def dtype_code(module, dtype: torch.dtype, backend: str) -> int:
-    """The binding's code for ``dtype`` (``module.FLOAT32``...), from a table built once per module."""
+    """The binding's code for ``dtype`` (``module.FLOAT32``...); a TypeError naming ``backend`` for a dtype it
+    does not take."""
     codes = _DTYPE_CODES.get(id(module))
     if codes is None or codes[0] is not module:
         codes = _DTYPE_CODES[id(module)] = (module, {
@@ -117,53 +122,88 @@ def dtype_code(module, dtype: torch.dtype, backend: str) -> int:
     return code
 
 
-# Above this many ids the range check goes back to torch.aminmax (multithreaded): the scan runs on the
-# calling thread, and is for the batches where two small allocations beside the output matter.
+# The most ids a prepared launch range-checks with the binding's scan, which runs on the calling thread and
+# allocates no tensor, so that a module's freshly freed output stays where the next call allocates it; more
+# ids go to torch.aminmax, which is multithreaded.
 ID_RANGE_SERIAL_MAX = 1 << 16
+
+
+def bind_forward(module, backend: str, dtype: torch.dtype, num_rows: int, turns: torch.Tensor, params,
+                 *device_arguments):
+    """The binding's ``ForwardLaunch`` (csrc/common/launch_arguments.h) with ``params`` (a ``KernelParams``) and
+    the int64 vector ``turns`` bound, for tables of ``num_rows`` rows of ``dtype``.  ``device_arguments``: what
+    the binding's device part adds to the constructor (the CUDA one: the device index)."""
+    columns = params.columns
+    return module.ForwardLaunch(
+        dtype_code(module, dtype, backend), turns.data_ptr(), turns.numel(), num_rows, params.token_width,
+        params.pe_width, bool(params.concat), bool(columns.interleaved), columns.sin_base, columns.num_sin,
+        columns.cos_base, columns.num_cos, int(params.pe_zero_id), float(params.embed_scale), float(params.pe_scale),
+        bool(params.float64_math), *device_arguments)
 
 
 def prepare_forward(lookup: Lookup, backend: str, dtype: torch.dtype, num_rows: int, turns: torch.Tensor, params,
                     last_argument: Callable[[], int], *device_arguments) -> Optional[PreparedLaunch]:
-    """A compiled backend's ``PreparedLaunch``: its binding's ``ForwardLaunch`` (csrc/common/launch_arguments.h)
-    for tables of ``num_rows`` rows of ``dtype`` with ``params`` (a ``KernelParams``) and ``turns`` bound, current
-    while ``lookup`` holds the extension it was made with; the id check through the binding's one-pass scan where
-    it has one (the CPU's, up to ID_RANGE_SERIAL_MAX ids).  ``device_arguments``: what the binding's device part
-    takes at the end (the CUDA one: the device index).  None when the extension is missing."""
+    """A compiled backend's ``PreparedLaunch``: ``bind_forward``'s launch, current while ``lookup`` holds the
+    extension it was made with, its id check through the binding's scan where it has one (the CPU's, up to
+    ``ID_RANGE_SERIAL_MAX`` ids).  None when the extension is missing."""
     state = lookup()
     module = state.module
     if module is None:
         return None
     turns = int64_vector(turns)
-    columns = params.columns
-    bound = module.ForwardLaunch(
-        dtype_code(module, dtype, backend), turns.data_ptr(), turns.numel(), num_rows, params.token_width,
-        params.pe_width, bool(params.concat), bool(columns.interleaved), columns.sin_base, columns.num_sin,
-        columns.cos_base, columns.num_cos, int(params.pe_zero_id), float(params.embed_scale), float(params.pe_scale),
-        bool(params.float64_math), *device_arguments)
+    bound = bind_forward(module, backend, dtype, num_rows, turns, params, *device_arguments)
     id_codes = {dtype: dtype_code(module, dtype, backend) for dtype in ID_DTYPES}
     scan = getattr(module, "id_range", None)
 
     def launch(ids, weight, weight_row_stride, out, offset, seq_len, num_tokens, last_argument, check_ids):
+        code = id_codes[ids.dtype]
         if check_ids:
             bounds = None
             if scan is not None and 0 < num_tokens <= ID_RANGE_SERIAL_MAX:
-                bounds = scan(ids.data_ptr(), id_codes[ids.dtype], num_tokens)
+                bounds = scan(ids.data_ptr(), code, num_tokens)
             check_id_range(ids, num_rows, 0, bounds)
-        bound(ids.data_ptr(), id_codes[ids.dtype], weight.data_ptr(), weight_row_stride, out.data_ptr(), offset,
-              seq_len, num_tokens, last_argument)
+        bound(ids.data_ptr(), code, weight.data_ptr(), weight_row_stride, out.data_ptr(), offset, seq_len, num_tokens,
+              last_argument)
     return PreparedLaunch(launch, ID_DTYPES, last_argument, lookup, state, turns)
 
 
-def start_forward(ids, weight, params, require):
-    """What a compiled backend's ``forward`` starts with: its ``[N, width]`` output, and unless there are no
-    tokens (then None) the extension (``require()``), ids contiguous and the table with unit column stride, as
-    the kernels read them."""
+def forward(lookup: Lookup, backend: str, ids, weight, turns, positions, offsets, offset, seq_len, params,
+            dropout, last_argument: int, *device_arguments) -> torch.Tensor:
+    """A compiled backend's ``forward`` (the interface in ``posenc_fast.backends``); ``last_argument`` and
+    ``device_arguments`` as ``launch_forward`` takes them."""
     out = new_buffer((ids.numel(), params.width), weight.dtype, weight.device)
     if ids.numel() == 0:
-        return out, None, ids, weight
-    module = require()
-    return out, module, (ids if ids.is_contiguous() else ids.contiguous()), (
-        weight if weight.stride(1) == 1 else weight.contiguous())
+        return out
+    ids = ids if ids.is_contiguous() else ids.contiguous()
+    weight = weight if weight.stride(1) == 1 else weight.contiguous()  # the kernels read unit-stride columns
+    launch_forward(lookup.require(), backend, ids, weight, out, int64_vector(turns), int64_vector(positions),
+                   int64_vector(offsets), offset, seq_len, params, dropout, last_argument, *device_arguments)
+    return out
+
+
+def launch_forward(module, backend: str, ids, weight, out, turns, positions, offsets, offset, seq_len, params,
+                   dropout, last_argument: int, *device_arguments) -> None:
+    """``bind_forward``'s launch for the call's table, run with every per-call argument (contiguous ids, int64
+    vectors).  ``last_argument``: the CUDA stream handle or the CPU thread count.  Tests call it with no tokens
+    to check the argument list against the binding: nothing is launched then."""
+    seed, threshold, scale = dropout_arguments(dropout, weight.device)
+    bind_forward(module, backend, weight.dtype, weight.shape[0], turns, params, *device_arguments).run(
+        ids.data_ptr(), dtype_code(module, ids.dtype, backend), weight.data_ptr(), weight.stride(0), out.data_ptr(),
+        pointer(positions), pointer(offsets), int(offset), max(int(seq_len), 1), ids.numel(), seed, threshold, scale,
+        last_argument)
+
+
+def dropout_arguments(dropout, device: torch.device):
+    """(seed pointer, threshold, scale) for a binding; (0, 0, 1.0) without dropout.  The kernels read the seed
+    through its pointer on ``device``, so it is never copied to the host."""
+    if dropout is None:
+        return 0, 0, 1.0
+    seed = dropout.seed
+    if seed.dtype != torch.int64 or seed.numel() != 1:
+        raise ValueError(f"the dropout seed must be one int64 element, got {seed.dtype} of shape {tuple(seed.shape)}")
+    if seed.device != device:
+        raise ValueError(f"the dropout seed is on {seed.device}, the kernels run on {device}")
+    return seed.data_ptr(), int(dropout.threshold), float(dropout.scale)
 
 
 def pointer(t: Optional[torch.Tensor]) -> int:

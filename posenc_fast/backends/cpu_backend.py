@@ -26,7 +26,7 @@ import torch
 from . import Dropout, KernelParams, PreparedLaunch, _extension, gradient_rows, new_buffer, sort_ids_for_gradient
 from ._extension import Lookup
 from ._extension import constant_under_compile as _constant_under_compile
-from ._extension import dtype_code, int64_vector, pointer, start_forward
+from ._extension import dropout_arguments, dtype_code, pointer
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FLOAT64_MATH = True  # precision="float64": float64 arithmetic and polynomials, one rounding
@@ -91,18 +91,6 @@ def _dtype_code(module, dtype: torch.dtype) -> int:
     return dtype_code(module, dtype, 'cpu')
 
 
-def _dropout_arguments(dropout: Optional[Dropout]):
-    """(seed pointer, threshold, scale) for the binding; (0, 0, 1.0) without dropout."""
-    if dropout is None:
-        return 0, 0, 1.0
-    seed = dropout.seed
-    if seed.dtype != torch.int64 or seed.numel() != 1:
-        raise ValueError(f"the dropout seed must be one int64 element, got {seed.dtype} of shape {tuple(seed.shape)}")
-    if seed.device.type != "cpu":
-        raise ValueError(f"the dropout seed is on {seed.device}, the kernels run on the CPU")
-    return seed.data_ptr(), int(dropout.threshold), float(dropout.scale)
-
-
 def prepare_forward(dtype, num_rows: int, device, turns, params: KernelParams) -> Optional[PreparedLaunch]:
     """``_cpu.ForwardLaunch`` bound to a table's dtype and row count and to ``params``, with the binding's id
     scan (``posenc_fast._prepared``); None when the extension is missing."""
@@ -111,24 +99,8 @@ def prepare_forward(dtype, num_rows: int, device, turns, params: KernelParams) -
 
 def forward(ids, weight, turns, positions, offsets, offset, seq_len, params: KernelParams,
             dropout: Optional[Dropout]):
-    out, module, ids, weight = start_forward(ids, weight, params, _lookup.require)
-    if module is None:  # no tokens
-        return out
-    turns, positions, offsets = int64_vector(turns), int64_vector(positions), int64_vector(offsets)
-    if dropout is not None:
-        dropout = dropout._replace(seed=dropout.seed.contiguous())
-    dropout_seed, dropout_threshold, dropout_scale = _dropout_arguments(dropout)
-    columns = params.columns
-    module.forward(
-        pointer(ids), _dtype_code(module, ids.dtype), pointer(weight), weight.stride(0),
-        _dtype_code(module, weight.dtype), pointer(out), pointer(turns), turns.numel(), pointer(positions),
-        pointer(offsets), int(offset), max(int(seq_len), 1), ids.numel(), weight.shape[0], params.token_width,
-        params.pe_width, bool(params.concat), bool(columns.interleaved), columns.sin_base, columns.num_sin,
-        columns.cos_base, columns.num_cos, int(params.pe_zero_id), float(params.embed_scale),
-        float(params.pe_scale), bool(params.float64_math), dropout_seed, dropout_threshold, dropout_scale,
-        torch.get_num_threads(),
-    )
-    return out
+    return _extension.forward(_lookup, "cpu", ids, weight, turns, positions, offsets, offset, seq_len, params, dropout,
+                              torch.get_num_threads())
 
 
 def backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype,
@@ -136,15 +108,13 @@ def backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_id
     num_tokens = ids.numel()
     if num_tokens == 0 or num_embeddings == 0 or token_width == 0:
         return torch.zeros((num_embeddings, token_width), dtype=weight_dtype, device=grad_out.device)
-    # Not zero-filled here: the kernel writes every row (zeros in parallel, huge-page backed; see csrc/cpu/cpu_kernels.cpp).
+    # Not zero-filled here: the kernel writes every row, zeros in parallel (csrc/cpu/cpu_kernels.cpp).
     grad_weight = new_buffer((num_embeddings, token_width), weight_dtype, grad_out.device)
     module = _lookup.require()
     # The kernel takes the gradient in the weight's dtype or in fp32.
     grad_out = gradient_rows(grad_out, weight_dtype if grad_out.dtype == weight_dtype else torch.float32)
     sorted_ids, order = sort_ids_for_gradient(ids, num_embeddings) if sorted_ids is None else sorted_ids
-    if dropout is not None:
-        dropout = dropout._replace(seed=dropout.seed.contiguous())
-    dropout_seed, dropout_threshold, dropout_scale = _dropout_arguments(dropout)
+    dropout_seed, dropout_threshold, dropout_scale = dropout_arguments(dropout, grad_out.device)
     module.weight_grad(
         pointer(sorted_ids), _dtype_code(module, sorted_ids.dtype), pointer(order), pointer(grad_out),
         grad_out.stride(0), _dtype_code(module, grad_out.dtype), pointer(grad_weight),

@@ -2,11 +2,9 @@
 
 ``_C`` is a pybind11 module that takes device pointers (as ints), sizes, strides, dtype
 codes, a device index and the current CUDA stream handle; it does not link libtorch, so one
-build works with any torch version.  This module turns tensors into those arguments.  Same
-semantics and algorithms as the Triton backend; the weight gradient's stable sort stays in
-PyTorch (``torch.sort``), and the kernels receive the sorted ids and the permutation.
-Fused dropout: the kernels get the seed tensor's device pointer, the threshold and the scale,
-and draw the mask themselves (``reference.dropout_keep``), in the forward and again in the
+build works with any torch version.  Same semantics and algorithms as the Triton backend; the
+weight gradient's stable sort stays in PyTorch (``sort_ids_for_gradient``).  The kernels draw
+the dropout mask themselves from the seed's device pointer, in the forward and again in the
 weight gradient.
 
 The extension is looked for at the first use, never by ``import posenc_fast``:
@@ -33,7 +31,7 @@ from . import (Dropout, KernelParams, PreparedLaunch, _extension, current_stream
                gradient_rows, new_buffer, sort_ids_for_gradient)
 from ._extension import Extension, Lookup
 from ._extension import constant_under_compile as _constant_under_compile
-from ._extension import dtype_code, int64_vector, pointer, start_forward
+from ._extension import dropout_arguments, dtype_code, pointer
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FLOAT64_MATH = True  # precision="float64": the kernels' float64 variant (longer polynomials, one rounding)
@@ -92,8 +90,8 @@ _arch_reasons = {}  # (id of the extension module, device index) -> (that module
 @_constant_under_compile
 def _arch_problem(device: torch.device) -> Optional[str]:
     """Why the loaded extension holds no code for the GPU at ``device`` (its CUDA_ARCHS against the GPU's
-    compute capability), or None; worked out once per GPU, so that ``auto`` passes over a build that
-    would fail at launch ("no kernel image") and takes Triton instead."""
+    compute capability), or None; once per GPU.  ``auto`` then takes Triton instead of failing at launch
+    ("no kernel image")."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     module = _lookup().module
     key = (id(module), index)
@@ -103,7 +101,7 @@ def _arch_problem(device: torch.device) -> Optional[str]:
         built_for = getattr(module, "CUDA_ARCHS", "unknown")
         try:
             archs = _build.parse_cuda_archs(built_for)
-        except ValueError:  # an older build that does not say: the launch decides
+        except ValueError:  # a build that does not record its archs: the launch decides
             archs = None
         reason = None
         if archs is not None:
@@ -166,44 +164,11 @@ def _dtype_code(module, dtype: torch.dtype) -> int:
     return dtype_code(module, dtype, 'cuda')
 
 
-def _dropout_arguments(dropout: Optional[Dropout], device: torch.device):
-    """(seed pointer, threshold, scale) for the binding; (0, 0, 1.0) without dropout.
-
-    The kernels read the seed through its pointer, on the device: it is never copied to the host."""
-    if dropout is None:
-        return 0, 0, 1.0
-    seed = dropout.seed
-    if seed.dtype != torch.int64 or seed.numel() != 1:
-        raise ValueError(f"the dropout seed must be one int64 element, got {seed.dtype} of shape {tuple(seed.shape)}")
-    if seed.device != device:
-        raise ValueError(f"the dropout seed is on {seed.device}, the kernels run on {device}")
-    return seed.data_ptr(), int(dropout.threshold), float(dropout.scale)
-
-
-def _launch_forward(module, ids, weight, out, turns, positions, offsets, offset, seq_len, params: KernelParams,
-                    dropout: Optional[Dropout], stream: int, device: int) -> None:
-    """One call into ``_C.forward`` with every argument in the binding's order (tests call this with
-    0 tokens on CPU tensors to check the signature without a GPU: nothing is launched then).
-    Decoding pays this on every step, so it is written flat (bench/host_overhead.py times it)."""
-    columns = params.columns
-    if dropout is None:
-        dropout_seed, dropout_threshold, dropout_scale = 0, 0, 1.0
-    else:
-        dropout_seed, dropout_threshold, dropout_scale = _dropout_arguments(dropout, weight.device)
-    module.forward(
-        ids.data_ptr(), dtype_code(module, ids.dtype, "cuda"), weight.data_ptr(), weight.stride(0),
-        dtype_code(module, weight.dtype, "cuda"), out.data_ptr(), turns.data_ptr(), turns.shape[0],
-        pointer(positions), pointer(offsets), int(offset), max(int(seq_len), 1), ids.numel(), weight.shape[0],
-        params.token_width, params.pe_width, params.concat, columns.interleaved, columns.sin_base, columns.num_sin,
-        columns.cos_base, columns.num_cos, params.pe_zero_id, params.embed_scale, params.pe_scale,
-        params.float64_math, dropout_seed, dropout_threshold, dropout_scale, stream, device,
-    )
-
-
 def _launch_weight_grad(module, sorted_ids, order, grad_out, grad_weight, partials, num_embeddings, token_width,
                         padding_idx, embed_scale, dropout: Optional[Dropout], chunk, stream: int, device: int) -> None:
-    """One call into ``_C.weight_grad`` (see ``_launch_forward``)."""
-    dropout_seed, dropout_threshold, dropout_scale = _dropout_arguments(dropout, grad_out.device)
+    """One call into ``_C.weight_grad`` with every argument in the binding's order (tests call this with 0 tokens
+    on CPU tensors to check the signature without a GPU: nothing is launched then)."""
+    dropout_seed, dropout_threshold, dropout_scale = dropout_arguments(dropout, grad_out.device)
     module.weight_grad(
         pointer(sorted_ids), _dtype_code(module, sorted_ids.dtype), pointer(order), pointer(grad_out),
         grad_out.stride(0), _dtype_code(module, grad_out.dtype), pointer(grad_weight),
@@ -230,13 +195,8 @@ def prepare_forward(dtype, num_rows: int, device, turns, params: KernelParams) -
 
 def forward(ids, weight, turns, positions, offsets, offset, seq_len, params: KernelParams,
             dropout: Optional[Dropout]):
-    out, module, ids, weight = start_forward(ids, weight, params, _lookup.require)
-    if module is None:  # no tokens
-        return out
-    stream, device = _stream_and_device(weight)
-    _launch_forward(module, ids, weight, out, int64_vector(turns), int64_vector(positions), int64_vector(offsets),
-                    offset, seq_len, params, dropout, stream, device)
-    return out
+    return _extension.forward(_lookup, "cuda", ids, weight, turns, positions, offsets, offset, seq_len, params, dropout,
+                              *_stream_and_device(weight))
 
 
 def backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype,
