@@ -1,27 +1,17 @@
 // Forward kernel: gather the token row, compute the exact-angle sinusoid in registers, add or
 // concatenate, round once, store.  One pass over memory; no table of positions exists.
 //
-// Work decomposition.  A row of the output is cut into "units", each one thread's share of a row:
-//   - concat token columns: 16 bytes of consecutive token columns (scaled copy of W);
-//   - interleaved PE: 16 bytes of consecutive PE columns, i.e. the (sin, cos) of vector_elems / 2
-//     pairs, so each pair's sincos is computed once and both values are used;
-//   - block PE (split layouts): vector_elems pair slots, whose sins and coses are two 16-byte
-//     spans of the row (sin_base + i and cos_base + i), again one sincos per pair.
-// In add mode a PE unit also reads the token columns it overwrites.  A block of threads covers
-// consecutive units of a row in x (coalesced 16-byte accesses) and tokens in y; each thread
-// handles the same unit of K tokens and issues all their loads before it uses any of them, so
-// that several independent 16-byte loads are in flight per thread.
+// A row of the output is cut into "units", one thread's share each: 16 bytes of token columns
+// (concat), or the PE columns of whole (sin, cos) pairs, interleaved or as two spans (block layouts),
+// so that each pair's sincos is computed once.  In add mode a PE unit also reads the token columns it
+// overwrites.  Threads cover consecutive units of a row in x (coalesced) and tokens in y; each takes K
+// tokens and issues all their loads before it uses any.  The dropout mask depends only on (token,
+// column), so no unit needs another's.
 //
 // Every token, row and column index is 64-bit: outputs beyond 2^31 elements are addressed exactly.
 //
-// Fused dropout (kDropout, docs/cuda_backend.md "Dropout"): each span of output columns of a token
-// gets its keep bits from Philox (philox.cuh), one call per group of four columns it touches, and
-// is scaled or zeroed in Math just before its store.  The mask depends only on (token, column), so
-// no unit needs another's words; a span that does not start on a group (concat PE columns start
-// at token_width, the split layouts' spans at sin_base / cos_base) takes one call more.
-//
-// This header holds the templates; forward_fp32.cu, forward_fp16.cu and forward_bf16.cu each
-// instantiate one weight dtype (so they compile in parallel), forward.cu dispatches.
+// forward_fp32.cu, forward_fp16.cu and forward_bf16.cu each instantiate one weight dtype (to compile
+// in parallel); forward.cu dispatches.
 #pragma once
 
 #include <cstdint>
@@ -38,13 +28,10 @@ namespace forward_detail {
 
 constexpr int kThreads = 256;
 
-// Blocks of kThreads that each multiprocessor must be able to hold (__launch_bounds__'s second
-// argument: it caps the registers per thread at 65536 / (kThreads * blocks)).  Measured on an H200
-// (bench/cuda_forward_ab.py, 2026-11-26): with 4 (64 registers, 50% occupancy) the bf16 headline
-// forward took 0.523 ms against 0.585 ms with the compiler's own 72 registers (3 blocks, 37.5%):
-// 96.9% of the copy bandwidth against 86.6%.  Kernels of 4-byte tables, with dropout or with
-// float64 math spill when capped at 64 registers (fp32: 1.23 ms against 1.02) and are left uncapped.
-// -DPOSENC_FORWARD_MIN_BLOCKS=N sets the 2-byte kernels' value (bench/cuda_forward_ab.py's A/B).
+// __launch_bounds__'s minimum blocks per multiprocessor, which caps the registers per thread at
+// 65536 / (kThreads * blocks).  The 2-byte kernels with fp32 math and no dropout run faster capped
+// at 64 registers (4 blocks); the others would spill under that cap.  -DPOSENC_FORWARD_MIN_BLOCKS=N
+// sets the 2-byte kernels' value (for bench/cuda_forward_ab.py).
 #ifndef POSENC_FORWARD_MIN_BLOCKS
 #define POSENC_FORWARD_MIN_BLOCKS 4
 #endif
@@ -89,10 +76,8 @@ struct KernelArgs {
   int64_t pe_zero_id;
   int64_t num_copy_units;  // concat: units of token columns, first in each row
   int64_t num_units;
-  // The vector path's precondition, proved on the host (vector_path_holds): every span of every
-  // unit is whole and 16-byte aligned, and an in-range id's row offset in bytes is the 32-bit id
-  // times weight_row_bytes (< 2^32).  The kernel then moves every span as 16-byte vectors with no
-  // per-access test; otherwise each access tests its own alignment and extent (the general path).
+  // vector_path_holds, proved on the host: every span then moves as 16-byte vectors with no
+  // per-access test, and an in-range id's row offset is the 32-bit id times weight_row_bytes.
   bool vector_path;
   uint32_t weight_row_bytes;
   int64_t out_row_bytes;
@@ -104,15 +89,13 @@ struct KernelArgs {
   Math dropout_scale;
 };
 
-// Tokens each thread handles (loads in flight per thread): block layouts move two spans per token.
-// They are consecutive tokens first .. first + K - 1, so that their ids, positions and output rows
-// are one base plus constant offsets.
+// Tokens per thread (block layouts move two spans per token).  Consecutive, so that their ids,
+// positions and output rows are one base plus constant offsets.
 template <bool kInterleaved>
 __host__ __device__ constexpr int tokens_per_thread() { return kInterleaved ? 4 : 2; }
 
-// Elements of one PE unit: one 16-byte vector, or two for 4-byte types, so that every dtype has the
-// same pairs per token per thread (interleaved: 4; block layouts: 8 slots) over which to spread the
-// work per token (id, position, row addresses).
+// Elements of one PE unit: one 16-byte vector, or two for 4-byte types, so that every dtype spreads
+// the per-token work (id, position, row addresses) over the same number of pairs.
 template <typename T>
 __host__ __device__ constexpr int pe_unit_elems() { return sizeof(T) == 4 ? 2 * vector_elems<T>() : vector_elems<T>(); }
 
@@ -120,7 +103,7 @@ __host__ __device__ constexpr int pe_unit_elems() { return sizeof(T) == 4 ? 2 * 
 template <typename IdT, int K, typename Args>
 __device__ __forceinline__ void load_ids(const Args& a, int64_t first, int live, int64_t (&id)[K]) {
   const IdT* ids = static_cast<const IdT*>(a.ids) + first;
-  if (live == K) {  // all but the last thread of the grid: K loads from one address, no predicates
+  if (live == K) {  // all but the last thread of the grid: no predicates
 #pragma unroll
     for (int k = 0; k < K; ++k) id[k] = static_cast<int64_t>(__ldg(ids + k));
     return;
@@ -135,8 +118,7 @@ __device__ __forceinline__ void load_ids(const Args& a, int64_t first, int live,
 
 template <typename Args>
 __device__ __forceinline__ bool id_in_table(const Args& a, int64_t id) {
-  // One unsigned compare: negative ids wrap above any table size.  Out-of-range ids (range check
-  // off) and dead tokens (id -1) read nothing.
+  // One unsigned compare: negative ids (dead tokens: -1) wrap above any table size and read nothing.
   return static_cast<uint64_t>(id) < static_cast<uint64_t>(a.num_embeddings);
 }
 
@@ -145,7 +127,7 @@ __device__ __forceinline__ int64_t token_position(const Args& a, int64_t token) 
   if (a.positions != nullptr) return __ldg(a.positions + token);
   int64_t sequence, within;
   if (((static_cast<uint64_t>(token) | static_cast<uint64_t>(a.seq_len)) >> 32) == 0) {
-    // 32-bit division is several times cheaper than 64-bit, and covers every realistic batch.
+    // 32-bit division is much cheaper than 64-bit, and covers every realistic batch.
     const uint32_t t = static_cast<uint32_t>(token), s = static_cast<uint32_t>(a.seq_len);
     const uint32_t q = t / s;
     sequence = q;
@@ -165,7 +147,6 @@ __device__ __forceinline__ void stepped_positions(int64_t start, uint32_t within
 #pragma unroll
   for (int k = 0; k < K; ++k) {
     if (k > 0 && ++within == s) within = 0;  // the next sequence starts at the same offset
-    // Wraps like torch's int64 addition.
     position[k] = static_cast<int64_t>(static_cast<uint64_t>(start) + within);
   }
 }
@@ -190,8 +171,7 @@ __device__ __forceinline__ void stepped_positions(const int64_t* starts, uint32_
 // Positions of a thread's tokens first + k (k < K; tokens k >= live are past the end and get a
 // position that is never stored).  Only the first token divides: the others step its (sequence,
 // within) forward by one, which crosses at most one sequence boundary when seq_len > 1.
-// kPositions: explicit positions (a.positions), a kernel of its own so that the computed positions'
-// path has no branch on it.
+// kPositions (explicit positions) is a kernel of its own so that the computed path has no branch on it.
 template <int K, bool kPositions, typename Args>
 __device__ __forceinline__ void token_positions(const Args& a, int64_t first, int live, int64_t (&position)[K]) {
   if constexpr (kPositions) {
@@ -207,8 +187,8 @@ __device__ __forceinline__ void token_positions(const Args& a, int64_t first, in
     for (int k = 0; k < K; ++k) position[k] = token_position(a, k < live ? first + k : first);
     return;
   }
-  // 32-bit: first and seq_len are below 2^31, so within + 1 < 2^32.  The division by the host's
-  // multiplier (seq_magic, seq_shift; exact for 31-bit numerators) is a multiply-high and a shift.
+  // 32-bit: first and seq_len are below 2^31, so within + 1 < 2^32, and the host's multiplier
+  // (seq_magic, seq_shift) divides first exactly.
   const uint32_t s = static_cast<uint32_t>(a.seq_len);
   const uint32_t sequence =
       static_cast<uint32_t>((static_cast<uint64_t>(static_cast<uint32_t>(first)) * a.seq_magic) >> 32) >> a.seq_shift;
@@ -231,6 +211,29 @@ __device__ __forceinline__ uint32_t zero_pe_tokens(const Args& a, const int64_t 
   return bits;
 }
 
+// A PE unit's K tokens (the tokens k < live from `first`): their ids and positions.
+template <typename IdT, int K, bool kPositions, typename Args>
+__device__ __forceinline__ void load_tokens(const Args& a, int64_t first, int live, int64_t (&id)[K],
+                                            int64_t (&position)[K]) {
+  load_ids<IdT>(a, first, live, id);
+  token_positions<K, kPositions>(a, first, live, position);
+}
+
+// body(k, scale, first_row) for each live token k of a PE unit: `scale` is its PE scale (0 for a pe_zero_id
+// token), `first_row` the PE columns of the unit's first token in out (out_at(a, first_row, k, col)).  Called
+// once the unit's loads are issued, so that the ids need not stay live through the PE math.
+template <int K, typename T, typename Math, typename Body>
+__device__ __forceinline__ void for_each_token(const KernelArgs<T, Math>& a, const int64_t (&id)[K], int64_t first,
+                                               int live, Body body) {
+  const uint32_t zero_pe = zero_pe_tokens(a, id);
+  T* first_row = a.out + first * a.out_row_stride + a.pe_col0;
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    if (k >= live) break;
+    body(k, (zero_pe >> k) & 1u ? Math(0) : a.pe_scale, first_row);
+  }
+}
+
 // Fixed-point rates of N pair slots from `pair0`; slots without a frequency get rate 0 (sin 0 = 0).
 // kVector: the host proved the turns 16-byte aligned and every unit's slots below num_turns, and
 // N and pair0 are even: N / 2 16-byte loads.
@@ -251,8 +254,7 @@ __device__ __forceinline__ void load_rates(const Args& a, int64_t pair0, int64_t
 }
 
 // Token columns [col, col + count) of K tokens' weight rows (zero for dead tokens and out-of-range
-// ids).  kVector: the vector path's precondition holds, count == N, and the row offset is the
-// 32-bit id times weight_row_bytes (one multiply-add per token).
+// ids).  kVector: the vector path's precondition holds and count == N.
 template <bool kVector, typename T, int N, int K, typename Args>
 __device__ __forceinline__ void load_token_spans(const Args& a, const int64_t (&id)[K], int64_t col, int count,
                                                  Span<T, N> (&w)[K]) {
@@ -270,13 +272,11 @@ __device__ __forceinline__ void load_token_spans(const Args& a, const int64_t (&
   }
 }
 
-// Output row of token first + k at element column `col`.
 template <typename T, typename Math>
 __device__ __forceinline__ T* out_at(const KernelArgs<T, Math>& a, T* first_row, int k, int64_t col) {
   return reinterpret_cast<T*>(reinterpret_cast<char*>(first_row + col) + k * a.out_row_bytes);
 }
 
-// Rounds and stores `values` at p: the whole span as 16-byte vectors (kVector), or its first count.
 template <bool kVector, typename T, typename Math, int N>
 __device__ __forceinline__ void put_span(T* p, const Math (&values)[N], int count) {
   if constexpr (kVector) {
@@ -287,8 +287,8 @@ __device__ __forceinline__ void put_span(T* p, const Math (&values)[N], int coun
 }
 
 // Dropout keep bits of one span (output columns [col, col + count)) of K tokens' rows.  Called
-// right after the loads are issued: Philox is pure arithmetic and runs while they are in flight,
-// and only K words stay live through the PE math.
+// right after the loads are issued, so that Philox runs while they are in flight and only K words
+// stay live through the PE math.
 template <bool kDropout, int N, int K, typename Args>
 __device__ __forceinline__ void span_keep_bits(const Args& a, const DropoutMask& mask, int64_t first, int live,
                                                int64_t col, int count, uint32_t (&keep)[K]) {
@@ -354,18 +354,12 @@ __device__ __forceinline__ void interleaved_pe_columns(const KernelArgs<T, Math>
   int64_t rate[P];
   load_rates<kVector>(a, pe_unit * P, rate);
   int64_t id[K], position[K];
-  load_ids<IdT>(a, first, live, id);
-  token_positions<K, kPositions>(a, first, live, position);
+  load_tokens<IdT, K, kPositions>(a, first, live, id, position);
   Span<T, N> w[K];
   if constexpr (kAdd) load_token_spans<kVector>(a, id, col, count, w);
   uint32_t keep[K];
   span_keep_bits<kDropout, N>(a, mask, first, live, a.pe_col0 + col, count, keep);
-  const uint32_t zero_pe = zero_pe_tokens(a, id);
-  T* first_row = a.out + first * a.out_row_stride + a.pe_col0;
-#pragma unroll
-  for (int k = 0; k < K; ++k) {
-    if (k >= live) break;
-    const Math scale = (zero_pe >> k) & 1u ? Math(0) : a.pe_scale;
+  for_each_token(a, id, first, live, [&](int k, Math scale, T* first_row) {
     Math values[N];
 #pragma unroll
     for (int p = 0; p < P; ++p) {
@@ -378,7 +372,7 @@ __device__ __forceinline__ void interleaved_pe_columns(const KernelArgs<T, Math>
     if constexpr (kAdd) add_tokens(w[k], a.embed_scale, values);
     drop_span<kDropout>(keep[k], a.dropout_scale, values);
     put_span<kVector>(out_at(a, first_row, k, col), values, count);
-  }
+  });
 }
 
 // Block layouts: pair slots [pair0, pair0 + N) put their sins at sin_base + i (i < num_sin) and
@@ -395,8 +389,7 @@ __device__ __forceinline__ void block_pe_columns(const KernelArgs<T, Math>& a, c
   int64_t rate[N];
   load_rates<kVector>(a, pair0, rate);
   int64_t id[K], position[K];
-  load_ids<IdT>(a, first, live, id);
-  token_positions<K, kPositions>(a, first, live, position);
+  load_tokens<IdT, K, kPositions>(a, first, live, id, position);
   // Slots at or past h have a zero cos column: the count of slots with a cos, once per thread.
   const int with_cos = kVector ? N : elems_inside<N>(pair0, a.num_pairs);
   Span<T, N> w_sin[K], w_cos[K];
@@ -407,12 +400,7 @@ __device__ __forceinline__ void block_pe_columns(const KernelArgs<T, Math>& a, c
   uint32_t keep_sin[K], keep_cos[K];
   span_keep_bits<kDropout, N>(a, mask, first, live, a.pe_col0 + sin_col, sin_count, keep_sin);
   span_keep_bits<kDropout, N>(a, mask, first, live, a.pe_col0 + cos_col, cos_count, keep_cos);
-  const uint32_t zero_pe = zero_pe_tokens(a, id);
-  T* first_row = a.out + first * a.out_row_stride + a.pe_col0;
-#pragma unroll
-  for (int k = 0; k < K; ++k) {
-    if (k >= live) break;
-    const Math scale = (zero_pe >> k) & 1u ? Math(0) : a.pe_scale;
+  for_each_token(a, id, first, live, [&](int k, Math scale, T* first_row) {
     Math sins[N], coses[N];
 #pragma unroll
     for (int p = 0; p < N; ++p) {
@@ -429,7 +417,7 @@ __device__ __forceinline__ void block_pe_columns(const KernelArgs<T, Math>& a, c
     drop_span<kDropout>(keep_cos[k], a.dropout_scale, coses);
     put_span<kVector>(out_at(a, first_row, k, sin_col), sins, sin_count);
     put_span<kVector>(out_at(a, first_row, k, cos_col), coses, cos_count);
-  }
+  });
 }
 
 // One thread's unit of K tokens (the tokens k < live), on the vector path or the general one.
@@ -441,9 +429,8 @@ __device__ __forceinline__ void forward_unit(const KernelArgs<T, Math>& a, const
     return;
   }
   const int64_t pe_unit = unit - a.num_copy_units;
-  // add_tokens (add mode) is uniform: one branch here, so that the weight loads and the sums are
-  // on the same side of a single test (two tests of it would let the SASS hot-path search pair the
-  // loads of one side with the arithmetic of the other).
+  // One branch on the uniform add_tokens, so that the weight loads and the sums sit on the same side
+  // of a single test (as bench/sass_report.py's hot-path search expects).
   if constexpr (kInterleaved) {
     if (a.add_tokens) {
       interleaved_pe_columns<kVector, true, T, Math, IdT, K, kDropout, kPositions>(a, mask, pe_unit, first, live);
@@ -476,9 +463,8 @@ __global__ void __launch_bounds__(kThreads, (forward_min_blocks<T, Math, kDropou
   if (a.vector_path) {
     forward_unit<true, K, T, Math, IdT, kInterleaved, kDropout, kPositions>(a, mask, unit, first, live);
   } else {
-    // The general path takes its tokens one at a time, in a loop: it is the fallback for unaligned
-    // or ragged shapes, and so it neither raises the kernel's register count (it would spill for
-    // float64 math) nor doubles its code.
+    // The fallback for unaligned or ragged shapes takes one token at a time, so that it neither
+    // raises the kernel's register count (float64 math would spill) nor doubles its code.
 #pragma unroll 1
     for (int k = 0; k < live; ++k) {
       forward_unit<false, 1, T, Math, IdT, kInterleaved, kDropout, kPositions>(a, mask, unit, first + k, 1);
@@ -503,10 +489,10 @@ inline void division_multiplier(int64_t d, uint32_t& magic, uint32_t& shift) {
 
 inline bool vector_aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % kVectorBytes == 0; }
 
-// The vector path's precondition (KernelArgs::vector_path): 16-byte aligned weight, output and
-// turns, a rate for every pair slot, rows and the PE's first column on 16-byte boundaries, every unit's spans whole (D a multiple of
-// the PE unit; block layouts: h sins and h coses, h a multiple of N), and every in-range id's row
-// offset a 32-bit id times a 32-bit byte stride.
+// The vector path's precondition (KernelArgs::vector_path): 16-byte aligned weight, output and turns,
+// a rate for every pair slot, rows and the PE's first column on 16-byte boundaries, every unit's spans
+// whole (D a multiple of the PE unit; block layouts: h sins and h coses, h a multiple of N), and every
+// in-range id's row offset a 32-bit id times a 32-bit byte stride.
 template <typename T>
 bool vector_path_holds(const ForwardArgs& args, int64_t width, bool interleaved) {
   constexpr int64_t V = vector_elems<T>(), N = pe_unit_elems<T>();
