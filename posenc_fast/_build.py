@@ -1,27 +1,27 @@
 """Building the CUDA extension ``posenc_fast._C`` from ``csrc/``: shared by setup.py and the on-demand build.
 
+    pip install pybind11 ninja              # what the on-demand build needs (ninja: optional, parallel)
+    python -m posenc_fast._build            # build (or find) the cached extension, print its path
+
 Standard library only: setup.py loads this file by path inside pip's isolated build
 environment, where neither torch nor posenc_fast is importable.  What it owns:
 
 - the environment knobs: ``POSENC_FAST_BUILD_CUDA`` (0: skip, 1: required, unset: if nvcc is
   found), ``POSENC_FAST_CUDA_ARCHS`` (e.g. ``"80;90"``), ``CUDA_HOME`` / ``CUDA_PATH``;
 - finding nvcc, parsing the architecture list into ``-gencode`` flags;
-- the compile and link commands, run through ninja when it is installed (parallel,
-  incremental, ``[3/5]`` progress) and one by one otherwise;
-- the per-user build cache (``build_cached``): ``<cache root>/cuda-<sources and Python ABI>/
-  <nvcc version and archs>/``.  ``pip install`` builds there and copies the module into the
-  wheel, so a reinstall with the same sources does not compile again; an installed package
-  without the extension finds a build there (``cached_extension``, whatever
-  ``POSENC_FAST_CUDA_ARCHS`` says now) or makes one on demand when nvcc is present:
+- the compile and link commands, run through ninja when it is installed (parallel, incremental)
+  and one by one otherwise;
+- the per-user build cache, ``<cache root>/cuda-<sources and Python ABI>/<nvcc version and archs>/``
+  (``build_cached``).  ``pip install`` builds there and copies the module into the wheel, so
+  reinstalling the same sources does not compile again; an installed package without the
+  extension takes a build from there (``cached_extension``, whatever ``POSENC_FAST_CUDA_ARCHS``
+  says now) or makes one on demand when nvcc is present.
 
-      pip install pybind11 ninja              # what the on-demand build needs (ninja: optional, parallel)
-      python -m posenc_fast._build            # build (or find) the cached extension, print its path
-
-No libtorch and no ATen headers are involved: the extension takes raw device pointers, so
-one build serves every torch version.
+The extension takes raw device pointers, with no libtorch or ATen headers, so one build serves
+every torch version.
 
 Also the CPU extension ``posenc_fast._cpu`` (section at the end): any C++17 compiler, the kernel
-compiled once per instruction set, ``POSENC_FAST_BUILD_CPU``, and its own per-user cache build.
+compiled once per instruction set, ``POSENC_FAST_BUILD_CPU``, and its own per-user cache.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
-from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 # sm_80 (A100), sm_86 (RTX 30xx, A40), sm_89 (L4, RTX 40xx), sm_90 (H100/H200), and PTX of
 # sm_90 that the driver JIT-compiles for newer GPUs (Blackwell and later).
@@ -237,7 +237,7 @@ def _find_ninja() -> Optional[str]:
 def run_build(plan: BuildPlan, source_dir: str, build_dir: str, log=sys.stderr, progress=None) -> None:
     """Run the plan: through ninja if available (parallel, incremental), else command by command.
 
-    Output goes to ``log``, the ``[n/7]`` step lines also to ``progress`` (a terminal) when given;
+    Output goes to ``log``, the ``[n/N]`` step lines also to ``progress`` (a terminal) when given;
     a failing command raises RuntimeError with its output.
     """
     os.makedirs(build_dir, exist_ok=True)
@@ -313,13 +313,19 @@ def no_nvcc_message() -> str:
 
 # ---- on-demand build into a per-user cache ----
 
-def package_source_dir() -> Optional[str]:
-    """csrc/ as shipped: ``posenc_fast/_csrc`` in an installed wheel, ``<repo>/csrc`` in a source checkout."""
+def _shipped_sources(names: Sequence[str]) -> Optional[str]:
+    """csrc/ as shipped, where it holds every file of ``names``: ``posenc_fast/_csrc`` in an installed wheel,
+    ``<repo>/csrc`` in a source checkout."""
     here = os.path.dirname(os.path.abspath(__file__))
     for candidate in (os.path.join(here, "_csrc"), os.path.join(os.path.dirname(here), "csrc")):
-        if all(os.path.exists(os.path.join(candidate, name)) for name in SOURCES + HEADERS):
+        if all(os.path.exists(os.path.join(candidate, name)) for name in names):
             return candidate
     return None
+
+
+def package_source_dir() -> Optional[str]:
+    """The CUDA sources as shipped (``_shipped_sources``)."""
+    return _shipped_sources(SOURCES + HEADERS)
 
 
 def cache_root(env: Mapping[str, str] = os.environ) -> str:
@@ -392,9 +398,8 @@ def build_cached(source_dir: str, nvcc: str, archs: Sequence[CudaArch], env: Map
     """The extension built from ``source_dir`` in the per-user cache, compiled only if that cache has
     no build for these sources, Python ABI, nvcc version and archs; returns its path.
 
-    Shared by ``pip install`` (setup.py copies the result into the wheel, so reinstalling, e.g.
-    ``pip install ".[test]"`` after ``pip install .``, does not compile again) and the on-demand
-    build.  Concurrent processes (e.g. one per rank) wait on a file lock and reuse one build.
+    Shared by ``pip install`` (setup.py copies the result into the wheel) and the on-demand build.
+    Concurrent processes (one per rank) wait on a file lock and reuse one build.
     """
     directory = cache_directory(source_dir, nvcc, archs, env)
     output = os.path.join(directory, extension_filename())
@@ -413,7 +418,7 @@ def build_cached(source_dir: str, nvcc: str, archs: Sequence[CudaArch], env: Map
         build_extension(source_dir, os.path.join(directory, "build"), partial, nvcc, archs, env, log, progress)
         strip_debug_symbols(partial, log)
         os.replace(partial, output)  # atomic: a reader never sees a half-written module
-        shutil.rmtree(os.path.join(directory, "build"), ignore_errors=True)  # objects: ~2x the module, not reused
+        shutil.rmtree(os.path.join(directory, "build"), ignore_errors=True)  # the objects are not reused
         _say(f"posenc_fast: built {output}", log, progress)
     return output
 
@@ -432,8 +437,8 @@ def strip_debug_symbols(path: str, log=sys.stderr) -> None:
 
 def open_progress_terminal():
     """The user's terminal, for the few progress lines of a build that pip runs with its output
-    captured (without ``-v`` pip shows nothing of it for minutes); None when stderr already is
-    the terminal, when there is none (CI), or with ``POSENC_FAST_BUILD_PROGRESS=0``."""
+    captured (without ``-v`` pip shows none of it); None when stderr already is the terminal, when
+    there is none (CI), or with ``POSENC_FAST_BUILD_PROGRESS=0``."""
     if os.environ.get("POSENC_FAST_BUILD_PROGRESS", "1").strip() == "0":
         return None
     try:
@@ -631,12 +636,8 @@ def build_cpu_extension(source_dir: str, build_dir: str, output: str, cxx: Optio
 
 
 def cpu_source_dir() -> Optional[str]:
-    """The CPU sources as shipped (``posenc_fast/_csrc``) or in a source checkout (``<repo>/csrc``)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    for candidate in (os.path.join(here, "_csrc"), os.path.join(os.path.dirname(here), "csrc")):
-        if all(os.path.exists(os.path.join(candidate, name)) for name in CPU_SOURCES + CPU_HEADERS):
-            return candidate
-    return None
+    """The CPU sources as shipped (``_shipped_sources``)."""
+    return _shipped_sources(CPU_SOURCES + CPU_HEADERS)
 
 
 def _cpu_cache_dir(source_dir: str, cxx: str, env: Mapping[str, str]) -> str:
@@ -658,9 +659,7 @@ def cached_cpu_extension(env: Mapping[str, str] = os.environ) -> Optional[str]:
 def build_cpu_in_cache(env: Mapping[str, str] = os.environ, log=sys.stderr, source_dir: Optional[str] = None,
                        cxx: Optional[str] = None) -> str:
     """Build the CPU extension into the per-user cache (once per sources/compiler/Python); returns its path.
-
-    Shared by the on-demand build and ``pip install`` (setup.py copies the result into the wheel, so
-    installing again does not compile again)."""
+    Shared by the on-demand build and ``pip install``, as ``build_cached`` is."""
     source_dir, cxx = source_dir or cpu_source_dir(), cxx or find_cxx(env)
     if source_dir is None:
         raise RuntimeError("the C++ sources (csrc/) are not part of this installation of posenc_fast")

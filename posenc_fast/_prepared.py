@@ -1,34 +1,32 @@
-"""Prepared launches: an entry point's repeated eager call, with what stays fixed between calls
+"""Prepared launches: the repeated eager call of every entry point, with what stays fixed between calls
 worked out once.
 
-A decoding step calls the layer with a few tokens, so its cost is host time: validation, backend
-choice, argument packing and the binding's conversion of thirty-one arguments (bench/host_overhead.py
-times it).  The general path (``functional.apply_spec`` / ``apply_add_spec``) builds one after an eager
-call that could have taken it, from the backend it resolved and the spec's kernel parameters: a
-``PreparedLaunch`` (the backend's binding with those parameters bound, the backend's own object) and what
-a call must match to use it.
+A decoding step calls the layer with a few tokens, so its cost is host time: validation, backend choice,
+argument packing and the binding's argument conversion (bench/host_overhead.py measures it).  After an
+eager call that a prepared launch could have served, the general path (``functional.apply_spec`` /
+``apply_add_spec``) calls the entry point's ``keep``, which prepares one from the backend that ran and the
+spec's kernel parameters.  Each entry point keeps its launches:
 
-- ``SinusoidalEmbedding`` keeps a :class:`PreparedForward` on the module; ``sinusoidal_embedding`` keeps
-  one per spec, backend and table here (``functional_embedding``).
-- ``SinusoidalPositionalEncoding`` keeps a :class:`PreparedAddition`; ``add_sinusoidal`` keeps one per
-  spec, backend, dtype and device (``functional_addition``): ``x`` plays a table whose row n is read
-  by token n, as in the op.
+- ``SinusoidalEmbedding``: a :class:`PreparedForward` on the module (``keep_embedding``);
+- ``sinusoidal_embedding``: one per spec, backend, dropout probability and kind of table, here
+  (``remember_embedding``, ``functional_embedding``);
+- ``SinusoidalPositionalEncoding``: a :class:`PreparedAddition` on the module (``keep_addition``);
+- ``add_sinusoidal``: one per spec, backend, dtype and device, here (``remember_addition``,
+  ``functional_addition``).
 
-The next call runs the prepared launch if it is the same kind of call on the same kind of table; in
-training (autograd) it runs inside :class:`LaunchedEmbeddingFunction` / :class:`LaunchedAdditionFunction`,
-whose backward is the general path's.  Anything else (another dtype, shape or device of the table,
-another spec, backend, position rule, vocabulary range or dropout probability, a changed extension, a
-call that needs dropout, positions, a tensor offset or cu_seqlens, or one under torch.compile, tracing,
-a functorch transform, forward-mode AD or a dispatch mode) takes the general path, which validates
-everything and raises the errors.
+A later call runs the prepared launch only if it is plain eager (``_routing.eager_call``) and the same
+kind of call on the same kind of table; a training call runs it inside :class:`LaunchedEmbeddingFunction`
+or :class:`LaunchedAdditionFunction`.  Anything else (another spec, backend, dropout probability, or
+table dtype, shape or device; dropout to apply, positions, a position rule, a tensor offset, cu_seqlens
+or a vocabulary range; a changed extension) takes the general path, which validates everything and
+raises the errors.
 
-What a prepared launch holds does not depend on the table's data: its pointer and row stride are
-read on every call, so in-place updates, ``.data`` swaps and a new Parameter of the same shape need
-no invalidation.  (A zero tensor, which has no memory, is refused by the binding itself.)  Every
-backend's launch is called the same way (``backends.PreparedLaunch``: the call's tensors, offset,
-length and token count); ``cpu`` and ``cuda`` hand pointers to their binding's ``ForwardLaunch``,
-``triton`` hands its kept kernel's launch function the call's pointers (``triton_launch``), the rest
-worked out once.  The ``torch`` reference has none: its entry points always take the general path.
+A prepared launch never holds the table or its address: the table's data pointer is read on every call,
+so in-place updates, ``.data`` swaps and a new Parameter of the same shape need no invalidation.
+Every backend's launch is called the same way (``backends.PreparedLaunch``): ``cpu`` and ``cuda`` call
+their binding's ``ForwardLaunch`` with the nine arguments that change, ``triton`` its kept kernel's launch
+function (``triton_launch``).  The ``torch`` reference has none: its entry points keep a stand-in that
+serves no call (``_NoForward``, ``_NoAddition``) and take the general path.
 """
 
 from __future__ import annotations
@@ -44,12 +42,12 @@ from ._dispatch import get_backend
 from .ops import AddSinusoidalFunction, dense_weight_gradient, sparse_weight_gradient
 
 _STRIDED, _CONTIGUOUS = torch.strided, torch.contiguous_format
-_grad_enabled = torch.is_grad_enabled  # (a module name: each attribute lookup costs)
+_grad_enabled = torch.is_grad_enabled  # a module-level name saves an attribute lookup per call
 _INT64_MIN, _INT64_END = -(2**63), 2**63
-# add_sinusoidal's launch reads rows 0..N-1 that it numbers itself, so the table's row count is only
-# a bound: the largest for which the CUDA kernels keep 32-bit row arithmetic (forward_kernels.cuh).
+# add_sinusoidal's launch reads rows 0..N-1 that it numbers itself, so its table's row count is only a
+# bound: the largest for which the CUDA kernels keep 32-bit row arithmetic (forward_kernels.cuh).
 _ADDITION_ROW_BOUND = 2**32
-_FUNCTIONAL_KEPT = 16  # prepared launches kept per spec by the functional entry points, with their slots (_keep)
+_FUNCTIONAL_KEPT = 16  # entries (launches and slots) kept per spec for the functional entry points (_keep)
 _FUNCTIONAL_SPECS = 64  # specs whose functional launches are kept (_FUNCTIONAL)
 
 
@@ -64,14 +62,14 @@ def _bind(spec, name: str, dtype, num_rows: int, device, zero_pe_at_padding: boo
 
 def _dense(t: torch.Tensor) -> bool:
     """Memory a kernel reads as rows in order: strided, contiguous, no lazy negation, not a zero tensor
-    (which has no memory: the general path names it).  ``PreparedForward.run`` has these checks inline: a
-    new one goes there too."""
+    (which has no memory: the general path names it).  ``PreparedForward.run`` repeats these checks
+    inline: a new one goes there too."""
     return t.layout is _STRIDED and t.is_contiguous() and not t.is_neg() and not t._is_zerotensor()
 
 
 class _Bound:
-    """What both prepared launches share: the backend's compiled code they were bound to (``source.state``,
-    ``backends.PreparedLaunch``)."""
+    """What both prepared launches share: being current while the backend's compiled code is the one they
+    were made with (``backends.PreparedLaunch``)."""
 
     __slots__ = ("source", "state")
 
@@ -86,7 +84,8 @@ class _NeverReplaced:
 
 
 class PreparedForward(_Bound):
-    """The embedding's prepared launch for one spec, backend and kind of table (module docstring)."""
+    """The embedding's prepared launch for one spec, backend, dropout probability and kind of table (dtype,
+    shape, device)."""
 
     __slots__ = ("spec", "backend", "dropout", "dtype", "shape", "device", "width", "launch", "id_dtypes",
                  "last_argument", "keep_alive", "gradient")
@@ -109,8 +108,8 @@ class PreparedForward(_Bound):
     @staticmethod
     def build(spec, backend: str, name: str, dropout, weight: torch.Tensor) -> Optional["PreparedForward"]:
         """The prepared launch for the next calls like the one the general path just ran with these settings
-        (so they are valid), on backend ``name``, which it resolved from ``backend``; where that backend has
-        none, a stand-in that serves no call (so that a module does not ask again on every call); None for a
+        (so they are valid) on backend ``name``, which it resolved from ``backend``.  Where that backend has
+        none, a stand-in that serves no call, so that a module does not ask again on every call; None for a
         dropout that is not a float."""
         if type(dropout) is not float:
             return None
@@ -129,13 +128,13 @@ class PreparedForward(_Bound):
         """The layer's output for ``ids`` at ``offset`` when this launch was prepared for that call
         (positions ``offset + t``, no dropout applied); else None, and the caller takes the general path.
         The caller has checked that the call is eager (``_routing.eager_call``)."""
-        # The checks of prepared_for, inline (a decoding step pays each Python call), then the call's own.
+        # prepared_for's checks and the call's own, inline: a decoding step pays for each Python call.
         if (type(offset) is not int or not _INT64_MIN <= offset < _INT64_END
                 or spec is not self.spec or backend != self.backend or type(dropout) is not float
                 or dropout != self.dropout or (training and dropout) or (sparse is not False and sparse is not True)):
             return None
         try:
-            # (_dense of ids and weight, inline: a decoding step pays each Python call)
+            # (and _dense of ids and weight, inline for the same reason)
             if (ids.dtype not in self.id_dtypes or weight.dtype is not self.dtype or weight.shape != self.shape
                     or ids.layout is not _STRIDED or not ids.is_contiguous() or ids.is_neg() or ids._is_zerotensor()
                     or ids.is_nested or weight.layout is not _STRIDED or not weight.is_contiguous() or weight.is_neg()
@@ -150,9 +149,8 @@ class PreparedForward(_Bound):
 
     def _output(self, weight, ids, offset) -> torch.Tensor:
         shape = ids.shape
-        # Same dtype and device as the table; new_empty with the sizes unpacked is the cheapest allocation
-        # call (about 1 us against 2 for torch.empty with a shape tuple and keywords).  Not a view, as
-        # nn.Embedding's output: under no_grad a view could not later be modified in place with grad on.
+        # new_empty with the sizes unpacked: the cheapest allocation call.  Not a view, as nn.Embedding's
+        # output: under no_grad a view could not later be modified in place with grad mode on.
         out = weight.new_empty(*shape, self.width)
         if _backends.POISON_OUTPUTS:
             out.fill_(float("nan"))
@@ -162,7 +160,7 @@ class PreparedForward(_Bound):
 
 
 class _NoForward(PreparedForward):
-    """What a module keeps where its backend has no prepared launch (the torch reference): ``prepared_for`` as a
+    """What is kept where the backend has no prepared launch (the torch reference): ``prepared_for`` as a
     prepared launch's, so that it is built again only when something changes; ``run`` serves no call."""
 
     __slots__ = ()
@@ -190,7 +188,7 @@ class PreparedAddition(_Bound):
         self.last_argument, self.keep_alive = launch.last_argument, launch.turns
         self.source, self.state = launch.source, launch.state
         self.on_gpu = x.device.type == "cuda"
-        self.numbers = None  # (row numbers, the stream handle they were made on: on a GPU, the only one using them)
+        self.numbers = None  # (row numbers, the stream handle they were made on): _row_numbers
         self.growing = threading.Lock()
 
     def _identify(self, spec, backend: str, x: torch.Tensor) -> None:
@@ -199,7 +197,7 @@ class PreparedAddition(_Bound):
 
     @staticmethod
     def build(spec, backend: str, name: str, x: torch.Tensor) -> "PreparedAddition":
-        """As ``PreparedForward.build``: a stand-in that serves no call where the backend has no launch."""
+        """As ``PreparedForward.build``, for ``add_sinusoidal``'s calls on ``x``'s dtype and device."""
         launch = _bind(spec, name, x.dtype, _ADDITION_ROW_BOUND, x.device, False)
         return _NoAddition(spec, backend, x) if launch is None else PreparedAddition(spec, backend, x, launch)
 
@@ -216,7 +214,7 @@ class PreparedAddition(_Bound):
                     or x.dim() < 2 or x.shape[-1] != self.width or not _dense(x) or x.device != self.device
                     or self.source.state is not self.state):
                 return None
-        except RuntimeError:  # (as PreparedForward.run)
+        except RuntimeError:  # a tensor without sizes, as in PreparedForward.run
             return None
         num_rows = x.numel() // self.width
         if not 0 < num_rows <= _ADDITION_ROW_BOUND:
@@ -231,7 +229,7 @@ class PreparedAddition(_Bound):
 
     def _row_numbers(self, num_rows: int, stream) -> Optional[torch.Tensor]:
         """At least ``num_rows`` row numbers 0, 1, ... for a launch on ``stream`` (on a GPU), or None where they
-        cannot be used: there the general path makes its own, as every call did before.
+        cannot be used, and the call takes the general path.
 
         They only ever grow, under a lock, and a launch uses the tensor it was given here, so no thread
         reads numbers shorter than its rows.  On a GPU they serve one stream, the one they were made on:
@@ -254,8 +252,8 @@ class PreparedAddition(_Bound):
         return numbers[0] if not self.on_gpu or numbers[1] == stream else None
 
     def _output(self, x, offset, rows, last_argument) -> torch.Tensor:
-        # Contiguous (x's strides on size-1 dimensions are not copied: the general path's output has none);
-        # 1 us against 2 for new_empty(x.shape).
+        # Contiguous, as the general path's output (x's strides on size-1 dimensions are not copied);
+        # empty_like is the cheaper allocation call here.
         out = torch.empty_like(x, memory_format=_CONTIGUOUS)
         if _backends.POISON_OUTPUTS:
             out.fill_(float("nan"))
@@ -276,9 +274,25 @@ class _NoAddition(PreparedAddition):
         return None
 
 
-# The functional entry points' prepared launches: id(spec) -> (spec, {key or slot: launch}).  By identity: a
-# spec is made once per set of arguments and kept (_validate.make_spec), and hashing its frequencies would cost
-# each call more than the lookup saves; the entry holds its spec, so the id stays that spec's.
+def keep_embedding(owner, spec, backend: str, dropout, weight, name: str) -> None:
+    """The general path's ``keep`` for a ``SinusoidalEmbedding`` call (``functional.apply_spec``): after the eager
+    call it ran on backend ``name``, prepare the next ones like it in the module's ``owner._prepared``, unless the
+    launch there already serves them."""
+    prepared = owner._prepared
+    if prepared is None or not prepared.prepared_for(spec, backend, dropout, weight):
+        owner._prepared = PreparedForward.build(spec, backend, name, dropout, weight)
+
+
+def keep_addition(owner, spec, backend: str, x, name: str) -> None:
+    """As ``keep_embedding``, for a ``SinusoidalPositionalEncoding`` call (``functional.apply_add_spec``)."""
+    prepared = owner._prepared
+    if prepared is None or not prepared.prepared_for(spec, backend, x):
+        owner._prepared = PreparedAddition.build(spec, backend, name, x)
+
+
+# The functional entry points' prepared launches: id(spec) -> (spec, {key or slot: launch}).  Keyed by identity
+# because a spec is made once per set of arguments and kept (_validate.make_spec), and hashing its frequencies
+# would cost each call more than the lookup saves; the entry holds its spec, so no other object takes its id.
 _FUNCTIONAL: dict = {}
 
 
@@ -301,9 +315,9 @@ def forget_functional_launches() -> None:
 
 
 def _keep(spec, slot, key, prepared_for, build) -> None:
-    """Keep for ``spec`` under ``key`` the prepared launch ``build()`` makes, unless a current one is there (a
-    functional entry point's; a few per spec), and make it the one that ``slot``'s calls try first where it is
-    ``prepared_for`` the call that just succeeded."""
+    """Keep a functional entry point's launch for ``spec`` under ``key`` (``build()``'s, unless a current one is
+    there), and make it the one that ``slot``'s calls try first where it is ``prepared_for`` the call that just
+    succeeded."""
     kept = _kept_for(spec, create=True)
     prepared = kept.get(key)
     if prepared is None or not prepared.is_current():
@@ -314,12 +328,12 @@ def _keep(spec, slot, key, prepared_for, build) -> None:
         kept[slot] = prepared
 
 
-# The functional entry points keep their launches by backend name (checked to be a str first: anything else
-# takes the general path, which names it), the table's kind and, for the embedding, the dropout probability.
-# A call tries first the last one used for its backend (and dropout probability), in its slot: ``run`` checks
-# the table's kind, cheaper than a key of its dtype, shape and device.  Only where that one does not serve the
-# call is the launch kept for the call's kind of table looked up (calls that alternate between kinds of
-# table), and made the slot's.
+# The functional entry points key their launches by backend name (a str: anything else takes the general
+# path, which names it), the table's kind and, for the embedding, the dropout probability.  A call first tries
+# its slot, the launch last used for its backend (and dropout probability): ``run`` checks the table's kind
+# more cheaply than a key of its dtype, shape and device could be built.  Only where that launch does not
+# serve the call is the one kept for the call's kind of table looked up and made the slot's (calls that
+# alternate between kinds of table).
 def functional_embedding(spec, backend: str, dropout, training: bool, sparse, weight, ids, offset):
     """``sinusoidal_embedding``'s call through the prepared launch kept for its spec, or None (general path).
     ``spec`` is the arguments' (already made); after a general-path call, ``remember_embedding``."""
@@ -376,7 +390,8 @@ def remember_addition(spec, backend: str, x, name: str) -> None:
 
 class _PlainEagerApply:
     """``apply`` as torch's C++ Function apply, without ``torch.autograd.Function.apply``'s per-call argument
-    binding (``ops._DirectApply``): these Functions run only on plain eager calls, never under torch.func."""
+    binding (as ``ops._DirectApply``, without its torch.func check: these Functions run on plain eager calls
+    only).  Defined here so that a prepared training call enters no other file to apply them."""
 
     @classmethod
     def apply(cls, *args):
@@ -385,10 +400,10 @@ class _PlainEagerApply:
 
 class LaunchedEmbeddingFunction(_PlainEagerApply, torch.autograd.Function):
     """An eager training call that a prepared launch serves: its forward is the launch, its backward the
-    weight-gradient op that ``ops.EmbeddingFunction`` uses (``ops.dense_weight_gradient``, or
-    ``ops.sparse_weight_gradient``), with the same ids, so gradients and double backward are the same bit for
-    bit.  Five arguments instead of fifteen: the Function's apply converts each.  Plain eager calls only
-    (``PreparedForward.run`` checks): torch.func and forward AD take ``EmbeddingFunction``."""
+    weight-gradient op that ``ops.EmbeddingFunction`` uses (``ops.dense_weight_gradient`` or
+    ``ops.sparse_weight_gradient``) with the same ids, so gradients and double backward are the same bit for
+    bit.  The gradient's settings travel as one tuple because the Function's apply converts each argument.
+    Plain eager calls only: torch.func and forward AD take ``EmbeddingFunction``."""
 
     @staticmethod
     def forward(ctx, weight, ids, launch, offset, gradient):
@@ -396,7 +411,7 @@ class LaunchedEmbeddingFunction(_PlainEagerApply, torch.autograd.Function):
         # Flat, as EmbeddingFunction saves them: a recomputation (activation checkpointing) may take the
         # other path and must save the same.
         ctx.save_for_backward(ids.reshape(-1))
-        ctx.gradient = gradient  # (sparse, num_embeddings, token_width, embed_scale, padding_idx, dtype, backend)
+        ctx.gradient = gradient
         return out
 
     @staticmethod

@@ -24,13 +24,11 @@ def eager_call(ids, weight) -> bool:
     tensors, with nothing tracing (torch.compile, torch.export, jit.trace), transforming (torch.func,
     vmap, forward-mode AD) or intercepting (a dispatch mode) it.
 
-    The dispatcher (autograd wrapper, redispatch, alias checks) costs about 20 us of Python per
-    call, most of the host time of a decoding step, and its custom-op autograd wrapper about 150
-    us more in training (``ops.EmbeddingFunction``).  Same implementation, same checks.  A tensor kept
-    from a finished torch.func transform is a functorch wrapper of type ``torch.Tensor`` (``plain``):
-    such a call takes the op, whose dispatcher unwraps it; so does a legacy-vmap batched tensor.
-    (Module-level names for torch's predicates: every prepared launch asks this, and each attribute
-    lookup is a tenth of a microsecond.)
+    Such a call skips the dispatcher and the custom op's autograd wrapper (autograd goes through
+    ``ops.EmbeddingFunction``), most of a decoding step's host time (bench/host_overhead.py); it runs
+    the same implementation with the same checks.  A tensor kept from a finished torch.func transform
+    is still a functorch wrapper, though its type is ``torch.Tensor``: such a call takes the op, whose
+    dispatcher unwraps it; so does a legacy-vmap batched tensor.
     """
     return (type(ids) is _TENSOR and (type(weight) is _PARAMETER or type(weight) is _TENSOR)
             and not _is_compiling() and not _is_tracing() and not _functorch_transforms_active()
@@ -39,6 +37,8 @@ def eager_call(ids, weight) -> bool:
             and not _legacy_batched(ids) and not _legacy_batched(weight))
 
 
+# Module-level names for torch's predicates: every prepared launch calls eager_call, so each saves an
+# attribute lookup.
 _TENSOR, _PARAMETER = torch.Tensor, torch.nn.Parameter
 _is_compiling = torch.compiler.is_compiling
 _is_tracing = torch._C._is_tracing
@@ -51,14 +51,9 @@ _legacy_batched = torch._C._functorch.is_legacy_batchedtensor
 
 
 def plain(t) -> bool:
-    """A tensor whose memory a kernel can read (or None): not a functorch wrapper (``grad``'s or ``vmap``'s,
-    also one kept from a finished transform, whose type is plain ``torch.Tensor``)."""
+    """Whether ``t`` is None or a tensor whose memory a kernel can read: not a functorch wrapper
+    (``grad``'s or ``vmap``'s, including one kept from a finished transform: see ``eager_call``)."""
     return t is None or not _functorch_wrapped(t)
-
-
-def eager_inference(ids, weight) -> bool:
-    """An eager call (``eager_call``) with nothing to differentiate: no autograd node at all."""
-    return not (torch.is_grad_enabled() and weight.requires_grad) and eager_call(ids, weight)
 
 
 def in_onnx_export() -> bool:

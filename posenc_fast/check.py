@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     vocab = args.vocab
     name = torch.cuda.get_device_name(device) if gpu else "CPU"
     print(f"posenc_fast check on {name}: {batch} x {seq_len} tokens, d_model {d_model}, vocab {vocab}")
-    print(f"positions: per-sequence offsets spread over [-2^24, 2^24]; reference: float64 with exact angles\n")
+    print("positions: per-sequence offsets spread over [-2^24, 2^24]; reference: float64 with exact angles\n")
 
     g = torch.Generator().manual_seed(args.seed)
     ids = torch.randint(0, vocab, (batch, seq_len), generator=g).to(device)

@@ -13,7 +13,7 @@ from . import presets
 from ._dispatch import check_backend_name
 from ._dropout import check_dropout_p
 from ._validate import check_weight, make_spec
-from ._prepared import PreparedAddition, PreparedForward
+from ._prepared import PreparedAddition, PreparedForward, keep_addition, keep_embedding
 from ._routing import eager_call
 from .functional import apply_add_spec, apply_spec
 from .presets import PADDING_AWARE_RULES, POSITION_RULES
@@ -22,30 +22,30 @@ from .presets import PADDING_AWARE_RULES, POSITION_RULES
 class SinusoidalEmbedding(nn.Module):
     """Token embedding + fixed sinusoidal positional encoding in one kernel.
 
-    ``weight`` is ``[num_embeddings, d_model]`` for ``mode="add"`` and
-    ``[num_embeddings, d_model - d_pos]`` for ``mode="concat"``; the output
-    width is always ``d_model``.  Initialised like ``nn.Embedding`` (N(0, 1),
-    padding row zero).  ``forward(ids, positions=None, offset=0, cu_seqlens=None)``.
+    ``forward(ids, positions=None, offset=0, cu_seqlens=None)`` returns rows of width ``d_model``.
+    ``weight`` is ``[num_embeddings, d_model]`` for ``mode="add"`` and ``[num_embeddings, d_model - d_pos]``
+    for ``mode="concat"``, initialised like ``nn.Embedding`` (N(0, 1), padding row zero).
 
-    ``dropout`` is the probability of the dropout after embedding + PE (as in the original
-    Transformer), applied in training mode inside the same kernel (see
-    :func:`posenc_fast.sinusoidal_embedding`); eval mode is exact.
+    ``dropout``: the probability of the dropout after embedding + PE (as in the original Transformer),
+    applied in training mode inside the same kernel (see :func:`posenc_fast.sinusoidal_embedding`);
+    eval mode is exact.
 
     ``position_rule="fairseq"`` numbers positions as fairseq does (padding-aware, see
     ``posenc_fast.make_positions``; ``offset`` is then the past length); ``"fsmt"`` is HF FSMT's
     variant, where the past length also moves padding tokens (and gives them a PE).
 
-    ``vocab_range=(start, end)`` makes a vocabulary-parallel shard (Megatron style): ``weight``
-    holds rows start..end-1 of the ``num_embeddings`` rows, ids stay global, ids of other
-    shards give zero token vectors and no gradient, and only the shard with ``start == 0``
-    adds the PE, so the sum (all-reduce) of the shards' outputs is the unsharded layer.  With
-    ``dropout``, the shards must draw the same seed: the same torch RNG state on every rank of
-    the tensor-parallel group (Megatron's default generator, not inside its per-rank
-    ``get_cuda_rng_tracker().fork()``).  They then drop the same elements, and the sum is still
-    the unsharded layer's output.  ``sparse=True``: the weight's gradient is a sparse tensor of the
-    rows the ids touch, as with ``nn.Embedding(sparse=True)`` (see
-    :func:`posenc_fast.sinusoidal_embedding`).  Library
-    conventions: :meth:`from_preset`; an existing token table: :meth:`from_pretrained`.
+    ``vocab_range=(start, end)`` makes a vocabulary-parallel shard (Megatron style): ``weight`` holds
+    rows start..end-1 of the ``num_embeddings`` rows and ids stay global.  Ids of other shards give zero
+    token vectors and no gradient, and only the shard with ``start == 0`` adds the PE, so the sum
+    (all-reduce) of the shards' outputs is the unsharded layer's output.  With ``dropout`` this holds
+    when every rank of the tensor-parallel group has the same torch RNG state, so that the shards draw
+    the same seed and drop the same elements (Megatron's default generator, not inside its per-rank
+    ``get_cuda_rng_tracker().fork()``).
+
+    ``sparse=True``: the weight's gradient is a sparse tensor of the rows the ids touch, as with
+    ``nn.Embedding(sparse=True)`` (see :func:`posenc_fast.sinusoidal_embedding`).
+
+    Library conventions: :meth:`from_preset`; an existing token table: :meth:`from_pretrained`.
     """
 
     def __init__(
@@ -173,14 +173,15 @@ class SinusoidalEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor, positions: Optional[torch.Tensor] = None,
                 offset: Union[int, torch.Tensor] = 0, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
-        # The weight from its registry: nn.Module.__getattr__ costs 0.6 us of a decoding step's 8.  Read by item,
-        # so that a registry that gathers on access (DeepSpeed ZeRO-3's) still does; where the weight is not
-        # registered (a parametrization's property, an old weight_norm's plain attribute), the attribute.
+        # The weight from its registry, skipping nn.Module.__getattr__ (host time on every decoding step:
+        # bench/host_overhead.py).  Read by item, so that a registry that gathers on access (DeepSpeed
+        # ZeRO-3's) still does; a weight that is not registered (a parametrization's property, the legacy
+        # torch.nn.utils.weight_norm's plain attribute) is read as an attribute.
         parameters = self._parameters
         weight = parameters["weight"] if "weight" in parameters else self.weight
         spec, backend, dropout = self.spec, self.backend, self.dropout
-        # A repeated call (a decoding step, a training step): see posenc_fast._prepared (eager only: never under
-        # torch.compile or jit.trace, which trace the op and its checks, or a transform or dispatch mode).
+        # A repeated eager call (_routing.eager_call) runs the prepared launch (posenc_fast._prepared); anything
+        # else takes the general path, where torch.compile and jit.trace see the op and its checks.
         simple_call = (positions is None and cu_seqlens is None and self.position_rule == "offset"
                        and self.vocab_range is None and eager_call(ids, weight))
         prepared = self._prepared  # read once: another thread may replace it
@@ -188,17 +189,10 @@ class SinusoidalEmbedding(nn.Module):
             out = prepared.run(spec, backend, dropout, self.training, self.sparse, weight, ids, offset)
             if out is not None:
                 return out
-        keep = functools.partial(self._keep_prepared, spec, backend, dropout, weight) if simple_call else None
+        keep = functools.partial(keep_embedding, self, spec, backend, dropout, weight) if simple_call else None
         return apply_spec(ids, weight, spec, spec.turns_tensor(weight.device), positions, offset, backend,
                           cu_seqlens=cu_seqlens, position_rule=self.position_rule, vocab_range=self.vocab_range,
                           dropout_p=dropout, training=self.training, sparse=self.sparse, keep=keep)
-
-    def _keep_prepared(self, spec, backend: str, dropout, weight, name: str) -> None:
-        """The general path's ``keep``: after an eager call on backend ``name``, prepare the next ones like it
-        (unless the launch kept already serves them)."""
-        prepared = self._prepared
-        if prepared is None or not prepared.prepared_for(spec, backend, dropout, weight):
-            self._prepared = PreparedForward.build(spec, backend, name, dropout, weight)
 
     def __getstate__(self):
         # The prepared launch holds a binding object: not copied or pickled, prepared again on use.
@@ -219,17 +213,17 @@ class SinusoidalEmbedding(nn.Module):
     @classmethod
     def from_pretrained(cls, weight: torch.Tensor, *, preset: Optional[str] = None, freeze: bool = False,
                         padding_idx: Optional[int] = None, **kwargs) -> "SinusoidalEmbedding":
-        """Wrap an existing token table (like ``nn.Embedding.from_pretrained``: the tensor is used, not copied).
+        """Wrap an existing token table, used, not copied (like ``nn.Embedding.from_pretrained``).
 
         ``weight`` is ``[num_embeddings, token_width]``; ``d_model`` is its width (plus ``d_pos`` in
         concat mode).  ``preset`` names a library convention; other keyword arguments as the constructor.
 
-        An ``nn.Parameter`` is kept: the layer's ``weight`` *is* that Parameter, so a table tied to
-        an output projection stays one Parameter, its gradient lands where the model's optimizer
-        looks, and weight decay and clipping see it once.  ``freeze=True`` with a trainable
-        Parameter raises, since freezing it would freeze it for its other users too; to freeze the
-        table in this layer only, pass ``weight.detach()``.  A plain tensor becomes a new Parameter
-        over the same storage (``requires_grad=not freeze``), as in ``nn.Embedding.from_pretrained``.
+        An ``nn.Parameter`` becomes the layer's ``weight`` itself, so a table tied to an output
+        projection stays one Parameter: its gradient lands where the model's optimizer looks, and
+        weight decay and clipping see it once.  ``freeze=True`` with a trainable Parameter therefore
+        raises (it would freeze the Parameter for its other users too); to freeze the table in this
+        layer only, pass ``weight.detach()``.  A plain tensor becomes a new Parameter over the same
+        storage (``requires_grad=not freeze``), as in ``nn.Embedding.from_pretrained``.
         """
         check_weight(weight)  # a 2-D floating-point table
         if isinstance(weight, nn.Parameter) and freeze and weight.requires_grad:
@@ -304,8 +298,8 @@ class SinusoidalPositionalEncoding(nn.Module):
         self.d_model = d_model
         self.backend = backend
         self.preset: Optional[str] = None
-        # No buffer (as in SinusoidalEmbedding): the frequencies follow from the spec, cached per device.
-        # With no weight to follow, the device is x's; ``device`` copies them there now, before any capture.
+        # No buffer, as in SinusoidalEmbedding.  With no weight, the frequencies go to x's device on first use;
+        # ``device`` copies them there now, outside any CUDA graph capture (see _prepare_turns).
         if device is not None and torch.device(device).type != "meta":
             self.spec.turns_tensor(torch.device(device))
         self._prepared = None  # (as SinusoidalEmbedding's)
@@ -337,14 +331,8 @@ class SinusoidalPositionalEncoding(nn.Module):
             out = prepared.run(spec, backend, x, offset)
             if out is not None:
                 return out
-        keep = functools.partial(self._keep_prepared, spec, backend, x) if simple_call else None
+        keep = functools.partial(keep_addition, self, spec, backend, x) if simple_call else None
         return apply_add_spec(x, spec, spec.turns_tensor(x.device), positions, offset, cu_seqlens, backend, keep)
-
-    def _keep_prepared(self, spec, backend: str, x, name: str) -> None:
-        """As ``SinusoidalEmbedding._keep_prepared``."""
-        prepared = self._prepared
-        if prepared is None or not prepared.prepared_for(spec, backend, x):
-            self._prepared = PreparedAddition.build(spec, backend, name, x)
 
     _prepared: Optional[PreparedAddition] = None  # as SinusoidalEmbedding's
 
