@@ -69,7 +69,7 @@ def build_variant(work: str, defines, log) -> str:
     flags = [f"-D{d}" for d in defines]
     plan = plan._replace(compiles=[cmd + flags for cmd in plan.compiles])
     os.makedirs(build_dir, exist_ok=True)
-    _build.run_build(plan, source_dir, build_dir, log=log)
+    _build.run_build(plan, build_dir, log=log)
     return output
 
 

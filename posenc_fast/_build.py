@@ -9,8 +9,8 @@ environment, where neither torch nor posenc_fast is importable.  What it owns:
 - the environment knobs: ``POSENC_FAST_BUILD_CUDA`` (0: skip, 1: required, unset: if nvcc is
   found), ``POSENC_FAST_CUDA_ARCHS`` (e.g. ``"80;90"``), ``CUDA_HOME`` / ``CUDA_PATH``;
 - finding nvcc, parsing the architecture list into ``-gencode`` flags;
-- the compile and link commands, run through ninja when it is installed (parallel, incremental)
-  and one by one otherwise;
+- the compile and link commands (``BuildPlan``, for every extension and the host emulation), run
+  through ninja when it is installed (parallel, incremental), else the compiles side by side;
 - the per-user build cache, ``<cache root>/cuda-<sources and Python ABI>/<nvcc version and archs>/``
   (``build_cached``).  ``pip install`` builds there and copies the module into the wheel, so
   reinstalling the same sources does not compile again; an installed package without the
@@ -170,12 +170,25 @@ def _include_dirs() -> List[str]:
 
 
 class BuildPlan(NamedTuple):
-    """The commands that build the extension: one compile per source, then a link."""
+    """The commands that build an extension: one compile per source, then a link."""
 
-    compiles: List[List[str]]  # each: the nvcc command writing objects[i]
+    compiles: List[List[str]]  # each: the compiler command writing objects[i] from sources[i]
+    sources: List[str]
     objects: List[str]
     link: List[str]
     output: str
+    depends: List[str]  # the headers every compile reads
+
+
+def _plan(compiler: List[str], units, headers: Sequence[str], source_dir: str, build_dir: str, output: str,
+          link: List[str], libraries: Sequence[str] = ()) -> BuildPlan:
+    """``compiler`` on each unit (a source under ``source_dir``, its object's name, its flags) into
+    ``build_dir``, then ``link`` of the objects and ``libraries`` into ``output``."""
+    sources = [os.path.join(source_dir, source) for source, _, _ in units]
+    objects = [os.path.join(build_dir, name + ".o") for _, name, _ in units]
+    compiles = [compiler + ["-c", path, "-o", obj] + flags for path, obj, (_, _, flags) in zip(sources, objects, units)]
+    return BuildPlan(compiles, sources, objects, link + ["-o", output] + objects + list(libraries), output,
+                     [os.path.join(source_dir, h) for h in headers])
 
 
 def plan_build(source_dir: str, build_dir: str, output: str, nvcc: str, archs: Sequence[CudaArch],
@@ -189,30 +202,24 @@ def plan_build(source_dir: str, build_dir: str, output: str, nvcc: str, archs: S
     device = gencode_flags(archs) + ["-lineinfo"]  # line tables for profilers and compute-sanitizer; no speed cost
     if debug:
         common += ["-g"]
-    compiles, objects = [], []
-    for source in SOURCES:
-        obj = os.path.join(build_dir, os.path.basename(source) + ".o")
-        flags = common + (device if source.endswith(".cu") else [])
-        compiles.append([nvcc, "-c", os.path.join(source_dir, source), "-o", obj] + flags)
-        objects.append(obj)
     # nvcc links the CUDA runtime statically by default (-cudart static): the module needs only
     # the driver at run time, and does not depend on which libcudart torch ships.
-    link = [nvcc, "-shared", "-cudart", "static", "-o", output] + objects
-    return BuildPlan(compiles, objects, link, output)
+    units = [(source, os.path.basename(source), common + (device if source.endswith(".cu") else []))
+             for source in SOURCES]
+    return _plan([nvcc], units, HEADERS, source_dir, build_dir, output, [nvcc, "-shared", "-cudart", "static"])
 
 
 def _ninja_escape(path: str) -> str:
     return path.replace("$", "$$").replace(" ", "$ ").replace(":", "$:")
 
 
-def _write_ninja(plan: BuildPlan, source_dir: str, build_dir: str) -> str:
-    depends = " ".join(_ninja_escape(os.path.join(source_dir, h)) for h in HEADERS)
+def _write_ninja(plan: BuildPlan, build_dir: str) -> str:
+    depends = " ".join(_ninja_escape(h) for h in plan.depends)
     lines = ["ninja_required_version = 1.3", "", "rule run", "  command = $cmd", "  description = $desc", ""]
-    for cmd, obj in zip(plan.compiles, plan.objects):
-        source = cmd[2]
+    for cmd, source, obj in zip(plan.compiles, plan.sources, plan.objects):
         lines += [f"build {_ninja_escape(obj)}: run {_ninja_escape(source)} | {depends}",
                   f"  cmd = {shlex.join(cmd).replace('$', '$$')}",
-                  f"  desc = nvcc {os.path.basename(source)}", ""]
+                  f"  desc = {os.path.basename(cmd[0])} {os.path.basename(obj)}", ""]
     lines += [f"build {_ninja_escape(plan.output)}: run {' '.join(_ninja_escape(o) for o in plan.objects)}",
               f"  cmd = {shlex.join(plan.link).replace('$', '$$')}",
               f"  desc = link {os.path.basename(plan.output)}", ""]
@@ -234,34 +241,45 @@ def _find_ninja() -> Optional[str]:
     return candidate if os.access(candidate, os.X_OK) else None
 
 
-def run_build(plan: BuildPlan, source_dir: str, build_dir: str, log=sys.stderr, progress=None) -> None:
-    """Run the plan: through ninja if available (parallel, incremental), else command by command.
+def run_build(plan: BuildPlan, build_dir: str, log=sys.stderr, progress=None) -> None:
+    """Run the plan: through ninja if available (incremental), else its compiles side by side; both in
+    parallel, then the link.
 
     Output goes to ``log``, the ``[n/N]`` step lines also to ``progress`` (a terminal) when given;
     a failing command raises RuntimeError with its output.
     """
     os.makedirs(build_dir, exist_ok=True)
     os.makedirs(os.path.dirname(os.path.abspath(plan.output)), exist_ok=True)
+    what = "posenc_fast." + os.path.basename(plan.output).split(".")[0]
     ninja = _find_ninja()
     if ninja is not None:
-        _write_ninja(plan, source_dir, build_dir)
+        _write_ninja(plan, build_dir)
         command = [ninja, "-C", build_dir]
         jobs = os.environ.get("MAX_JOBS")
         if jobs:
             command += ["-j", jobs]
-        _run(command, log, what="ninja", progress=progress)
+        _run(command, what, log, progress)
         return
-    steps = plan.compiles + [plan.link]
-    for number, cmd in enumerate(steps, 1):
-        _say(f"[{number}/{len(steps)}] {os.path.basename(cmd[2]) if cmd in plan.compiles else 'link'}",
-             log, progress)
-        _run(cmd, log, what=os.path.basename(cmd[0]))
+    steps = len(plan.compiles) + 1
+    running = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+               for cmd in plan.compiles]
+    failures = []
+    for number, (obj, process) in enumerate(zip(plan.objects, running), 1):
+        out, _ = process.communicate()
+        print(out, end="", file=log, flush=True)
+        _say(f"[{number}/{steps}] {os.path.basename(obj)}", log, progress)
+        if process.returncode != 0:
+            failures.append(f"$ {shlex.join(process.args)}\n{out[-4000:]}")
+    if failures:
+        raise RuntimeError(f"building {what} failed:\n" + "\n".join(failures))
+    _say(f"[{steps}/{steps}] link", log, progress)
+    _run(plan.link, what, log)
 
 
 _NINJA_STEP = re.compile(r"^\[\d+/\d+\] ")
 
 
-def _run(command: List[str], log, what: str, progress=None) -> None:
+def _run(command: List[str], what: str, log, progress=None) -> None:
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     output = []
     for line in process.stdout:
@@ -274,8 +292,8 @@ def _run(command: List[str], log, what: str, progress=None) -> None:
             except OSError:
                 pass
     if process.wait() != 0:
-        raise RuntimeError(f"building posenc_fast._C failed ({what} exited with {process.returncode}):\n"
-                           + "".join(output[-60:]))
+        raise RuntimeError(f"building {what} failed ({os.path.basename(command[0])} exited with "
+                           f"{process.returncode}):\n" + "".join(output[-60:]))
 
 
 def build_extension(source_dir: str, build_dir: str, output: str, nvcc: Optional[str] = None,
@@ -289,7 +307,7 @@ def build_extension(source_dir: str, build_dir: str, output: str, nvcc: Optional
     plan = plan_build(os.path.abspath(source_dir), os.path.abspath(build_dir), os.path.abspath(output), nvcc, archs)
     _say(f"posenc_fast: building the CUDA extension with {nvcc} ({nvcc_version(nvcc)}) for "
          f"{', '.join(a.name + ('+PTX' if a.ptx else '') for a in archs)}", log, progress)
-    run_build(plan, os.path.abspath(source_dir), os.path.abspath(build_dir), log=log, progress=progress)
+    run_build(plan, os.path.abspath(build_dir), log=log, progress=progress)
     return output
 
 
@@ -396,29 +414,36 @@ def cached_extension(env: Mapping[str, str] = os.environ) -> Optional[str]:
 def build_cached(source_dir: str, nvcc: str, archs: Sequence[CudaArch], env: Mapping[str, str] = os.environ,
                  log=sys.stderr, progress=None) -> str:
     """The extension built from ``source_dir`` in the per-user cache, compiled only if that cache has
-    no build for these sources, Python ABI, nvcc version and archs; returns its path.
-
-    Shared by ``pip install`` (setup.py copies the result into the wheel) and the on-demand build.
-    Concurrent processes (one per rank) wait on a file lock and reuse one build.
-    """
+    no build for these sources, Python ABI, nvcc version and archs; returns its path.  Shared by
+    ``pip install`` (setup.py copies the result into the wheel) and the on-demand build."""
     directory = cache_directory(source_dir, nvcc, archs, env)
-    output = os.path.join(directory, extension_filename())
+
+    def build(output: str, build_dir: str) -> None:
+        _say(f"posenc_fast: compiling the CUDA extension into {directory} (1-3 minutes on a few cores; "
+             f"POSENC_FAST_CUDA_ARCHS=<your GPU, e.g. 90> makes it faster, POSENC_FAST_BUILD_CUDA=0 skips it)",
+             log, progress)
+        build_extension(source_dir, build_dir, output, nvcc, archs, env, log, progress)
+    return _build_once(directory, extension_filename(), "the CUDA extension", build, log, progress)
+
+
+def _build_once(directory: str, filename: str, what: str, build, log, progress=None) -> str:
+    """``directory/filename``, made by ``build(output, build_dir)`` unless an earlier build left it there.
+    Concurrent processes (one per rank) wait on a file lock and reuse one build; the module appears in one
+    rename, so a reader never sees a half-written one; its objects are not kept."""
+    output = os.path.join(directory, filename)
     os.makedirs(directory, exist_ok=True)
     import fcntl
 
     with open(os.path.join(directory, ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if os.path.exists(output):
-            _say(f"posenc_fast: reusing the CUDA extension built earlier from these sources: {output}", log, progress)
+            _say(f"posenc_fast: reusing {what} built earlier from these sources: {output}", log, progress)
             return output
-        _say(f"posenc_fast: compiling the CUDA extension into {directory} (1-3 minutes on a few cores; "
-             f"POSENC_FAST_CUDA_ARCHS=<your GPU, e.g. 90> makes it faster, POSENC_FAST_BUILD_CUDA=0 skips it)",
-             log, progress)
-        partial = output + ".partial"
-        build_extension(source_dir, os.path.join(directory, "build"), partial, nvcc, archs, env, log, progress)
-        strip_debug_symbols(partial, log)
-        os.replace(partial, output)  # atomic: a reader never sees a half-written module
-        shutil.rmtree(os.path.join(directory, "build"), ignore_errors=True)  # the objects are not reused
+        build_dir = os.path.join(directory, "build")
+        build(output + ".partial", build_dir)
+        strip_debug_symbols(output + ".partial", log)
+        os.replace(output + ".partial", output)
+        shutil.rmtree(build_dir, ignore_errors=True)
         _say(f"posenc_fast: built {output}", log, progress)
     return output
 
@@ -512,35 +537,17 @@ def build_host_emulation(env: Mapping[str, str] = os.environ, log=sys.stderr) ->
     digest = _digest_files(source_dir, SOURCES + HEADERS + EMULATION_HEADERS)
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     digest.update(repr((version, root, extension_filename())).encode())
-    directory = os.path.join(cache_root(env), "host-emulation-" + digest.hexdigest()[:16])
-    output = os.path.join(directory, extension_filename())
-    os.makedirs(directory, exist_ok=True)
-    import fcntl
+    flags = ["-std=c++17", "-O1", "-fPIC", "-DPOSENC_FAST_HOST_EMULATION", f"-I{source_dir}",
+             f"-I{os.path.join(root, 'include')}"] + [f"-I{d}" for d in _include_dirs()]
+    libdirs = [os.path.join(root, d) for d in ("lib64", "lib", os.path.join("targets", "x86_64-linux", "lib"))]
+    link = [compiler, "-shared"] + [f"-L{d}" for d in libdirs if os.path.isdir(d)]
 
-    with open(os.path.join(directory, ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if os.path.exists(output):
-            return output
-        print(f"posenc_fast: compiling the CUDA kernels for host emulation into {directory}", file=log, flush=True)
-        flags = ["-std=c++17", "-O1", "-fPIC", "-DPOSENC_FAST_HOST_EMULATION", f"-I{source_dir}",
-                 f"-I{os.path.join(root, 'include')}"] + [f"-I{d}" for d in _include_dirs()]
-        jobs = []
-        for source in SOURCES:
-            obj = os.path.join(directory, os.path.basename(source) + ".o")
-            cmd = [compiler, "-x", "c++", "-c", os.path.join(source_dir, source), "-o", obj] + flags
-            jobs.append((obj, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
-        for obj, process in jobs:
-            out, _ = process.communicate()
-            if process.returncode != 0:
-                raise RuntimeError(f"host emulation: compiling {os.path.basename(obj)} failed:\n{out[-4000:]}")
-        libdirs = [os.path.join(root, d) for d in ("lib64", "lib", os.path.join("targets", "x86_64-linux", "lib"))]
-        link = [compiler, "-shared", "-o", output + ".partial"] + [obj for obj, _ in jobs]
-        link += [f"-L{d}" for d in libdirs if os.path.isdir(d)] + ["-l:libcudart_static.a", "-ldl", "-lpthread", "-lrt"]
-        result = subprocess.run(link, capture_output=True, text=True)
-        if result.returncode != 0:
-            raise RuntimeError(f"host emulation: linking failed:\n{(result.stdout + result.stderr)[-4000:]}")
-        os.replace(output + ".partial", output)
-    return output
+    def build(output: str, build_dir: str) -> None:
+        units = [(source, os.path.basename(source), flags) for source in SOURCES]
+        run_build(_plan([compiler, "-x", "c++"], units, HEADERS + EMULATION_HEADERS, source_dir, build_dir, output, link,
+                        ["-l:libcudart_static.a", "-ldl", "-lpthread", "-lrt"]), build_dir, log)
+    return _build_once(os.path.join(cache_root(env), "host-emulation-" + digest.hexdigest()[:16]), extension_filename(),
+                       "the host emulation", build, log)
 
 
 # ---- the CPU extension posenc_fast._cpu (csrc/cpu/): any C++17 compiler, no CUDA ----
@@ -589,49 +596,29 @@ def _x86() -> bool:
 
 def plan_cpu_build(source_dir: str, build_dir: str, output: str, cxx: str) -> BuildPlan:
     """Commands that compile the CPU kernels (once per variant) and the binding, and link ``output``."""
-    common = [cxx, "-std=c++17", "-O3", "-fPIC", "-fvisibility=hidden", "-pthread", f"-I{source_dir}"]
+    common = ["-std=c++17", "-O3", "-fPIC", "-fvisibility=hidden", "-pthread", f"-I{source_dir}"]
     variants = CPU_X86_VARIANTS if _x86() else (("isa_baseline", []),)
-    compiles, objects = [], []
-    for namespace, flags in variants:
-        obj = os.path.join(build_dir, f"cpu_kernels.{namespace}.o")
-        compiles.append(common + flags + [f"-DPOSENC_CPU_ISA={namespace}", "-c",
-                                          os.path.join(source_dir, CPU_SOURCES[0]), "-o", obj])
-        objects.append(obj)
-    obj = os.path.join(build_dir, "cpu_binding.o")
-    compiles.append(common + [f"-I{d}" for d in _include_dirs()] +
-                    [f"-DPOSENC_CPU_HAVE_X86_VARIANTS={1 if _x86() else 0}", "-c",
-                     os.path.join(source_dir, CPU_SOURCES[1]), "-o", obj])
-    objects.append(obj)
-    link = [cxx, "-shared", "-pthread", "-o", output] + objects
+    units = [(CPU_SOURCES[0], f"cpu_kernels.{namespace}", common + flags + [f"-DPOSENC_CPU_ISA={namespace}"])
+             for namespace, flags in variants]
+    units.append((CPU_SOURCES[1], "cpu_binding", common + [f"-I{d}" for d in _include_dirs()]
+                  + [f"-DPOSENC_CPU_HAVE_X86_VARIANTS={1 if _x86() else 0}"]))
+    libraries = []
     if sys.platform.startswith("linux"):
-        link.append("-ldl")  # dlopen/dlsym of the process's OpenMP runtime (in libc itself from glibc 2.34)
+        libraries.append("-ldl")  # dlopen/dlsym of the process's OpenMP runtime (in libc itself from glibc 2.34)
     if sys.platform == "darwin":
-        link += ["-undefined", "dynamic_lookup"]
-    return BuildPlan(compiles, objects, link, output)
+        libraries += ["-undefined", "dynamic_lookup"]
+    return _plan([cxx], units, CPU_HEADERS, source_dir, build_dir, output, [cxx, "-shared", "-pthread"], libraries)
 
 
 def build_cpu_extension(source_dir: str, build_dir: str, output: str, cxx: Optional[str] = None,
                         env: Mapping[str, str] = os.environ, log=sys.stderr) -> str:
-    """Compile the CPU extension into ``output`` (the compiles run in parallel); returns it."""
+    """Compile the CPU extension into ``output``; returns it."""
     cxx = cxx or find_cxx(env)
     if cxx is None:
         raise RuntimeError("no C++ compiler found (c++, g++ or clang++ on PATH, or $CXX)")
     plan = plan_cpu_build(os.path.abspath(source_dir), os.path.abspath(build_dir), os.path.abspath(output), cxx)
-    os.makedirs(os.path.abspath(build_dir), exist_ok=True)
-    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     print(f"posenc_fast: building the CPU extension with {cxx} ({len(plan.compiles)} compiles)", file=log, flush=True)
-    jobs = [(cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-            for cmd in plan.compiles]
-    failures = []
-    for cmd, process in jobs:
-        out, _ = process.communicate()
-        if process.returncode != 0:
-            failures.append(f"$ {shlex.join(cmd)}\n{out[-4000:]}")
-    if failures:
-        raise RuntimeError("building posenc_fast._cpu failed:\n" + "\n".join(failures))
-    result = subprocess.run(plan.link, capture_output=True, text=True)
-    if result.returncode != 0:
-        raise RuntimeError(f"linking posenc_fast._cpu failed:\n{(result.stdout + result.stderr)[-4000:]}")
+    run_build(plan, os.path.abspath(build_dir), log)
     return output
 
 
@@ -665,18 +652,5 @@ def build_cpu_in_cache(env: Mapping[str, str] = os.environ, log=sys.stderr, sour
         raise RuntimeError("the C++ sources (csrc/) are not part of this installation of posenc_fast")
     if cxx is None:
         raise RuntimeError("no C++ compiler found (c++, g++ or clang++ on PATH, or $CXX)")
-    directory = _cpu_cache_dir(source_dir, cxx, env)
-    output = os.path.join(directory, cpu_extension_filename())
-    os.makedirs(directory, exist_ok=True)
-    import fcntl
-
-    with open(os.path.join(directory, ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if os.path.exists(output):
-            print(f"posenc_fast: reusing the CPU extension built earlier from these sources: {output}", file=log)
-        else:
-            build_cpu_extension(source_dir, os.path.join(directory, "build"), output + ".partial", cxx, env, log)
-            strip_debug_symbols(output + ".partial", log)
-            os.replace(output + ".partial", output)
-            shutil.rmtree(os.path.join(directory, "build"), ignore_errors=True)
-    return output
+    return _build_once(_cpu_cache_dir(source_dir, cxx, env), cpu_extension_filename(), "the CPU extension",
+                       lambda output, build_dir: build_cpu_extension(source_dir, build_dir, output, cxx, env, log), log)
