@@ -206,6 +206,14 @@ def dropout_arguments(dropout, device: torch.device):
     return seed.data_ptr(), int(dropout.threshold), float(dropout.scale)
 
 
+def gradient_arguments(module, backend: str, sorted_ids, order, grad_out, grad_weight) -> tuple:
+    """The tensors of the binding's ``weight_grad``, its first eight arguments: pointers, with the dtype code
+    after the sorted ids, after the gradient's row stride and after the weight gradient."""
+    return (sorted_ids.data_ptr(), dtype_code(module, sorted_ids.dtype, backend), order.data_ptr(),
+            grad_out.data_ptr(), grad_out.stride(0), dtype_code(module, grad_out.dtype, backend),
+            grad_weight.data_ptr(), dtype_code(module, grad_weight.dtype, backend))
+
+
 def pointer(t: Optional[torch.Tensor]) -> int:
     return 0 if t is None else t.data_ptr()
 

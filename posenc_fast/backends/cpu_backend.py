@@ -26,7 +26,7 @@ import torch
 from . import Dropout, KernelParams, PreparedLaunch, _extension, gradient_rows, new_buffer, sort_ids_for_gradient
 from ._extension import Lookup
 from ._extension import constant_under_compile as _constant_under_compile
-from ._extension import dropout_arguments, dtype_code, pointer
+from ._extension import dropout_arguments, gradient_arguments
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FLOAT64_MATH = True  # precision="float64": float64 arithmetic and polynomials, one rounding
@@ -87,10 +87,6 @@ def available(device: torch.device) -> Optional[str]:
     return extension_problem()
 
 
-def _dtype_code(module, dtype: torch.dtype) -> int:
-    return dtype_code(module, dtype, 'cpu')
-
-
 def prepare_forward(dtype, num_rows: int, device, turns, params: KernelParams) -> Optional[PreparedLaunch]:
     """``_cpu.ForwardLaunch`` bound to a table's dtype and row count and to ``params``, with the binding's id
     scan (``posenc_fast._prepared``); None when the extension is missing."""
@@ -116,9 +112,7 @@ def backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_id
     sorted_ids, order = sort_ids_for_gradient(ids, num_embeddings) if sorted_ids is None else sorted_ids
     dropout_seed, dropout_threshold, dropout_scale = dropout_arguments(dropout, grad_out.device)
     module.weight_grad(
-        pointer(sorted_ids), _dtype_code(module, sorted_ids.dtype), pointer(order), pointer(grad_out),
-        grad_out.stride(0), _dtype_code(module, grad_out.dtype), pointer(grad_weight),
-        _dtype_code(module, weight_dtype), num_tokens, num_embeddings, token_width, int(padding_idx),
-        float(embed_scale), dropout_seed, dropout_threshold, dropout_scale, torch.get_num_threads(),
-    )
+        *gradient_arguments(module, "cpu", sorted_ids, order, grad_out, grad_weight), num_tokens, num_embeddings,
+        token_width, int(padding_idx), float(embed_scale), dropout_seed, dropout_threshold, dropout_scale,
+        torch.get_num_threads())
     return grad_weight

@@ -31,7 +31,7 @@ from . import (Dropout, KernelParams, PreparedLaunch, _extension, current_stream
                gradient_rows, new_buffer, sort_ids_for_gradient)
 from ._extension import Extension, Lookup
 from ._extension import constant_under_compile as _constant_under_compile
-from ._extension import dropout_arguments, dtype_code, pointer
+from ._extension import dropout_arguments, gradient_arguments, pointer
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FLOAT64_MATH = True  # precision="float64": the kernels' float64 variant (longer polynomials, one rounding)
@@ -160,22 +160,15 @@ def use_host_emulation(path: Optional[str]) -> None:
     _lookup.state, _host_emulation = Extension(module, None), True
 
 
-def _dtype_code(module, dtype: torch.dtype) -> int:
-    return dtype_code(module, dtype, 'cuda')
-
-
 def _launch_weight_grad(module, sorted_ids, order, grad_out, grad_weight, partials, num_embeddings, token_width,
                         padding_idx, embed_scale, dropout: Optional[Dropout], chunk, stream: int, device: int) -> None:
     """One call into ``_C.weight_grad`` with every argument in the binding's order (tests call this with 0 tokens
     on CPU tensors to check the signature without a GPU: nothing is launched then)."""
     dropout_seed, dropout_threshold, dropout_scale = dropout_arguments(dropout, grad_out.device)
     module.weight_grad(
-        pointer(sorted_ids), _dtype_code(module, sorted_ids.dtype), pointer(order), pointer(grad_out),
-        grad_out.stride(0), _dtype_code(module, grad_out.dtype), pointer(grad_weight),
-        _dtype_code(module, grad_weight.dtype),
-        pointer(partials), sorted_ids.numel(), num_embeddings, token_width, int(padding_idx), float(embed_scale),
-        dropout_seed, dropout_threshold, dropout_scale, int(chunk), stream, device,
-    )
+        *gradient_arguments(module, "cuda", sorted_ids, order, grad_out, grad_weight), pointer(partials),
+        sorted_ids.numel(), num_embeddings, token_width, int(padding_idx), float(embed_scale), dropout_seed,
+        dropout_threshold, dropout_scale, int(chunk), stream, device)
 
 
 def _stream_and_device(t: torch.Tensor):
