@@ -15,11 +15,12 @@ spec's kernel parameters.  Each entry point keeps its launches:
   ``functional_addition``).
 
 A later call runs the prepared launch only if it is plain eager (``_routing.eager_call``) and the same
-kind of call on the same kind of table; a training call runs it inside :class:`LaunchedEmbeddingFunction`
-or :class:`LaunchedAdditionFunction`.  Anything else (another spec, backend, dropout probability, or
-table dtype, shape or device; dropout to apply, positions, a position rule, a tensor offset, cu_seqlens
-or a vocabulary range; a changed extension) takes the general path, which validates everything and
-raises the errors.
+kind of call on the same kind of table, its positions an int offset or a contiguous int64 tensor of the
+ids' shape; a training call runs it inside :class:`LaunchedEmbeddingFunction` or
+:class:`LaunchedAdditionFunction`.  Anything else (another spec, backend, dropout probability, or table
+dtype, shape or device; dropout to apply, positions of another kind, a position rule, a tensor offset,
+cu_seqlens or a vocabulary range; a changed extension) takes the general path, which validates everything
+and raises the errors.
 
 A prepared launch never holds the table or its address: the table's data pointer is read on every call,
 so in-place updates, ``.data`` swaps and a new Parameter of the same shape need no invalidation.
@@ -65,6 +66,15 @@ def _dense(t: torch.Tensor) -> bool:
     (which has no memory: the general path names it).  ``PreparedForward.run`` repeats these checks
     inline: a new one goes there too."""
     return t.layout is _STRIDED and t.is_contiguous() and not t.is_neg() and not t._is_zerotensor()
+
+
+def _launch_positions(positions, offset, shape, device) -> bool:
+    """Whether a launch takes these explicit positions as they are: a plain contiguous int64 tensor of the
+    tokens' ``shape`` on ``device``, with offset 0 (anything else: the general path broadcasts, converts or
+    refuses it)."""
+    return (type(positions) is torch.Tensor and positions.dtype is torch.int64 and offset == 0
+            and not positions.is_nested and positions.shape == shape and positions.device == device
+            and _dense(positions))
 
 
 class _Bound:
@@ -124,10 +134,11 @@ class PreparedForward(_Bound):
                 and dropout == self.dropout and weight.dtype is self.dtype and weight.shape == self.shape
                 and weight.device == self.device and self.is_current())
 
-    def run(self, spec, backend: str, dropout, training: bool, sparse, weight, ids, offset) -> Optional[torch.Tensor]:
-        """The layer's output for ``ids`` at ``offset`` when this launch was prepared for that call
-        (positions ``offset + t``, no dropout applied); else None, and the caller takes the general path.
-        The caller has checked that the call is eager (``_routing.eager_call``)."""
+    def run(self, spec, backend: str, dropout, training: bool, sparse, weight, ids, offset,
+            positions=None) -> Optional[torch.Tensor]:
+        """The layer's output for ``ids`` at ``offset`` (positions ``offset + t``) or at ``positions`` when this
+        launch was prepared for that call (no dropout applied); else None, and the caller takes the general
+        path.  The caller has checked that the call is eager (``_routing.eager_call``)."""
         # prepared_for's checks and the call's own, inline: a decoding step pays for each Python call.
         if (type(offset) is not int or not _INT64_MIN <= offset < _INT64_END
                 or spec is not self.spec or backend != self.backend or type(dropout) is not float
@@ -141,13 +152,16 @@ class PreparedForward(_Bound):
                     or weight._is_zerotensor() or ids.device != self.device or weight.device != self.device
                     or self.source.state is not self.state):
                 return None
+            if positions is not None and not _launch_positions(positions, offset, ids.shape, self.device):
+                return None
         except RuntimeError:  # a table without sizes (a nested tensor's shape raises): the general path names it
             return None
         if weight.requires_grad and _grad_enabled():
-            return LaunchedEmbeddingFunction.apply(weight, ids, self._output, offset, (sparse,) + self.gradient)
-        return self._output(weight, ids, offset)
+            return LaunchedEmbeddingFunction.apply(weight, ids, self._output, offset, positions,
+                                                   (sparse,) + self.gradient)
+        return self._output(weight, ids, offset, positions)
 
-    def _output(self, weight, ids, offset) -> torch.Tensor:
+    def _output(self, weight, ids, offset, positions) -> torch.Tensor:
         shape = ids.shape
         # new_empty with the sizes unpacked: the cheapest allocation call.  Not a view, as nn.Embedding's
         # output: under no_grad a view could not later be modified in place with grad mode on.
@@ -155,7 +169,7 @@ class PreparedForward(_Bound):
         if _backends.POISON_OUTPUTS:
             out.fill_(float("nan"))
         self.launch(ids, weight, self.shape[1], out, offset, shape[-1] if shape else 1, ids.numel(),
-                    self.last_argument(), config.check_ids)
+                    self.last_argument(), config.check_ids, positions)
         return out
 
 
@@ -205,14 +219,16 @@ class PreparedAddition(_Bound):
         return (spec is self.spec and backend == self.backend and x.dtype is self.dtype and x.device == self.device
                 and self.is_current())
 
-    def run(self, spec, backend: str, x, offset) -> Optional[torch.Tensor]:
-        """``x_scale * x + pe_scale * PE(offset + t)`` when this launch was prepared for that call; else None.
-        The caller has checked that the call is eager (``_routing.eager_call(x, x)``)."""
+    def run(self, spec, backend: str, x, offset, positions=None) -> Optional[torch.Tensor]:
+        """``x_scale * x + pe_scale * PE(position)``, positions ``offset + t`` or ``positions``, when this launch
+        was prepared for that call; else None.  The caller has checked that the call is eager
+        (``_routing.eager_call(x, x)``)."""
         try:
             if (type(offset) is not int or not _INT64_MIN <= offset < _INT64_END
                     or spec is not self.spec or backend != self.backend or x.dtype is not self.dtype
                     or x.dim() < 2 or x.shape[-1] != self.width or not _dense(x) or x.device != self.device
-                    or self.source.state is not self.state):
+                    or self.source.state is not self.state
+                    or (positions is not None and not _launch_positions(positions, offset, x.shape[:-1], self.device))):
                 return None
         except RuntimeError:  # a tensor without sizes, as in PreparedForward.run
             return None
@@ -224,8 +240,8 @@ class PreparedAddition(_Bound):
         if rows is None:
             return None
         if x.requires_grad and _grad_enabled():
-            return LaunchedAdditionFunction.apply(x, self.x_scale, self._output, offset, rows, last_argument)
-        return self._output(x, offset, rows, last_argument)
+            return LaunchedAdditionFunction.apply(x, self.x_scale, self._output, offset, rows, last_argument, positions)
+        return self._output(x, offset, rows, last_argument, positions)
 
     def _row_numbers(self, num_rows: int, stream) -> Optional[torch.Tensor]:
         """At least ``num_rows`` row numbers 0, 1, ... for a launch on ``stream`` (on a GPU), or None where they
@@ -251,13 +267,14 @@ class PreparedAddition(_Bound):
                 numbers = self.numbers = (rows, stream)
         return numbers[0] if not self.on_gpu or numbers[1] == stream else None
 
-    def _output(self, x, offset, rows, last_argument) -> torch.Tensor:
+    def _output(self, x, offset, rows, last_argument, positions) -> torch.Tensor:
         # Contiguous, as the general path's output (x's strides on size-1 dimensions are not copied);
         # empty_like is the cheaper allocation call here.
         out = torch.empty_like(x, memory_format=_CONTIGUOUS)
         if _backends.POISON_OUTPUTS:
             out.fill_(float("nan"))
-        self.launch(rows, x, self.width, out, offset, x.shape[-2], x.numel() // self.width, last_argument, False)
+        self.launch(rows, x, self.width, out, offset, x.shape[-2], x.numel() // self.width, last_argument, False,
+                    positions)
         return out
 
 
@@ -334,7 +351,7 @@ def _keep(spec, slot, key, prepared_for, build) -> None:
 # more cheaply than a key of its dtype, shape and device could be built.  Only where that launch does not
 # serve the call is the one kept for the call's kind of table looked up and made the slot's (calls that
 # alternate between kinds of table).
-def functional_embedding(spec, backend: str, dropout, training: bool, sparse, weight, ids, offset):
+def functional_embedding(spec, backend: str, dropout, training: bool, sparse, weight, ids, offset, positions):
     """``sinusoidal_embedding``'s call through the prepared launch kept for its spec, or None (general path).
     ``spec`` is the arguments' (already made); after a general-path call, ``remember_embedding``."""
     if type(backend) is not str or type(dropout) is not float:
@@ -344,12 +361,12 @@ def functional_embedding(spec, backend: str, dropout, training: bool, sparse, we
     prepared = None if kept is None else kept.get(slot)
     if prepared is None:
         return None
-    out = prepared.run(spec, backend, dropout, training, sparse, weight, ids, offset)
+    out = prepared.run(spec, backend, dropout, training, sparse, weight, ids, offset, positions)
     if out is None:
         for_table = kept.get((backend, weight.dtype, weight.shape, weight.device, dropout))
         if for_table is not None and for_table is not prepared:
             kept[slot] = for_table
-            out = for_table.run(spec, backend, dropout, training, sparse, weight, ids, offset)
+            out = for_table.run(spec, backend, dropout, training, sparse, weight, ids, offset, positions)
     return out
 
 
@@ -362,7 +379,7 @@ def remember_embedding(spec, backend: str, dropout, weight, name: str) -> None:
               lambda: PreparedForward.build(spec, backend, name, dropout, weight))
 
 
-def functional_addition(spec, backend: str, x, offset):
+def functional_addition(spec, backend: str, x, offset, positions):
     """``add_sinusoidal``'s call through the prepared launch kept for its spec, or None (general path)."""
     if type(backend) is not str:
         return None
@@ -371,12 +388,12 @@ def functional_addition(spec, backend: str, x, offset):
     prepared = None if kept is None else kept.get(slot)
     if prepared is None:
         return None
-    out = prepared.run(spec, backend, x, offset)
+    out = prepared.run(spec, backend, x, offset, positions)
     if out is None:
         for_input = kept.get(("add", backend, x.dtype, x.device))
         if for_input is not None and for_input is not prepared:
             kept[slot] = for_input
-            out = for_input.run(spec, backend, x, offset)
+            out = for_input.run(spec, backend, x, offset, positions)
     return out
 
 
@@ -406,8 +423,8 @@ class LaunchedEmbeddingFunction(_PlainEagerApply, torch.autograd.Function):
     Plain eager calls only: torch.func and forward AD take ``EmbeddingFunction``."""
 
     @staticmethod
-    def forward(ctx, weight, ids, launch, offset, gradient):
-        out = launch(weight, ids, offset)
+    def forward(ctx, weight, ids, launch, offset, positions, gradient):
+        out = launch(weight, ids, offset, positions)
         # Flat, as EmbeddingFunction saves them: a recomputation (activation checkpointing) may take the
         # other path and must save the same.
         ctx.save_for_backward(ids.reshape(-1))
@@ -423,7 +440,7 @@ class LaunchedEmbeddingFunction(_PlainEagerApply, torch.autograd.Function):
             gradient = sparse_weight_gradient if sparse else dense_weight_gradient
             grad_weight = gradient(grad_out.reshape(-1, grad_out.shape[-1]), ids, num_embeddings,
                                    token_width, embed_scale, padding_idx, weight_dtype, None, 0.0, backend)
-        return grad_weight, None, None, None, None
+        return grad_weight, None, None, None, None, None
 
 
 class LaunchedAdditionFunction(_PlainEagerApply, torch.autograd.Function):

@@ -93,14 +93,14 @@ def sinusoidal_embedding(
     # only, so that torch.compile and jit.trace trace the op and its checks.  A cached spec means valid
     # arguments, and the launch checks what check_weight does; a spec not cached that way (frequencies given)
     # is tried after the checks.
-    simple_call = positions is None and cu_seqlens is None and _eager_call(ids, weight)
+    simple_call = cu_seqlens is None and _eager_call(ids, weight)
     spec = None
     if simple_call and weight.dim() == 2 and not weight.is_nested:
         shape = weight.shape
         spec = make_spec(shape[0], shape[1], mode, d_pos, base, layout, embed_scale, pe_scale, padding_idx,
                          frequencies, zero_pe_at_padding, precision, only_cached=True)
         if spec is not None:
-            out = functional_embedding(spec, backend, dropout_p, training, sparse, weight, ids, offset)
+            out = functional_embedding(spec, backend, dropout_p, training, sparse, weight, ids, offset, positions)
             if out is not None:
                 return out
     check_weight(weight)
@@ -108,7 +108,7 @@ def sinusoidal_embedding(
         spec = make_spec(weight.shape[0], weight.shape[1], mode, d_pos, base, layout, embed_scale, pe_scale,
                          padding_idx, frequencies, zero_pe_at_padding, precision)
         if simple_call:
-            out = functional_embedding(spec, backend, dropout_p, training, sparse, weight, ids, offset)
+            out = functional_embedding(spec, backend, dropout_p, training, sparse, weight, ids, offset, positions)
             if out is not None:
                 return out
     keep = functools.partial(remember_embedding, spec, backend, dropout_p, weight) if simple_call else None
@@ -321,13 +321,13 @@ def add_sinusoidal(
     embedding (``x`` plays the table, row n read by token n), so the same accuracy.
     """
     # A repeated call: as sinusoidal_embedding's (the prepared launch checks x's float dtype and memory).
-    simple_call = positions is None and cu_seqlens is None and _eager_call(x, x)
+    simple_call = cu_seqlens is None and _eager_call(x, x)
     spec = None
     if simple_call and x.dim() >= 2 and not x.is_nested:
         spec = make_spec(1, x.shape[-1], "add", None, base, layout, x_scale, pe_scale, None, frequencies, False,
                          precision, only_cached=True)
         if spec is not None:
-            out = functional_addition(spec, backend, x, offset)
+            out = functional_addition(spec, backend, x, offset, positions)
             if out is not None:
                 return out
     if not isinstance(x, torch.Tensor):
@@ -339,7 +339,7 @@ def add_sinusoidal(
         spec = make_spec(1, x.shape[-1], "add", None, base, layout, x_scale, pe_scale, None, frequencies, False,
                          precision)
         if simple_call:
-            out = functional_addition(spec, backend, x, offset)
+            out = functional_addition(spec, backend, x, offset, positions)
             if out is not None:
                 return out
     keep = functools.partial(remember_addition, spec, backend, x) if simple_call else None

@@ -182,11 +182,11 @@ class SinusoidalEmbedding(nn.Module):
         spec, backend, dropout = self.spec, self.backend, self.dropout
         # A repeated eager call (_routing.eager_call) runs the prepared launch (posenc_fast._prepared); anything
         # else takes the general path, where torch.compile and jit.trace see the op and its checks.
-        simple_call = (positions is None and cu_seqlens is None and self.position_rule == "offset"
-                       and self.vocab_range is None and eager_call(ids, weight))
+        simple_call = (cu_seqlens is None and self.position_rule == "offset" and self.vocab_range is None
+                       and eager_call(ids, weight))
         prepared = self._prepared  # read once: another thread may replace it
         if simple_call and prepared is not None:
-            out = prepared.run(spec, backend, dropout, self.training, self.sparse, weight, ids, offset)
+            out = prepared.run(spec, backend, dropout, self.training, self.sparse, weight, ids, offset, positions)
             if out is not None:
                 return out
         keep = functools.partial(keep_embedding, self, spec, backend, dropout, weight) if simple_call else None
@@ -325,10 +325,10 @@ class SinusoidalPositionalEncoding(nn.Module):
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             raise TypeError(f"x must be a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}")
         spec, backend = self.spec, self.backend
-        simple_call = positions is None and cu_seqlens is None and eager_call(x, x)
+        simple_call = cu_seqlens is None and eager_call(x, x)
         prepared = self._prepared  # (see SinusoidalEmbedding.forward)
         if simple_call and prepared is not None:
-            out = prepared.run(spec, backend, x, offset)
+            out = prepared.run(spec, backend, x, offset, positions)
             if out is not None:
                 return out
         keep = functools.partial(keep_addition, self, spec, backend, x) if simple_call else None

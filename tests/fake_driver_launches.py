@@ -82,14 +82,17 @@ def main() -> None:
     table = torch.empty(weight.numel() + 8)
     table[1:1 + weight.numel()] = weight.view(-1)
     out = torch.empty(64 * WIDTH + 8)
-    usual = dict(ids=ids[:16], weight=weight, offset=9, num_tokens=16, seq_len=5, output_start=0)
+    positions = torch.randint(-(2**40), 2**40, (17,), generator=generator)
+    usual = dict(ids=ids[:16], weight=weight, offset=9, num_tokens=16, seq_len=5, output_start=0, positions=None)
     # Each call differs from the usual one in one thing that Triton specialises on, or in its shape.
     variants = [("usual", {}), ("offset 1", dict(offset=1)), ("offset 16 | value", dict(offset=32)),
                 ("64-bit offset", dict(offset=2**40 + 3)), ("length 1", dict(seq_len=1)),
                 ("length 16 | value", dict(seq_len=48)), ("misaligned ids", dict(ids=ids[1:17])),
                 ("int32 ids", dict(ids=ids[:16].int())),
                 ("misaligned table", dict(weight=table[1:1 + weight.numel()].view(1000, WIDTH))),
-                ("misaligned output", dict(output_start=1)), ("4 tokens", dict(ids=ids[:4], num_tokens=4)),
+                ("misaligned output", dict(output_start=1)), ("positions", dict(positions=positions[:16], offset=0)),
+                ("misaligned positions", dict(positions=positions[1:], offset=0)),
+                ("4 tokens", dict(ids=ids[:4], num_tokens=4)),
                 ("40 tokens", dict(ids=ids[:40], num_tokens=40)),
                 ("300-row table", dict(ids=ids[:16] % 300, weight=weight[:300]))]
     calls = []
@@ -107,14 +110,16 @@ def main() -> None:
             fresh = torch.empty(count + 16, dtype=like.dtype)
             fresh[start:start + count] = values.reshape(-1)
             return fresh[start:start + count].view(like.shape)
+        positions = call["positions"]
         return dict(call, ids=same_alignment(call["ids"], call["ids"].flip(0)),
                     out=same_alignment(call["out"], call["out"]),
+                    positions=None if positions is None else same_alignment(positions, positions.flip(0) + 1),
                     offset=call["offset"] if call["offset"] == 1 else call["offset"] + 16,
                     seq_len=call["seq_len"] if call["seq_len"] == 1 else call["seq_len"] + 16)
 
     def launch(call):
         prepared.launch(call["ids"], call["weight"], WIDTH, call["out"], call["offset"], call["seq_len"],
-                        call["num_tokens"], 0, False)
+                        call["num_tokens"], 0, False, call["positions"])
         return fake_cuda_driver.last_launch()
 
     # First every call once: each compiles a new specialization (or shape), which is kept.

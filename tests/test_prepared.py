@@ -243,6 +243,9 @@ def test_bad_calls_after_prepared_ones_still_raise(backend, device):
     bad_call(ValueError, "memory", torch._efficientzerotensor(ids.shape, dtype=ids.dtype, device=device))
     bad_call(TypeError, "nested", _nested(ids))
     bad_call(ValueError, "does not fit in int64", ids, offset=2**63)
+    bad_call(ValueError, "nonzero offset", ids, positions=torch.zeros_like(ids), offset=3)
+    bad_call(TypeError, "integer tensor", ids, positions=ids.float())
+    bad_call(ValueError, "do not broadcast", ids, positions=ids[:, :2].contiguous())
     # Settings changed after the good calls: checked on every call, in eval mode too (as F.dropout does);
     # False and a tensor 0.0 compare equal to the prepared 0.0 and are still not probabilities.
     for value, match in ((1.5, "1.5"), (False, "dropout"), (torch.tensor(0.0), "dropout")):
@@ -368,9 +371,9 @@ def _module_entry(backend, device):
 def _functional_entry(backend, device):
     weight = torch.randn(50, 16, generator=torch.Generator().manual_seed(4)).to(device).requires_grad_()
 
-    def call(ids, offset=0):
+    def call(ids, offset=0, positions=None):
         return pf.sinusoidal_embedding(ids, weight, padding_idx=1, embed_scale=2.5, pe_scale=pe_scale, layout="split",
-                                       backend=backend, offset=offset)
+                                       backend=backend, offset=offset, positions=positions)
     pe_scale = _new_pe_scale()
     return call, lambda seed: _ids(device, seed=seed), weight
 
@@ -385,8 +388,8 @@ def _addition_module_entry(backend, device):
 
 
 def _addition_functional_entry(backend, device):
-    def call(x, offset=0):
-        return pf.add_sinusoidal(x, x_scale=1.5, pe_scale=pe_scale, backend=backend, offset=offset)
+    def call(x, offset=0, positions=None):
+        return pf.add_sinusoidal(x, x_scale=1.5, pe_scale=pe_scale, backend=backend, offset=offset, positions=positions)
     pe_scale = _new_pe_scale()
     return call, lambda seed: _addition_input(device, seed, (2, 3, 4, 16)), None
 
@@ -398,8 +401,9 @@ ENTRY_POINTS = [_module_entry, _functional_entry, _addition_module_entry, _addit
 @pytest.mark.parametrize("autograd", [False, True], ids=["inference", "training"])
 @pytest.mark.parametrize("entry", ENTRY_POINTS, ids=lambda f: f.__name__.strip("_"))
 def test_every_entry_point_equals_the_general_path(entry, autograd, backend, device, prepared_runs, monkeypatch):
-    """Repeated calls of each entry point, inference and training: output, gradient (to the table or to x)
-    and double backward bit for bit those of the general path, and served prepared after the first."""
+    """Repeated calls of each entry point, inference and training, at int offsets and at explicit positions:
+    output, gradient (to the table or to x) and double backward bit for bit those of the general path, and
+    served prepared after the first."""
     call, make_input, table = entry(backend, device)
 
     def step(seed, offset):
@@ -408,7 +412,12 @@ def test_every_entry_point_equals_the_general_path(entry, autograd, backend, dev
         if table is None:
             source = trainable = source.requires_grad_(autograd)
         with torch.set_grad_enabled(autograd):
-            out = call(source, offset=offset)
+            if offset is None:  # explicit positions, one per token
+                tokens = source.shape if table is not None else source.shape[:-1]
+                positions = torch.randint(-(2**40), 2**40, tokens, generator=torch.Generator().manual_seed(seed))
+                out = call(source, positions=positions.to(device))
+            else:
+                out = call(source, offset=offset)
         if not autograd:
             assert out.grad_fn is None
             return (out,)
@@ -418,7 +427,7 @@ def test_every_entry_point_equals_the_general_path(entry, autograd, backend, dev
         second = torch.autograd.grad((grad * grad).sum(), grad_out, allow_unused=True)[0]
         return out.detach(), grad.detach(), second
 
-    calls = [(seed, offset) for seed, offset in ((1, 0), (2, 7), (3, 2**40 + 3), (4, -5))]
+    calls = [(1, 0), (2, 7), (3, None), (4, 2**40 + 3), (5, -5), (6, None)]
     got = [step(*c) for c in calls]
     served = len(prepared_runs)
     with monkeypatch.context() as patch:
@@ -563,6 +572,26 @@ def test_addition_calls_the_launch_does_not_serve(backend, device, prepared_runs
             layer(x.to(torch.int64))
         with pytest.raises(TypeError, match="nested"):
             layer(_nested(x))
+
+
+@pytest.mark.parametrize("backend,device", TARGETS)
+@pytest.mark.parametrize("entry", [_module_entry, _addition_module_entry], ids=["embedding", "addition"])
+def test_positions_the_launch_does_not_serve(entry, backend, device, prepared_runs):
+    """Explicit positions that a prepared launch declines (broadcast, int32, not contiguous) give what the
+    general path gives; contiguous int64 positions of the tokens' shape it serves."""
+    layer, make_input, table = entry(backend, device)
+    source = make_input(1)
+    tokens = source.shape if table is not None else source.shape[:-1]
+    positions = torch.randint(-(2**40), 2**40, tokens, generator=torch.Generator().manual_seed(2)).to(device)
+    with torch.no_grad():
+        layer(source)
+        layer(source)
+        served = len(prepared_runs)
+        for other in (positions[0], positions[:1], positions.to(torch.int32), positions.t().contiguous().t()):
+            assert torch.equal(layer(source, positions=other), _fresh(layer)(source, positions=other))
+        assert len(prepared_runs) == served
+        assert torch.equal(layer(source, positions=positions), _fresh(layer)(source, positions=positions))
+    assert len(prepared_runs) == served + (backend in PREPARED_BACKENDS)
 
 
 @pytest.mark.parametrize("backend,device", TARGETS)
@@ -846,21 +875,25 @@ def _files_entered(call):
 
 @pytest.mark.parametrize("backend,device", [t for t in TARGETS if t.values[0] in PREPARED_BACKENDS])
 @pytest.mark.parametrize("autograd", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("where", ["offset", "positions"])
 @pytest.mark.parametrize("entry", [_module_entry, _addition_module_entry], ids=["embedding", "addition"])
-def test_a_repeated_module_call_goes_down_to_its_launch(entry, autograd, backend, device):
-    """A module's repeated call reaches its backend's launch through six of the package's files at most, each
-    entered once, and every call from one file into another goes to the same layer or a lower one
-    (tests/test_layering.py's layers): nothing calls back up."""
+def test_a_repeated_module_call_goes_down_to_its_launch(entry, where, autograd, backend, device):
+    """A module's repeated call, at an offset or at explicit positions, reaches its backend's launch through six
+    of the package's files at most, each entered once, and every call from one file into another goes to the
+    same layer or a lower one (tests/test_layering.py's layers): nothing calls back up."""
     from test_layering import LAYER_OF
 
     layer, make_input, table = entry(backend, device)
     source = make_input(1)
     if table is None:
         source.requires_grad_(autograd)
+    tokens = source.shape if table is not None else source.shape[:-1]
+    where = dict(offset=3) if where == "offset" else dict(positions=torch.arange(tokens.numel(), device=device)
+                                                          .view(tokens))
     with torch.set_grad_enabled(autograd):
         for _ in range(2):  # the general path, then the prepared launch's first call (Triton: its tiles, kept)
-            layer(source, offset=3)
-        files, crossings = _files_entered(lambda: layer(source, offset=3))
+            layer(source, **where)
+        files, crossings = _files_entered(lambda: layer(source, **where))
     assert files[0] == "module.py" and any(path.startswith("backends/") for path in files), files
     assert len(files) <= 6 and len(set(files)) == len(files), files
     layer_of = {path: LAYER_OF[path.split("/")[0].removesuffix(".py")] for path in files}

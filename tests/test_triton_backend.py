@@ -343,10 +343,10 @@ def _fake_driver_unavailable():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the next test runs the real driver")
 def test_the_driver_gets_the_same_launch_from_every_path():
     """The prepared launch compiled for an H100 by Triton, launched by Triton's own launcher onto a stand-in
-    driver (no GPU): for each call across specializations and shapes, the JIT's launch and the kept kernel's
-    (Triton's launch function called directly, with the kernel kept for the call's key) hand the driver the
-    same kernel (each call's own: no key merges two of Triton's specializations), grid, block, shared memory
-    and parameters, the call's own ids, table and output first, the scratch pointers null last; so does the
+    driver (no GPU): for each call across specializations (explicit positions among them) and shapes, the
+    JIT's launch and the kept kernel's (Triton's launch function called directly, with the kernel kept for the
+    call's key) hand the driver the same kernel (each call's own: no key merges two of Triton's
+    specializations), grid, block, shared memory and parameters, the call's own ids, table and output first, the scratch pointers null last; so does the
     kept kernel for the call moved to other values of its specialization; with a launch hook set too, which
     gets the metadata; and at the kept kernels' cap.  Every kernel is compiled with FMA contraction."""
     why = _fake_driver_unavailable()
@@ -358,7 +358,7 @@ def test_the_driver_gets_the_same_launch_from_every_path():
     done = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=1200, env=env)
     assert done.returncode == 0, done.stderr[-4000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(report["calls"]) == 13
+    assert len(report["calls"]) == 15
     for call in report["calls"]:
         jit, compiled = call["jit"], call["compiled"]
         assert compiled["launches"] > jit["launches"], call["call"]
@@ -379,7 +379,7 @@ def test_the_driver_gets_the_same_launch_from_every_path():
     # At the kept kernels' cap all are dropped: the first call's launch goes through the JIT once (no kept kernel
     # serves it), then through its kept kernel again, the same launch both times.
     capped = report["capped"]
-    assert capped["kept_before"] == 13 and capped["kept_after_new_key"] == 1, capped
+    assert capped["kept_before"] == 15 and capped["kept_after_new_key"] == 1, capped
     assert capped["first_launches"] == 1 and capped["second_launches"] == 1, capped
     assert capped["first_served_by_compiled"] == 0 and capped["second_served_by_compiled"] == 1, capped
     for which in ("first", "second"):
@@ -390,8 +390,8 @@ def test_the_driver_gets_the_same_launch_from_every_path():
     assert all(report["fma_contraction"][name] for name in ("forward_kernel", "grad_chunk_kernel", "grad_carry_kernel"))
     assert all(all(flags) for flags in report["fma_contraction"].values()), report["fma_contraction"]
     assert not [message for message in report["compile_warnings"] if "FP_FUSION" in message], report
-    # The ten calls that differ from the usual one in a specialization (the first ten) ran ten kernels.
-    assert len({call["jit"]["function"] for call in report["calls"][:10]}) == 10
+    # The twelve calls that differ from the usual one in a specialization (the first twelve) ran twelve kernels.
+    assert len({call["jit"]["function"] for call in report["calls"][:12]}) == 12
     grids = {tuple(call["jit"]["grid"]) for call in report["calls"]}
     assert any(x > 1 and y > 1 for x, y, _ in grids), grids  # both grid dimensions told apart
 
@@ -404,8 +404,9 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_compiled_launches_match_the_jit_path_on_a_gpu(dtype, seed, monkeypatch):
     """The real launcher: calls across Triton's specializations (offsets 1, 16 | value, 64-bit; length 1;
-    misaligned ids, table and output; int32 ids) and shapes (tokens, table rows), each made twice (the
-    second through the kept kernel), into poisoned outputs, bit for bit against the JIT path (``_forward``)."""
+    misaligned ids, table and output; int32 ids; explicit positions, aligned or not) and shapes (tokens, table
+    rows), each made twice (the second through the kept kernel), into poisoned outputs, bit for bit against
+    the JIT path (``_forward``)."""
     served = []
 
     def counting(self, *args, _real=triton_launch.KeptLaunches.launch):
@@ -429,14 +430,18 @@ def test_compiled_launches_match_the_jit_path_on_a_gpu(dtype, seed, monkeypatch)
              (ids[1:17], weight, 2**40 + 3, 16, 16), (ids[:16].int(), weight, -7, 16, 2),
              (ids[:16], table[1:1 + weight.numel()].view(1000, 96), 2**62, 16, 16), (ids[:16], weight, 9, 16, 16),
              (ids[:4], weight, 9, 4, 4), (ids[:40], weight, 9, 40, 8), (ids[:16] % 300, weight[:300], 9, 16, 16)]
-    for call_ids, call_weight, offset, num_tokens, seq_len in calls:
-        want = triton_backend._forward(call_ids, call_weight, turns, None, None, offset, seq_len, params, None)
+    calls = [call + (None,) for call in calls]
+    positions = torch.randint(-(2**40), 2**40, (17,), generator=g).to(device)
+    calls += [(ids[:16], weight, 0, 16, 16, positions[:16]), (ids[:16], weight, 0, 16, 16, positions[1:])]
+    for call_ids, call_weight, offset, num_tokens, seq_len, call_positions in calls:
+        want = triton_backend._forward(call_ids, call_weight, turns, call_positions, None, offset, seq_len, params,
+                                       None)
         for output_start in (0, 1):
             got = out[output_start:output_start + num_tokens * 96].view(num_tokens, 96)
             for _ in range(2):
                 got.fill_(float("nan"))
                 prepared.launch(call_ids, call_weight, 96, got, offset, seq_len, num_tokens,
-                                prepared.last_argument(), False)
+                                prepared.last_argument(), False, call_positions)
                 torch.cuda.synchronize()
                 assert torch.equal(_bits(got), _bits(want)), (offset, seq_len, output_start)
     assert served.count(True) >= len(calls) * 2, served  # the kept kernels served the repeats

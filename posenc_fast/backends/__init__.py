@@ -72,15 +72,17 @@ def new_buffer(shape, dtype, device) -> torch.Tensor:
 
 class PreparedLaunch(NamedTuple):
     """A backend's forward with the arguments that stay fixed between calls bound once (``prepare_forward``),
-    for positions ``offset + t % seq_len`` and no dropout; what ``posenc_fast._prepared`` runs.  Called the same
-    way on every backend:
+    for positions ``offset + t % seq_len`` or given, and no dropout; what ``posenc_fast._prepared`` runs.  Called
+    the same way on every backend:
 
-        launch(ids, weight, weight_row_stride, out, offset, seq_len, num_tokens, last_argument(), check_ids)
+        launch(ids, weight, weight_row_stride, out, offset, seq_len, num_tokens, last_argument(), check_ids[,
+               positions])
 
     with contiguous ``ids`` of a dtype in ``id_dtypes``, a contiguous table ``weight`` of the prepared dtype (an
     embedding's: of the prepared row count; ``add_sinusoidal``'s ``x``: at most) whose rows are
     ``weight_row_stride`` elements apart, and ``out`` to fill (``num_tokens`` rows of the layer's width); with
     ``check_ids``, the ids are first range-checked against the prepared row count (``_validate.check_id_range``).
+    ``positions``, where given, is a contiguous int64 tensor of ``num_tokens`` positions, and ``offset`` is 0.
     It is current while ``source.state is state``: the backend gives ``source`` a new ``state`` when its
     compiled code changes (another extension or kernel module), so that checking it on every call is an
     attribute read, not a call."""

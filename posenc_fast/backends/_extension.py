@@ -155,15 +155,20 @@ def prepare_forward(lookup: Lookup, backend: str, dtype: torch.dtype, num_rows: 
     id_codes = {dtype: dtype_code(module, dtype, backend) for dtype in ID_DTYPES}
     scan = getattr(module, "id_range", None)
 
-    def launch(ids, weight, weight_row_stride, out, offset, seq_len, num_tokens, last_argument, check_ids):
+    def launch(ids, weight, weight_row_stride, out, offset, seq_len, num_tokens, last_argument, check_ids,
+               positions=None):
         code = id_codes[ids.dtype]
         if check_ids:
             bounds = None
             if scan is not None and 0 < num_tokens <= ID_RANGE_SERIAL_MAX:
                 bounds = scan(ids.data_ptr(), code, num_tokens)
             check_id_range(ids, num_rows, 0, bounds)
-        bound(ids.data_ptr(), code, weight.data_ptr(), weight_row_stride, out.data_ptr(), offset, seq_len, num_tokens,
-              last_argument)
+        if positions is None:
+            bound(ids.data_ptr(), code, weight.data_ptr(), weight_row_stride, out.data_ptr(), offset, seq_len,
+                  num_tokens, last_argument)
+        else:
+            bound.run(ids.data_ptr(), code, weight.data_ptr(), weight_row_stride, out.data_ptr(), positions.data_ptr(),
+                      0, offset, seq_len, num_tokens, 0, 0, 1.0, last_argument)
     return PreparedLaunch(launch, ID_DTYPES, last_argument, lookup, state, turns)
 
 

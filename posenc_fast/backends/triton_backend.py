@@ -262,29 +262,29 @@ def prepare_forward(dtype, num_rows: int, device, turns, params: KernelParams) -
     turn_low, turn_high = _turn_words(turns)
     columns = params.columns
     element_size = torch.empty((), dtype=dtype).element_size()
-    shapes = {}  # (num_tokens, table rows, row stride) -> grid and arguments; a decoding loop has one or two
-    fixed_before = (turns, turn_low, turn_high, None, None, None)  # no positions, offsets or dropout seed
-    # For the compiled launcher: addresses, stable because fixed_before keeps the tensors alive and the
-    # spec's cached turns tensor is never resized.
-    fixed_before_addresses = (turns.data_ptr(), turn_low.data_ptr(), turn_high.data_ptr(), None, None, None)
+    # (num_tokens, table rows, row stride, position source) -> grid and arguments; a decoding loop has one or two
+    shapes = {}
+    # For the compiled launcher: addresses, stable because the launch keeps the tensors alive and the spec's
+    # cached turns tensor is never resized.
+    turns_address, turn_low_address, turn_high_address = turns.data_ptr(), turn_low.data_ptr(), turn_high.data_ptr()
     fixed_middle = (params.token_width, params.pe_width, params.num_pairs, turns.numel(), columns.sin_base,
                     columns.num_sin, columns.cos_base, columns.num_cos, params.pe_zero_id)
-    fixed_flags = dict(CONCAT=params.concat, INTERLEAVED=columns.interleaved, POSITION_SOURCE=0,
+    fixed_flags = dict(CONCAT=params.concat, INTERLEAVED=columns.interleaved,
                        SOFTWARE_BF16=interpreted, FLOAT64=params.float64_math, DROPOUT=False, GROUPED=False,
                        ZERO_COS_TAIL=columns.num_cos > params.num_pairs, **compile_options())
 
     def shape_for(key):
         shape = shapes.get(key)
         if shape is None:
-            num_tokens, table_rows, weight_row_stride = key
+            num_tokens, table_rows, weight_row_stride, position_source = key
             tiles = _forward_tiles(params, num_tokens, element_size)
             num_copy = triton.cdiv(params.token_width, 2 * tiles.block_p) if params.concat else 0
             grid = (triton.cdiv(num_tokens, tiles.block_t), num_copy + triton.cdiv(tiles.pair_slots, tiles.block_p))
             wide = _needs_wide_index(num_tokens, tiles.block_t, params.width, table_rows, weight_row_stride)
             arguments_after = (num_tokens, table_rows, weight_row_stride, params.width, *fixed_middle, num_copy,
                                params.embed_scale, params.pe_scale, 0, 1.0)
-            constexprs = dict(fixed_flags, BLOCK_T=tiles.block_t, BLOCK_P=tiles.block_p, WIDE_INDEX=wide,
-                              num_warps=tiles.warps)
+            constexprs = dict(fixed_flags, POSITION_SOURCE=position_source, BLOCK_T=tiles.block_t,
+                              BLOCK_P=tiles.block_p, WIDE_INDEX=wide, num_warps=tiles.warps)
             if len(shapes) >= 64:
                 shapes.clear()
             # (The compiled launcher takes the constexprs too, after the others, in signature order.)
@@ -294,9 +294,9 @@ def prepare_forward(dtype, num_rows: int, device, turns, params: KernelParams) -
 
     on_gpu = device.type == "cuda"
     compiled_launches = KeptLaunches(kernels.forward_kernel, device.index if on_gpu else None)
-    turns_address, turn_low_address, turn_high_address = fixed_before_addresses[:3]
 
-    def launch(ids, weight, weight_row_stride, out, offset, seq_len, num_tokens, last_argument, check_ids):
+    def launch(ids, weight, weight_row_stride, out, offset, seq_len, num_tokens, last_argument, check_ids,
+               positions=None):
         if not on_gpu and not interpreting():  # CPU tensors with the interpreter since turned off: as the general path
             raise RuntimeError(available(device))
         if check_ids:
@@ -308,29 +308,33 @@ def prepare_forward(dtype, num_rows: int, device, turns, params: KernelParams) -
         table_rows = weight.numel() // weight_row_stride if weight_row_stride else num_rows
         if seq_len < 1:
             seq_len = 1
+        position_source = 0 if positions is None else 2  # (no per-sequence offsets, no dropout seed)
         if interpreted:
-            key = (num_tokens, table_rows, weight_row_stride)
+            key = (num_tokens, table_rows, weight_row_stride, position_source)
             grid, arguments_after, constexprs, _ = shapes.get(key) or shape_for(key)  # (kept: no call)
             with _interpreter_lock:
-                kernels.forward_kernel[grid](ids, weight, out, *fixed_before, offset, seq_len, *arguments_after,
-                                             **constexprs)
+                kernels.forward_kernel[grid](ids, weight, out, turns, turn_low, turn_high, positions, None, None,
+                                             offset, seq_len, *arguments_after, **constexprs)
             return
         # The compiled launcher gets addresses, not tensors: Triton's per-tensor check that the device can
         # use the address (a driver call each) has nothing to find on a launch prepared for this device.
         ids_address, weight_address, out_address = ids.data_ptr(), weight.data_ptr(), out.data_ptr()
+        positions_address = None if positions is None else positions.data_ptr()
         # The key: the shape and what Triton specialises the tensors, offset and length on (alignment:
-        # True when 16 divides all three addresses, else one flag each).
+        # True when 16 divides every address, else one flag each; positions: None where there are none).
         key = (num_tokens, table_rows, weight_row_stride, ids.dtype,
-               True if not (ids_address | weight_address | out_address) & 15
-               else (ids_address & 15 == 0, weight_address & 15 == 0, out_address & 15 == 0),
-               int_specialization(offset), int_specialization(seq_len))
+               True if not (ids_address | weight_address | out_address | (positions_address or 0)) & 15
+               else (ids_address & 15 == 0, weight_address & 15 == 0, out_address & 15 == 0,
+                     None if positions is None else positions_address & 15 == 0),
+               position_source, int_specialization(offset), int_specialization(seq_len))
         # The arguments that vary between calls, in signature order; the kept kernel holds the rest.
         varying = (ids_address, weight_address, out_address, turns_address, turn_low_address, turn_high_address,
-                   None, None, None, offset, seq_len)
+                   positions_address, None, None, offset, seq_len)
         if not compiled_launches.launch(key, last_argument, varying):
             grid, arguments_after, constexprs, launcher_arguments_after = shape_for(
-                (num_tokens, table_rows, weight_row_stride))
-            compiled_launches.keep(key, kernels.forward_kernel[grid](ids, weight, out, *fixed_before, offset, seq_len,
+                (num_tokens, table_rows, weight_row_stride, position_source))
+            compiled_launches.keep(key, kernels.forward_kernel[grid](ids, weight, out, turns, turn_low, turn_high,
+                                                                     positions, None, None, offset, seq_len,
                                                                      *arguments_after, **constexprs),
                                    grid, launcher_arguments_after)
 
