@@ -28,6 +28,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import posenc_fast as pf  # noqa: E402
+from posenc_fast import _dispatch, _prepared  # noqa: E402
 from posenc_fast.integrations import transformers as integration  # noqa: E402
 
 VOCAB = 40
@@ -498,6 +499,38 @@ def test_generate_gives_the_same_tokens(family, how, seed):
     pf.patch_model(model)
     _assert_same(lambda: model.generate(**inputs, **settings), lambda: original.generate(**inputs, **settings),
                  lambda got, want: torch.testing.assert_close(got, want, atol=0, rtol=0))
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f.generates], ids=lambda f: f.name)
+def test_decoding_steps_take_the_prepared_launch(family, seed, monkeypatch):
+    """The patched position modules' repeated eager calls (the decoding steps) run the prepared launch kept for
+    their spec where the backend has one, and generate what the general path generates, bit for bit."""
+    from cases import PREPARED_BACKENDS
+
+    model, _ = _pair(family)
+    pf.patch_model(model)
+    inputs = make_inputs(family, model, torch.Generator().manual_seed(seed))
+    inputs.pop("decoder_input_ids", None)
+    settings = dict(max_new_tokens=4, do_sample=False, use_cache=True)
+    if family.kind == "musicgen":
+        inputs["input_ids"] = inputs["input_ids"][:, :1] * 0 + model.config.bos_token_id
+        settings.update(pad_token_id=model.config.pad_token_id, num_return_sequences=1)
+    if family.kind == "musicgen_text":
+        settings.update(guidance_scale=None)
+    served = []
+    real_run = _prepared.PreparedForward.run
+
+    def counting_run(self, *args):
+        out = real_run(self, *args)
+        served.append(out is not None)
+        return out
+    monkeypatch.setattr(_prepared.PreparedForward, "run", counting_run)
+    got = model.generate(**inputs, **settings)
+    monkeypatch.setattr(_prepared.PreparedForward, "run", lambda self, *args: None)
+    want = model.generate(**inputs, **settings)
+    assert torch.equal(got, want)
+    backend = _dispatch.resolve_backend("auto", torch.device("cpu"), torch.float32)
+    assert any(served) == (backend in PREPARED_BACKENDS), (backend, served)
 
 
 def test_patch_twice_changes_nothing_more():
