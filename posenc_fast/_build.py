@@ -544,8 +544,9 @@ def build_host_emulation(env: Mapping[str, str] = os.environ, log=sys.stderr) ->
 
     def build(output: str, build_dir: str) -> None:
         units = [(source, os.path.basename(source), flags) for source in SOURCES]
-        run_build(_plan([compiler, "-x", "c++"], units, HEADERS + EMULATION_HEADERS, source_dir, build_dir, output, link,
-                        ["-l:libcudart_static.a", "-ldl", "-lpthread", "-lrt"]), build_dir, log)
+        plan = _plan([compiler, "-x", "c++"], units, HEADERS + EMULATION_HEADERS, source_dir, build_dir, output, link,
+                     ["-l:libcudart_static.a", "-ldl", "-lpthread", "-lrt"])
+        run_build(plan, build_dir, log)
     return _build_once(os.path.join(cache_root(env), "host-emulation-" + digest.hexdigest()[:16]), extension_filename(),
                        "the host emulation", build, log)
 

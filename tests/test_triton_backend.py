@@ -346,9 +346,10 @@ def test_the_driver_gets_the_same_launch_from_every_path():
     driver (no GPU): for each call across specializations (explicit positions among them) and shapes, the
     JIT's launch and the kept kernel's (Triton's launch function called directly, with the kernel kept for the
     call's key) hand the driver the same kernel (each call's own: no key merges two of Triton's
-    specializations), grid, block, shared memory and parameters, the call's own ids, table and output first, the scratch pointers null last; so does the
-    kept kernel for the call moved to other values of its specialization; with a launch hook set too, which
-    gets the metadata; and at the kept kernels' cap.  Every kernel is compiled with FMA contraction."""
+    specializations), grid, block, shared memory and parameters, the call's own ids, table and output first,
+    the scratch pointers null last; so does the kept kernel for the call moved to other values of its
+    specialization; with a launch hook set too, which gets the metadata; and at the kept kernels' cap.  Every
+    kernel is compiled with FMA contraction."""
     why = _fake_driver_unavailable()
     if why is not None:
         pytest.skip(why)

@@ -248,7 +248,7 @@ def _position_forward(self, *args, **kwargs) -> torch.Tensor:
     else:
         rows = positions.eq(state.zero_position).to(torch.int64)
     keep = None
-    if eager_call(rows, zero_table):  # a decoding step: the prepared launch kept for the spec, as sinusoidal_embedding's
+    if eager_call(rows, zero_table):  # (a decoding step: the launch kept for the spec, as sinusoidal_embedding's)
         positions = positions.contiguous()
         pe = functional_embedding(state.spec, "auto", 0.0, False, False, zero_table, rows, 0, positions)
         if pe is not None:
