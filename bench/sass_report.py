@@ -6,8 +6,11 @@ counted on their hot path, and a roofline prediction per GPU (issue 15).
 
 Triton kernels go through ``triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))`` with
 the tiles and warps ``triton_backend`` would launch for the headline shape; the CUDA kernels through
-``nvcc -cubin -arch=sm_XX -O3`` of csrc/cuda/forward_<dtype>.cu and csrc/cuda/weight_grad.cu (the flags of
-``_build``).  Both cubins are read with ``cuobjdump -sass`` (Triton's bundled copy, else CUDA's).
+``compile_cuda``, ``nvcc -cubin -arch=sm_XX -O3 -Xptxas -v`` of csrc/cuda/forward_<dtype>.cu and
+csrc/cuda/weight_grad.cu (the flags of ``_build``; it returns ptxas' report).  With ``--cubin-dir`` the
+CUDA cubins already there are read instead of compiled again: tests/test_sass_report.py compiles every
+CUDA source once, for its ptxas checks and for this report.  Both cubins are read with ``cuobjdump -sass``
+(Triton's bundled copy, else CUDA's).
 
 **Hot path.** The SASS of a kernel is cut into basic blocks; loops are the backward branches.  The
 hot path of one thread is the path from the entry to an EXIT that moves the most bytes of its main
@@ -47,6 +50,7 @@ GPUS.  It is a model, not a measurement: docs/performance.md compares measuremen
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -57,8 +61,6 @@ import tempfile
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Dict, List, Optional, Tuple
-
-os.environ["TRITON_INTERPRET"] = "0"  # compile, never interpret (set before Triton is imported)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CSRC = os.path.join(ROOT, "csrc")
@@ -139,6 +141,12 @@ def parse_sass(text: str) -> Dict[str, List[Instr]]:
             op, _, args = body.partition(" ")
             current.append(Instr(int(m.group(1), 16), pred, op, args.strip()))
     return functions
+
+
+# A cubin's variants come one after another, and each reads it twice (finding the function, analyzing it).
+@functools.lru_cache(maxsize=1)
+def sass(cubin: str) -> Dict[str, List[Instr]]:
+    return parse_sass(subprocess.run([cuobjdump(), "-sass", cubin], capture_output=True, text=True, check=True).stdout)
 
 
 def resource_usage(cubin: str) -> Dict[str, Dict[str, int]]:
@@ -506,17 +514,28 @@ def nvcc() -> str:
     return path
 
 
-_CUDA_CUBINS: Dict[Tuple[str, int], str] = {}
+def cubin_name(source: str, arch: int) -> str:
+    return f"{os.path.splitext(os.path.basename(source))[0]}-sm{arch}.cubin"
+
+
+def compile_cuda(source: str, arch: int, workdir: str) -> str:
+    """Compile csrc/<source> for sm_<arch> to ``workdir/cubin_name(source, arch)``; returns ptxas' ``-v`` report.
+
+    The device code flags of ``_build.plan_build`` but its ``-lineinfo`` (line tables: the same SASS)."""
+    cmd = [nvcc(), "-cubin", f"-arch=sm_{arch}", "-O3", "-std=c++17", f"-I{CSRC}", "-Xptxas", "-v",
+           os.path.join(CSRC, source), "-o", os.path.join(workdir, cubin_name(source, arch))]
+    result = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"nvcc failed on {source} for sm_{arch}:\n{result.stdout[-4000:]}")
+    return result.stdout
 
 
 def cuda_cubin(source: str, arch: int, workdir: str) -> str:
-    key = (source, arch)
-    if key not in _CUDA_CUBINS:
-        out = os.path.join(workdir, f"{os.path.splitext(os.path.basename(source))[0]}-sm{arch}.cubin")
-        subprocess.run([nvcc(), "-cubin", f"-arch=sm_{arch}", "-O3", "-std=c++17", f"-I{CSRC}",
-                        os.path.join(CSRC, source), "-o", out], check=True, capture_output=True, text=True)
-        _CUDA_CUBINS[key] = out
-    return _CUDA_CUBINS[key]
+    """The cubin of csrc/<source> for sm_<arch> in workdir, compiled unless there already (--cubin-dir)."""
+    path = os.path.join(workdir, cubin_name(source, arch))
+    if not os.path.exists(path):
+        compile_cuda(source, arch, workdir)
+    return path
 
 
 def demangle(names: List[str]) -> Dict[str, str]:
@@ -545,8 +564,7 @@ def cuda_function(variant: Variant, arch: int, workdir: str) -> Tuple[str, str, 
                 rows = int(re.search(r"kRowsInFlight\s*=\s*(\d+)", f.read()).group(1))
             variant.trips = 32 // rows  # cuda_backend.GRAD_CHUNK tokens per chunk, kRowsInFlight per trip
             variant.rows_in_flight = rows
-    text = subprocess.run([cuobjdump(), "-sass", cubin], capture_output=True, text=True, check=True).stdout
-    names = list(parse_sass(text))
+    names = list(sass(cubin))
     for mangled, plain in demangle(names).items():
         if wanted in plain:
             return cubin, mangled, variant
@@ -563,8 +581,7 @@ def occupancy_warps(registers: int, warps_per_block: int, gpu: dict) -> int:
 
 
 def analyze(variant: Variant, cubin: str, function: str, variant_arch: int) -> dict:
-    text = subprocess.run([cuobjdump(), "-sass", cubin], capture_output=True, text=True, check=True).stdout
-    functions = parse_sass(text)
+    functions = sass(cubin)
     if function not in functions:  # Triton names its function after the kernel
         function = next(n for n in functions if n.endswith(function) or function in n)
     instrs = functions[function]
@@ -654,9 +671,11 @@ def analyze(variant: Variant, cubin: str, function: str, variant_arch: int) -> d
 
 # ---------------------------------------------------------------- main
 
-def run(archs: List[int], backends: List[str], only: Optional[str], kernels: str) -> Dict[int, List[dict]]:
+def run(archs: List[int], backends: List[str], only: Optional[str], kernels: str,
+        cubin_dir: Optional[str] = None) -> Dict[int, List[dict]]:
     results: Dict[int, List[dict]] = {}
-    with tempfile.TemporaryDirectory() as workdir:
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = cubin_dir or tmp
         for arch in archs:
             rows = results.setdefault(arch, [])
             for backend in backends:
@@ -690,6 +709,9 @@ def summary_line(e: dict) -> str:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    # Compile, never interpret: set before Triton is first imported.  Not at import, which a test
+    # process does for compile_cuda while its Triton kernels stay in the interpreter.
+    os.environ["TRITON_INTERPRET"] = "0"
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", type=int, nargs="+", default=[80, 90])
     parser.add_argument("--backend", nargs="+", default=["triton", "cuda"], choices=["triton", "cuda"])
@@ -700,8 +722,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--out", default="posenc_fast-bench-results",
                         help="directory for sass-sm<arch>.json (not written with --only; default: ./%(default)s; "
                              "--out bench/results replaces the committed files)")
+    parser.add_argument("--cubin-dir", default=None,
+                        help="directory for the cubins (default: a temporary one); CUDA cubins already there "
+                             "(compile_cuda's names) are read instead of compiled again")
     args = parser.parse_args(argv)
-    results = run(args.arch, args.backend, args.only, args.kernels)
+    results = run(args.arch, args.backend, args.only, args.kernels, args.cubin_dir)
     if args.json:
         print(json.dumps([e for rows in results.values() for e in rows]))
     if args.only is None and args.out:
