@@ -525,12 +525,13 @@ def test_decoding_steps_take_the_prepared_launch(family, seed, monkeypatch):
         served.append(out is not None)
         return out
     monkeypatch.setattr(_prepared.PreparedForward, "run", counting_run)
-    got = model.generate(**inputs, **settings)
+    got = _outcome(lambda: model.generate(**inputs, **settings))
     monkeypatch.setattr(_prepared.PreparedForward, "run", lambda self, *args: None)
-    want = model.generate(**inputs, **settings)
-    assert torch.equal(got, want)
-    backend = _dispatch.resolve_backend("auto", torch.device("cpu"), torch.float32)
-    assert any(served) == (backend in PREPARED_BACKENDS), (backend, served)
+    want = _outcome(lambda: model.generate(**inputs, **settings))
+    assert got[0] == want[0] and (torch.equal(got[1], want[1]) if want[0] else got[1] is want[1]), (got, want)
+    if want[0]:  # (a release whose own generate raises on this path, as MusicGen's with a cache on 4.57, decodes none)
+        backend = _dispatch.resolve_backend("auto", torch.device("cpu"), torch.float32)
+        assert any(served) == (backend in PREPARED_BACKENDS), (backend, served)
 
 
 def test_patch_twice_changes_nothing_more():
