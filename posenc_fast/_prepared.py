@@ -43,6 +43,7 @@ from ._dispatch import get_backend
 from .ops import AddSinusoidalFunction, dense_weight_gradient, sparse_weight_gradient
 
 _STRIDED, _CONTIGUOUS = torch.strided, torch.contiguous_format
+_ID_DTYPES = _backends.ID_DTYPES
 _grad_enabled = torch.is_grad_enabled  # a module-level name saves an attribute lookup per call
 _INT64_MIN, _INT64_END = -(2**63), 2**63
 # add_sinusoidal's launch reads rows 0..N-1 that it numbers itself, so its table's row count is only a
@@ -97,14 +98,14 @@ class PreparedForward(_Bound):
     """The embedding's prepared launch for one spec, backend, dropout probability and kind of table (dtype,
     shape, device)."""
 
-    __slots__ = ("spec", "backend", "dropout", "dtype", "shape", "device", "width", "launch", "id_dtypes",
+    __slots__ = ("spec", "backend", "dropout", "dtype", "shape", "device", "width", "launch",
                  "last_argument", "keep_alive", "gradient")
 
     def __init__(self, spec, backend: str, dropout: float, weight: torch.Tensor, name: str,
                  launch: _backends.PreparedLaunch):
         self._identify(spec, backend, dropout, weight)
         self.width = spec.width
-        self.launch, self.id_dtypes, self.last_argument = launch.launch, launch.id_dtypes, launch.last_argument
+        self.launch, self.last_argument = launch.launch, launch.last_argument
         self.source, self.state, self.keep_alive = launch.source, launch.state, launch.turns
         # What the weight gradient needs (LaunchedEmbeddingFunction), after the call's ``sparse``.
         padding_idx = -1 if spec.padding_idx is None else spec.padding_idx
@@ -146,7 +147,7 @@ class PreparedForward(_Bound):
             return None
         try:
             # (and _dense of ids and weight, inline for the same reason)
-            if (ids.dtype not in self.id_dtypes or weight.dtype is not self.dtype or weight.shape != self.shape
+            if (ids.dtype not in _ID_DTYPES or weight.dtype is not self.dtype or weight.shape != self.shape
                     or ids.layout is not _STRIDED or not ids.is_contiguous() or ids.is_neg() or ids._is_zerotensor()
                     or ids.is_nested or weight.layout is not _STRIDED or not weight.is_contiguous() or weight.is_neg()
                     or weight._is_zerotensor() or ids.device != self.device or weight.device != self.device

@@ -17,7 +17,7 @@ import torch
 from ._spec import (LAYOUTS, MAX_ROW_WIDTH, MAX_SCALE, MODES, PRECISIONS, PEColumns, PESpec, default_frequencies,
                     host_cache, is_finite_number)
 
-ID_DTYPES = (torch.int32, torch.int64)
+ID_DTYPES = (torch.int32, torch.int64)  # the id dtypes every kernel reads (and the checks accept)
 _INTEGER_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 _INT64_MIN, _INT64_END = -(1 << 63), 1 << 63
 

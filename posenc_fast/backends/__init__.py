@@ -20,12 +20,13 @@ lives in ``posenc_fast._dispatch``.
 from __future__ import annotations
 
 import functools
-from typing import Callable, NamedTuple, Tuple
+from typing import Callable, NamedTuple
 
 import torch
 
 from .._dropout import Dropout  # noqa: F401  (part of the backend interface)
 from .._spec import KernelParams  # noqa: F401  (part of the backend interface)
+from .._validate import ID_DTYPES  # noqa: F401  (the id dtypes every kernel reads)
 
 # Tests set this so that any element a kernel fails to write shows up as NaN.
 POISON_OUTPUTS = False
@@ -78,7 +79,7 @@ class PreparedLaunch(NamedTuple):
         launch(ids, weight, weight_row_stride, out, offset, seq_len, num_tokens, last_argument(), check_ids[,
                positions])
 
-    with contiguous ``ids`` of a dtype in ``id_dtypes``, a contiguous table ``weight`` of the prepared dtype (an
+    with contiguous ``ids`` of a dtype in ``ID_DTYPES``, a contiguous table ``weight`` of the prepared dtype (an
     embedding's: of the prepared row count; ``add_sinusoidal``'s ``x``: at most) whose rows are
     ``weight_row_stride`` elements apart, and ``out`` to fill (``num_tokens`` rows of the layer's width); with
     ``check_ids``, the ids are first range-checked against the prepared row count (``_validate.check_id_range``).
@@ -88,14 +89,10 @@ class PreparedLaunch(NamedTuple):
     attribute read, not a call."""
 
     launch: Callable
-    id_dtypes: Tuple[torch.dtype, ...]  # the id dtypes the launch takes
     last_argument: Callable[[], int]  # asked per call: the CUDA stream handle, or the CPU thread count
     source: object  # what holds the backend's compiled code as ``state``
     state: object  # ``source.state`` when the launch was made
     turns: torch.Tensor  # the int64 frequencies the launch reads: kept alive with it
-
-
-ID_DTYPES = (torch.int32, torch.int64)  # the id dtypes every kernel reads
 
 
 def current_stream(device: torch.device) -> int:

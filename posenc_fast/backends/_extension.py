@@ -169,7 +169,7 @@ def prepare_forward(lookup: Lookup, backend: str, dtype: torch.dtype, num_rows: 
         else:
             bound.run(ids.data_ptr(), code, weight.data_ptr(), weight_row_stride, out.data_ptr(), positions.data_ptr(),
                       0, offset, seq_len, num_tokens, 0, 0, 1.0, last_argument)
-    return PreparedLaunch(launch, ID_DTYPES, last_argument, lookup, state, turns)
+    return PreparedLaunch(launch, last_argument, lookup, state, turns)
 
 
 def forward(lookup: Lookup, backend: str, ids, weight, turns, positions, offsets, offset, seq_len, params,

@@ -21,7 +21,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import (ID_DTYPES, KernelParams, PreparedLaunch, current_stream_function, gradient_rows, new_buffer,
+from . import (KernelParams, PreparedLaunch, current_stream_function, gradient_rows, new_buffer,
                sort_ids_for_gradient)
 from .._validate import check_id_range
 from .triton_launch import KeptLaunches, int_specialization
@@ -320,12 +320,12 @@ def prepare_forward(dtype, num_rows: int, device, turns, params: KernelParams) -
         # use the address (a driver call each) has nothing to find on a launch prepared for this device.
         ids_address, weight_address, out_address = ids.data_ptr(), weight.data_ptr(), out.data_ptr()
         positions_address = None if positions is None else positions.data_ptr()
+        position_bits = positions_address or 0  # (no positions count as aligned: position_source tells them apart)
         # The key: the shape and what Triton specialises the tensors, offset and length on (alignment:
-        # True when 16 divides every address, else one flag each; positions: None where there are none).
+        # True when 16 divides every address, else one flag each).
         key = (num_tokens, table_rows, weight_row_stride, ids.dtype,
-               True if not (ids_address | weight_address | out_address | (positions_address or 0)) & 15
-               else (ids_address & 15 == 0, weight_address & 15 == 0, out_address & 15 == 0,
-                     None if positions is None else positions_address & 15 == 0),
+               True if not (ids_address | weight_address | out_address | position_bits) & 15
+               else (ids_address & 15 == 0, weight_address & 15 == 0, out_address & 15 == 0, position_bits & 15 == 0),
                position_source, int_specialization(offset), int_specialization(seq_len))
         # The arguments that vary between calls, in signature order; the kept kernel holds the rest.
         varying = (ids_address, weight_address, out_address, turns_address, turn_low_address, turn_high_address,
@@ -338,7 +338,7 @@ def prepare_forward(dtype, num_rows: int, device, turns, params: KernelParams) -
                                                                      *arguments_after, **constexprs),
                                    grid, launcher_arguments_after)
 
-    return PreparedLaunch(launch, ID_DTYPES, current_stream_function(device), _Kernels, kernels, turns)
+    return PreparedLaunch(launch, current_stream_function(device), _Kernels, kernels, turns)
 
 
 def _backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype, dropout, sorted_ids):
