@@ -169,6 +169,14 @@ def _include_dirs() -> List[str]:
     return [pybind11.get_include(), sysconfig.get_paths()["include"]]
 
 
+class CompileUnit(NamedTuple):
+    """One compile of a build: a source under the source folder, its object's name, its flags."""
+
+    source: str
+    name: str
+    flags: List[str]
+
+
 class BuildPlan(NamedTuple):
     """The commands that build an extension: one compile per source, then a link."""
 
@@ -180,13 +188,13 @@ class BuildPlan(NamedTuple):
     depends: List[str]  # the headers every compile reads
 
 
-def _plan(compiler: List[str], units, headers: Sequence[str], source_dir: str, build_dir: str, output: str,
-          link: List[str], libraries: Sequence[str] = ()) -> BuildPlan:
-    """``compiler`` on each unit (a source under ``source_dir``, its object's name, its flags) into
-    ``build_dir``, then ``link`` of the objects and ``libraries`` into ``output``."""
-    sources = [os.path.join(source_dir, source) for source, _, _ in units]
-    objects = [os.path.join(build_dir, name + ".o") for _, name, _ in units]
-    compiles = [compiler + ["-c", path, "-o", obj] + flags for path, obj, (_, _, flags) in zip(sources, objects, units)]
+def _plan(compiler: List[str], units: Sequence[CompileUnit], headers: Sequence[str], source_dir: str, build_dir: str,
+          output: str, link: List[str], libraries: Sequence[str] = ()) -> BuildPlan:
+    """``compiler`` on each unit into ``build_dir``, then ``link`` of the objects and ``libraries`` into
+    ``output``."""
+    sources = [os.path.join(source_dir, unit.source) for unit in units]
+    objects = [os.path.join(build_dir, unit.name + ".o") for unit in units]
+    compiles = [compiler + ["-c", path, "-o", obj] + unit.flags for path, obj, unit in zip(sources, objects, units)]
     return BuildPlan(compiles, sources, objects, link + ["-o", output] + objects + list(libraries), output,
                      [os.path.join(source_dir, h) for h in headers])
 
@@ -204,7 +212,7 @@ def plan_build(source_dir: str, build_dir: str, output: str, nvcc: str, archs: S
         common += ["-g"]
     # nvcc links the CUDA runtime statically by default (-cudart static): the module needs only
     # the driver at run time, and does not depend on which libcudart torch ships.
-    units = [(source, os.path.basename(source), common + (device if source.endswith(".cu") else []))
+    units = [CompileUnit(source, os.path.basename(source), common + (device if source.endswith(".cu") else []))
              for source in SOURCES]
     return _plan([nvcc], units, HEADERS, source_dir, build_dir, output, [nvcc, "-shared", "-cudart", "static"])
 
@@ -543,7 +551,7 @@ def build_host_emulation(env: Mapping[str, str] = os.environ, log=sys.stderr) ->
     link = [compiler, "-shared"] + [f"-L{d}" for d in libdirs if os.path.isdir(d)]
 
     def build(output: str, build_dir: str) -> None:
-        units = [(source, os.path.basename(source), flags) for source in SOURCES]
+        units = [CompileUnit(source, os.path.basename(source), flags) for source in SOURCES]
         plan = _plan([compiler, "-x", "c++"], units, HEADERS + EMULATION_HEADERS, source_dir, build_dir, output, link,
                      ["-l:libcudart_static.a", "-ldl", "-lpthread", "-lrt"])
         run_build(plan, build_dir, log)
@@ -599,10 +607,10 @@ def plan_cpu_build(source_dir: str, build_dir: str, output: str, cxx: str) -> Bu
     """Commands that compile the CPU kernels (once per variant) and the binding, and link ``output``."""
     common = ["-std=c++17", "-O3", "-fPIC", "-fvisibility=hidden", "-pthread", f"-I{source_dir}"]
     variants = CPU_X86_VARIANTS if _x86() else (("isa_baseline", []),)
-    units = [(CPU_SOURCES[0], f"cpu_kernels.{namespace}", common + flags + [f"-DPOSENC_CPU_ISA={namespace}"])
+    units = [CompileUnit(CPU_SOURCES[0], f"cpu_kernels.{namespace}", common + flags + [f"-DPOSENC_CPU_ISA={namespace}"])
              for namespace, flags in variants]
-    units.append((CPU_SOURCES[1], "cpu_binding", common + [f"-I{d}" for d in _include_dirs()]
-                  + [f"-DPOSENC_CPU_HAVE_X86_VARIANTS={1 if _x86() else 0}"]))
+    units.append(CompileUnit(CPU_SOURCES[1], "cpu_binding", common + [f"-I{d}" for d in _include_dirs()]
+                             + [f"-DPOSENC_CPU_HAVE_X86_VARIANTS={1 if _x86() else 0}"]))
     libraries = []
     if sys.platform.startswith("linux"):
         libraries.append("-ldl")  # dlopen/dlsym of the process's OpenMP runtime (in libc itself from glibc 2.34)
