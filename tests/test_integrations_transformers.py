@@ -1338,9 +1338,9 @@ def _exporter_params():
     that Dynamo exported into the same standard ops whatever the family or cache, so the programs are
     checked where they are made, in Dynamo's export (tests/test_onnx.py takes a patched Marian through
     torch.onnx in the default run)."""
-    params = [pytest.param(family, "dynamic", "dynamo", id=f"{family.name}-dynamic-dynamo")
-              for family in EXPORTER_FAMILIES]
+    params = []
     for family in EXPORTER_FAMILIES:
+        params.append(pytest.param(family, "dynamic", "dynamo", id=f"{family.name}-dynamic-dynamo"))
         slow_cases = [("dynamic", "onnx")] if "exporters_onnx" in family.costly else []
         if family.generates and "exporters_static" in family.costly:
             slow_cases.append(("static", "dynamo"))

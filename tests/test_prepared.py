@@ -25,8 +25,9 @@ from cases import (CASES, PREPARED_BACKENDS, assert_within, backend_targets, cas
                    output_bound, targets)
 
 TARGETS = backend_targets()
-# The refusals of bad calls are posenc_fast's own checks, made before any launch: through Triton's
-# interpreter they take 10 to 13 s each and check nothing the other targets do not.
+# The refusals of bad calls are posenc_fast's own checks, made before any launch, so every target checks
+# the same code; through Triton's interpreter they take 10 to 13 s each, so they run there only with -m slow
+# (and natively wherever a GPU runs the suite).
 REFUSAL_TARGETS = targets(slow_on_interpreter="bad calls after prepared ones, through the interpreter: 10 to 13 s each")
 TRITON_INTERPRETER = [t for t in TARGETS if t.values[0] == "triton" and t.values[1] == "cpu"]
 # Cases whose positions an int offset gives: the calls a prepared launch serves.
