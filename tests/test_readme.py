@@ -96,7 +96,6 @@ QUOTED = [
      [gpu_ms(HEADLINE, "step", impl) for impl in ("triton", "cuda", "eager", "compile")]),
     ("README.md", "which an A/B in one process put at {:.3f} ms against {:.3f} ms", CUDA_FORWARD_AB,
      [ab_ms("headline", "POSENC_FORWARD_MIN_BLOCKS=4"), ab_ms("headline", "installed")]),
-    ("README.md", "stripped of host debug symbols: {:.1f} MB for the default archs", BUILD, [megabytes("module_bytes")]),
     ("docs/cuda_backend.md", "{:.1f} MB after stripping, of which the `.nv_fatbin` section is {:.1f} MB; "
      "zip-compressed as a wheel stores it, {:.1f} MB", BUILD,
      [megabytes("module_bytes"), megabytes("nv_fatbin_section_bytes"), megabytes("module_zip_deflated_bytes")]),
