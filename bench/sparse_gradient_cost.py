@@ -1,16 +1,16 @@
 """What ``sparse=True`` saves where the vocabulary is wide: the weight gradient of one training step,
-dense against sparse, fused against ``nn.Embedding``, on the wide case of issue 26 (V 262144, d 4096).
+dense against sparse, fused against ``nn.Embedding``, on a wide table (V 262144, d 4096).
 
     python bench/sparse_gradient_cost.py [--out DIR] [--device cpu|cuda] [--tokens 4096,16384,65536]
         [--dtype float32|bfloat16]
     python bench/sparse_gradient_cost.py --smoke       # a tiny run of the script (not a timing)
 
-Bytes first: a dense fp32 gradient is V * d * 4 = 4 GiB to allocate and zero (page faults on CPU)
-whatever the batch; a sparse one is U * d * 4 for the U distinct ids among the tokens.  Timed: the
-backward alone (a fresh ``.grad`` each time, as after ``zero_grad(set_to_none=True)``), median of
-``--reps`` after a warmup, random ids and tables (never zeros).  With several token counts the
-table shows whether the cost tracks the tokens (sparse: it should, from near zero; dense: on top
-of the fixed allocate-and-zero, timed alone as the ``zero-fill`` row).  Prints a table and writes
+Bytes first: a dense fp32 gradient is V * d * 4 = 4 GiB to allocate and zero (page faults on CPU) whatever
+the batch; a sparse one is N * d * 4 for N tokens (one entry per token, as nn.Embedding's). Timed: the backward alone (a
+fresh ``.grad`` each time, as after ``zero_grad(set_to_none=True)``), median of ``--reps`` after a warmup,
+fused and nn.Embedding alternating rep by rep, random ids and tables (never zeros). With several token
+counts the table shows whether the cost tracks the tokens (sparse: it should, from near zero; dense: on top
+of the fixed allocate-and-zero, timed alone as the ``zero-fill`` row). Prints a table and writes
 sparse_gradient_cost.json (device, versions, date) under ``--out``.
 """
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 from datetime import date
 
 import torch
@@ -31,14 +32,25 @@ WIDE = dict(vocab=262144, d_model=4096)
 SMOKE = dict(vocab=1000, d_model=64)
 
 
-def _timed_backward(make_output, leaf, grad_out, device, reps):
-    out = make_output()  # the forward once, outside the timed region: the backward alone is timed
-    def step():
-        leaf.grad = None
-        out.backward(grad_out, retain_graph=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-    return median_ms(step, device, warmup=1, reps=reps)
+def _timed_backwards(pairs, grad_out, device, reps):
+    """Median ms of each backward in ``pairs`` ((make_output, leaf) each), timed alternately rep by rep, so that
+    a shared machine's drift falls on every implementation alike."""
+    steps = []
+    for make_output, leaf in pairs:
+        out = make_output()  # the forward once, outside the timed region: the backward alone is timed
+
+        def step(out=out, leaf=leaf):
+            leaf.grad = None
+            out.backward(grad_out, retain_graph=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        step()  # warmup
+        steps.append(step)
+    times = [[] for _ in steps]
+    for rep in range(reps):
+        for k in (range(len(steps)) if rep % 2 else reversed(range(len(steps)))):
+            times[k].append(median_ms(steps[k], device, warmup=0, reps=1))
+    return [statistics.median(t) for t in times]
 
 
 def _profile(module, ids, grad_out, device, title):
@@ -84,9 +96,9 @@ def main(argv=None):
         for sparse in (False, True):
             fused = pf.SinusoidalEmbedding.from_pretrained(table, sparse=sparse, embed_scale=width ** 0.5)
             eager = torch.nn.Embedding.from_pretrained(table, freeze=False, sparse=sparse)
-            for impl, leaf, make in (("fused", fused.weight, lambda: fused(ids)),
-                                     ("nn.Embedding", eager.weight, lambda: eager(ids) * width ** 0.5)):
-                ms = _timed_backward(make, leaf, grad_out, device, reps)
+            timed = _timed_backwards([(lambda: fused(ids), fused.weight),
+                                      (lambda: eager(ids) * width ** 0.5, eager.weight)], grad_out, device, reps)
+            for impl, ms in zip(("fused", "nn.Embedding"), timed):
                 rows.append(dict(impl=impl, sparse=sparse, tokens=ids.numel(), distinct_ids=distinct,
                                  backward_ms=round(ms, 3)))
                 print(f"{ids.numel():8d} tokens  {impl:13s} sparse={sparse!s:5s}  backward {ms:9.3f} ms", flush=True)
@@ -96,7 +108,8 @@ def main(argv=None):
         what="weight-gradient backward, dense vs sparse (bench/sparse_gradient_cost.py)",
         device=device_name(device),
         torch=torch.__version__, date=date.today().isoformat(), vocab=vocab, d_model=width, dtype=args.dtype,
-        dense_gradient_bytes=vocab * width * dtype.itemsize, timed_region="the backward alone", rows=rows)
+        dense_gradient_bytes=vocab * width * dtype.itemsize, timed_region="the backward alone",
+        sparse_format="one entry per token, uncoalesced (nn.Embedding's)", rows=rows)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "sparse_gradient_cost.json")
     with open(path, "w") as f:

@@ -32,6 +32,7 @@ serves no call (``_NoForward``, ``_NoAddition``) and take the general path.
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Optional
 
@@ -40,7 +41,7 @@ import torch
 from . import backends as _backends
 from . import config
 from ._dispatch import get_backend
-from .ops import AddSinusoidalFunction, dense_weight_gradient, sparse_weight_gradient
+from .ops import AddSinusoidalFunction, dense_weight_gradient, ids_checked, sparse_weight_gradient
 
 _STRIDED, _CONTIGUOUS = torch.strided, torch.contiguous_format
 _ID_DTYPES = _backends.ID_DTYPES
@@ -429,18 +430,20 @@ class LaunchedEmbeddingFunction(_PlainEagerApply, torch.autograd.Function):
         # Flat, as EmbeddingFunction saves them: a recomputation (activation checkpointing) may take the
         # other path and must save the same.
         ctx.save_for_backward(ids.reshape(-1))
-        ctx.gradient = gradient
+        ctx.gradient, ctx.weight_gradient = gradient, dense_weight_gradient
+        if gradient[0]:  # sparse: told now whether the launch's id check ruled out-of-range ids out
+            ctx.weight_gradient = functools.partial(
+                sparse_weight_gradient, ids_in_range=ids_checked(ids, 0, gradient[1], gradient[1]))
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         (ids,) = ctx.saved_tensors
-        sparse, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype, backend = ctx.gradient
+        _, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype, backend = ctx.gradient
         grad_weight = None
         if ctx.needs_input_grad[0]:
-            gradient = sparse_weight_gradient if sparse else dense_weight_gradient
-            grad_weight = gradient(grad_out.reshape(-1, grad_out.shape[-1]), ids, num_embeddings,
-                                   token_width, embed_scale, padding_idx, weight_dtype, None, 0.0, backend)
+            grad_weight = ctx.weight_gradient(grad_out.reshape(-1, grad_out.shape[-1]), ids, num_embeddings,
+                                              token_width, embed_scale, padding_idx, weight_dtype, None, 0.0, backend)
         return grad_weight, None, None, None, None, None
 
 

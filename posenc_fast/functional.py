@@ -82,9 +82,10 @@ def sinusoidal_embedding(
     ``1 / (1 - dropout_p)``.  The mask is Philox of a seed drawn from torch's generator (so
     ``torch.manual_seed`` reproduces it) and is regenerated in backward, not stored.
 
-    ``sparse=True`` makes the weight's gradient a sparse COO tensor of the rows the ids touch, as
-    ``nn.Embedding(sparse=True)`` does (for ``torch.optim.SparseAdam``, SGD...): deterministic, and
-    its cost tracks the tokens, not the vocabulary.  Eager only (not under torch.compile/export).
+    ``sparse=True`` makes the weight's gradient the sparse COO tensor ``nn.Embedding(sparse=True)``
+    makes (for ``torch.optim.SparseAdam``, SGD...): one entry per token, uncoalesced, the padding
+    row's left out; deterministic, and its cost tracks the tokens, not the vocabulary.  Eager only
+    (not under torch.compile/export).
 
     Presets for other libraries: ``posenc_fast.presets``.  The exact definition:
     ``posenc_fast.reference``.

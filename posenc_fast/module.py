@@ -42,8 +42,8 @@ class SinusoidalEmbedding(nn.Module):
     the same seed and drop the same elements (Megatron's default generator, not inside its per-rank
     ``get_cuda_rng_tracker().fork()``).
 
-    ``sparse=True``: the weight's gradient is a sparse tensor of the rows the ids touch, as with
-    ``nn.Embedding(sparse=True)`` (see :func:`posenc_fast.sinusoidal_embedding`).
+    ``sparse=True``: the weight's gradient is the sparse tensor ``nn.Embedding(sparse=True)`` makes
+    (see :func:`posenc_fast.sinusoidal_embedding`).
 
     Library conventions: :meth:`from_preset`; an existing token table: :meth:`from_pretrained`.
     """

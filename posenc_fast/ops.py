@@ -12,6 +12,7 @@ so double backward (e.g. a gradient penalty) works.
 
 from __future__ import annotations
 
+import functools
 from typing import List, Optional
 
 import torch
@@ -25,7 +26,7 @@ from ._spec import PEColumns
 from ._validate import check_id_range, check_op_inputs, id_value_fits
 from . import reference
 from .reference import dropout_keep
-from .backends import KernelParams, sort_ids_for_gradient
+from .backends import KernelParams
 
 
 def sinusoidal_embedding_forward(
@@ -110,10 +111,9 @@ def sinusoidal_embedding_backward_op(
 
 
 def weight_gradient(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype,
-                    dropout_seed, dropout_p, backend, sorted_ids=None) -> Tensor:
+                    dropout_seed, dropout_p, backend) -> Tensor:
     """The backward op's implementation, which eager calls run without torch.library's wrapper
-    (``weight_gradient_op``).  ``sorted_ids``: ``backends.sort_ids_for_gradient(ids, num_embeddings)``
-    where the caller has it (``sparse_weight_gradient``), passed to the backend instead of sorting again."""
+    (``weight_gradient_op``)."""
     if (grad_out.dim() != 2 or ids.dim() != 1 or grad_out.shape[0] != ids.shape[0]
             or grad_out.shape[1] < token_width or num_embeddings < 0 or token_width < 0):
         raise ValueError(f"grad_out of shape {list(grad_out.shape)} and ids of shape {list(ids.shape)} do not fit a "
@@ -122,16 +122,8 @@ def weight_gradient(grad_out, ids, num_embeddings, token_width, embed_scale, pad
     if ids.device != grad_out.device or not grad_out.is_floating_point() or ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"grad_out (dtype {grad_out.dtype} on {grad_out.device}) must be floating point and ids "
                          f"(dtype {ids.dtype} on {ids.device}) int32 or int64 on the same device")
-    if sorted_ids is not None and (
-            sorted_ids[0].shape != ids.shape or sorted_ids[1].shape != ids.shape or sorted_ids[0].device != ids.device
-            or sorted_ids[1].device != ids.device or sorted_ids[0].dtype not in (torch.int32, torch.int64)
-            or sorted_ids[1].dtype != torch.int64):
-        raise ValueError(f"sorted_ids must be the sorted ids (int32 or int64) and their int64 order, each of the "
-                         f"ids' shape {list(ids.shape)} and on their device {ids.device}")
-    return get_backend(backend).backward(
-        grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype,
-        dropout_for(dropout_seed, dropout_p), sorted_ids=sorted_ids,
-    )
+    return get_backend(backend).backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx,
+                                         weight_dtype, dropout_for(dropout_seed, dropout_p))
 
 
 @sinusoidal_embedding_backward_op.register_fake
@@ -140,23 +132,21 @@ def _(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weig
     return grad_out.new_empty((num_embeddings, token_width), dtype=weight_dtype)
 
 
-def weight_gradient_op(grad_out, ids, *rest, sorted_ids=None) -> Tensor:
+def weight_gradient_op(grad_out, ids, *rest) -> Tensor:
     """The backward op; or, where the call is eager on plain tensors (``_routing.eager_call``) and records
     no graph, its implementation directly, since torch.library's wrapper is a large share of a small
-    batch's host time.  A recorded graph takes the op, whose autograd gives the double backward.
-    ``sorted_ids`` as ``weight_gradient`` takes it; the op sorts the ids itself, into the same order, so
-    the result is the same bits."""
+    batch's host time.  A recorded graph takes the op, whose autograd gives the double backward."""
     if not (torch.is_grad_enabled() and grad_out.requires_grad) and eager_call(ids, grad_out):
-        return _direct_weight_gradient(grad_out, ids, *rest, sorted_ids=sorted_ids)
+        return _direct_weight_gradient(grad_out, ids, *rest)
     return sinusoidal_embedding_backward_op(grad_out, ids, *rest)
 
 
-def _direct_weight_gradient(grad_out, ids, *rest, sorted_ids=None) -> Tensor:
+def _direct_weight_gradient(grad_out, ids, *rest) -> Tensor:
     """``weight_gradient`` under the op's name in a profile (the op would show as a row of its own)."""
     if _profiler_enabled():
         with torch.profiler.record_function("posenc_fast::sinusoidal_embedding_backward"):
-            return weight_gradient(grad_out, ids, *rest, sorted_ids=sorted_ids)
-    return weight_gradient(grad_out, ids, *rest, sorted_ids=sorted_ids)
+            return weight_gradient(grad_out, ids, *rest)
+    return weight_gradient(grad_out, ids, *rest)
 
 
 _profiler_enabled = torch.autograd._profiler_enabled
@@ -260,13 +250,16 @@ class EmbeddingFunction(_DirectApply, torch.autograd.Function):
         _save_for_weight_gradient(ctx, ids, weight, params.embed_scale, padding_idx, dropout_seed, dropout_p, backend)
         ctx.save_for_forward(ids, turns, positions, offsets, dropout_seed)
         ctx.layer = (offset, seq_len, params, padding_idx, vocab_start, vocab_size, dropout_p, backend)
-        ctx.sparse = sparse
+        ctx.sparse_gradient = None  # with sparse=True: told now whether the id check ruled out-of-range ids out
+        if sparse:
+            ctx.sparse_gradient = functools.partial(
+                sparse_weight_gradient, ids_in_range=ids_checked(ids, vocab_start, vocab_size, weight.shape[0]))
 
     @staticmethod
     def backward(ctx, grad_out):
         grad_weight = None
         if ctx.needs_input_grad[0]:
-            grad_weight = _weight_gradient(ctx, grad_out, sparse_weight_gradient if ctx.sparse else dense_weight_gradient)
+            grad_weight = _weight_gradient(ctx, grad_out, ctx.sparse_gradient or dense_weight_gradient)
         return (grad_weight,) + (None,) * 14
 
     @staticmethod
@@ -340,34 +333,51 @@ def _padding_mask(ids: Tensor, padding_idx: int) -> Optional[Tensor]:
 
 
 def sparse_weight_gradient(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype,
-                           dropout_seed, dropout_p, backend) -> Tensor:
-    """The weight gradient as a sparse COO tensor of the rows the ids touch (``sparse=True``, as in
-    ``nn.Embedding``), coalesced: one row per distinct id, in id order.
+                           dropout_seed, dropout_p, backend, ids_in_range: bool = False) -> Tensor:
+    """The weight gradient as ``nn.Embedding(sparse=True)`` gives it (``sparse=True``): a sparse COO tensor
+    with one row per token, uncoalesced, ``embed_scale`` times the token columns of ``grad_out`` (the dropout
+    mask applied).  No sort, no sum: deterministic, its cost tracks the tokens, and no host sync unless tokens
+    must be left out.  Those are the padding row's, as nn.Embedding leaves them out, and out-of-range ids
+    unless the forward's id check made sure there are none (``ids_in_range``, ``ids_checked``); leaving
+    them out is a boolean index, one sync, as nn.Embedding's with a padding_idx."""
+    dropout = dropout_for(dropout_seed, dropout_p)
+    token_rows = grad_out if grad_out.shape[1] == token_width else grad_out[:, :token_width]
+    if dropout is None:
+        values = token_rows * embed_scale if embed_scale != 1.0 else token_rows
+    elif torch.is_grad_enabled() and grad_out.requires_grad:  # differentiable again (double backward)
+        keep = dropout_keep(dropout.seed, ids.shape[0], token_width, dropout.threshold)
+        values = torch.where(keep, token_rows * (embed_scale * dropout.scale), 0.0)
+    else:
+        # The forward's kernel on grad_out's rows as the table, with no PE: the mask depends on the element's
+        # token and column alone, so it is the forward's.
+        params = KernelParams(False, token_width, token_width, PEColumns.of("interleaved", token_width, False),
+                              embed_scale, 0.0, -1, False)
+        turns = torch.zeros(token_width // 2, dtype=torch.int64, device=grad_out.device)
+        rows = torch.arange(ids.shape[0], dtype=torch.int64, device=ids.device)
+        if token_rows.stride(0) < token_width:  # (one row read by every token: the kernels take a table)
+            token_rows = token_rows.contiguous()
+        values = get_backend(backend).forward(rows, token_rows, turns, None, None, 0, max(ids.shape[0], 1), params,
+                                              dropout)
+    # (each conversion only where needed: a small batch's backward is mostly host time)
+    if values.dtype != weight_dtype or not values.is_contiguous():
+        values = values.to(weight_dtype).contiguous()
+    indices = ids if ids.dtype == torch.int64 else ids.to(torch.int64)
+    left_out = _padding_mask(ids, padding_idx)
+    if not ids_in_range:
+        outside = (indices < 0) | (indices >= num_embeddings)
+        left_out = outside if left_out is None else left_out | outside
+    if left_out is not None:
+        kept = ~left_out
+        indices, values = indices[kept], values[kept]
+    return torch.sparse_coo_tensor(indices.unsqueeze(0), values, (num_embeddings, token_width), check_invariants=False)
 
-    The dense weight-gradient op (deterministic) runs on the ids renumbered 0..U-1 in id order; its
-    ``[U, token_width]`` result is the values, so the cost tracks the tokens, never the vocabulary.  The
-    padding row and out-of-range ids (id check off) are left out.  One stable sort serves both the
-    renumbering and the backend's kernel (``sorted_ids``): the renumbering keeps the ids' order.  The
-    dropout mask depends on the token's place, not its id, so the renumbering keeps it too."""
-    # Left-out tokens take the sentinel id num_embeddings, which sorts last: sort_ids_for_gradient gives it to
-    # out-of-range ids, so the padding tokens become one (-1, which fits any id dtype).
-    padding = _padding_mask(ids, padding_idx)
-    if padding is not None:
-        ids = ids.masked_fill(padding, -1)
-    sorted_keys, order = sort_ids_for_gradient(ids, num_embeddings)
-    # The distinct keys, and each sorted token's run numbered 0, 1, ... in id order: the renumbered ids,
-    # already sorted.  The left-out tokens' run (the sentinel's, last) gets the number `kept`, the row count,
-    # which the kernels drop.
-    rows, renumbered_sorted = torch.unique_consecutive(sorted_keys, return_inverse=True)
-    kept = rows.shape[0] - int(bool(sorted_keys.numel()) and bool(sorted_keys[-1] == num_embeddings))
-    # The key dtype sort_ids_for_gradient gives `kept` rows, so that the op path's own sort is the same.
-    renumbered_sorted = renumbered_sorted.to(torch.int32 if kept < 2**31 - 1 else torch.int64)
-    renumbered = torch.empty_like(renumbered_sorted).scatter_(0, order, renumbered_sorted)  # in token order
-    values = weight_gradient_op(grad_out, renumbered, kept, token_width, embed_scale, -1, weight_dtype,
-                                dropout_seed, dropout_p, backend, sorted_ids=(renumbered_sorted, order))
-    # Sorted, distinct, in-range rows by construction: coalesced, and nothing for an invariant check to find.
-    return torch.sparse_coo_tensor(rows[:kept].to(torch.int64).unsqueeze(0), values, (num_embeddings, token_width),
-                                   is_coalesced=True, check_invariants=False)
+
+def ids_checked(ids, vocab_start: int, vocab_size: int, num_rows: int) -> bool:
+    """Whether the forward's id range check made every id a row of the table: the check is on, was not skipped
+    by a CUDA graph capture, and the table is not a vocabulary shard (whose ids of other shards are outside it).
+    Taken at the forward, for ``sparse_weight_gradient``: the backward may run after the check is switched."""
+    return (config.check_ids and vocab_start == 0 and vocab_size == num_rows
+            and not (ids.is_cuda and torch.cuda.is_current_stream_capturing()))
 
 
 class WeightGradient(_DirectApply, torch.autograd.Function):

@@ -1,13 +1,14 @@
-"""``sparse=True``: the weight's gradient as a sparse tensor of the touched rows, on every backend target,
-against ``nn.Embedding(sparse=True)`` and the float64 reference; deterministic; with SparseAdam and SGD."""
+"""``sparse=True``: the weight's gradient as ``nn.Embedding(sparse=True)`` makes it (one row per token,
+uncoalesced, the padding row's left out), on every backend target, against nn.Embedding and the float64
+reference; deterministic; out-of-range ids left out; with SparseAdam and SGD."""
 
 import pytest
 import torch
 
 import posenc_fast as pf
-from posenc_fast import reference
+from posenc_fast import _dropout, reference
 
-from cases import backend_targets
+from cases import assert_within, backend_targets
 
 TARGETS = backend_targets()
 VOCAB, WIDTH = 60, 12
@@ -39,13 +40,13 @@ def test_sparse_gradient_matches_nn_embedding_and_float64(entry, padding_idx, ba
     out.backward(grad_out)
     grad = leaf.grad
     assert grad.is_sparse and grad.shape == weight.shape and grad.dtype == weight.dtype
-    # Exactly the rows the ids touch, the padding row left out.
-    touched = sorted(set(ids.flatten().tolist()) - {padding_idx})
-    assert sorted(grad.coalesce().indices()[0].tolist()) == touched
-    # nn.Embedding(sparse=True) on the same table (the scale applied to its output).
+    # nn.Embedding(sparse=True) on the same table (the scale applied to its output): the same entries, one per
+    # token in token order, the padding row's left out; values equal, as both are 1.5 * grad_out's rows.
     embedding = torch.nn.Embedding.from_pretrained(weight.clone(), freeze=False, padding_idx=padding_idx, sparse=True)
     (embedding(ids) * 1.5).backward(grad_out)
-    torch.testing.assert_close(grad.to_dense(), embedding.weight.grad.to_dense(), atol=1e-5, rtol=1e-5)
+    theirs = embedding.weight.grad
+    assert not grad.is_coalesced() and torch.equal(grad._indices(), theirs._indices())
+    assert torch.equal(grad._values(), theirs._values())
     # The float64 reference's dense gradient, padding row zeroed as nn.Embedding does.
     exact_leaf = weight.double().cpu().requires_grad_(True)
     reference.sinusoidal_embedding(ids.cpu(), exact_leaf, **kwargs).backward(grad_out.double().cpu())
@@ -57,21 +58,35 @@ def test_sparse_gradient_matches_nn_embedding_and_float64(entry, padding_idx, ba
 
 
 @pytest.mark.parametrize("backend,device", TARGETS)
-def test_sparse_gradient_is_deterministic_and_equals_the_dense_one(backend, device, seed):
-    ids, weight, grad_out = _inputs(seed, device)
+@pytest.mark.parametrize("mode,d_pos", [("add", None), ("concat", 5)])
+def test_sparse_gradient_with_dropout_is_deterministic_and_sums_to_the_dense_one(mode, d_pos, backend, device, seed):
+    """With dropout, the values are the forward's kernel on grad_out's token columns (the same mask): bitwise
+    the same on every run, the float64 reference's masked rows, and summed per row the dense gradient."""
+    ids, weight, _ = _inputs(seed, device)
+    width = WIDTH + (d_pos or 0)
+    grad_out = torch.randn(*ids.shape, width, generator=torch.Generator().manual_seed(seed + 1)).to(device)
+    kwargs = dict(mode=mode, d_pos=d_pos, embed_scale=1.5, dropout_p=0.3, backend=backend)
 
-    def gradient(sparse):
+    def gradient(sparse, create_graph=False):
         leaf = weight.clone().requires_grad_(True)
-        pf.sinusoidal_embedding(ids, leaf, sparse=sparse, dropout_p=0.3, backend=backend).backward(grad_out)
-        return leaf.grad
-
-    runs = []
-    for _ in range(2):
         torch.manual_seed(seed)  # the dropout seed
-        runs.append(gradient(True).coalesce())
-    assert torch.equal(runs[0].indices(), runs[1].indices()) and torch.equal(runs[0].values(), runs[1].values())
+        out = pf.sinusoidal_embedding(ids, leaf, sparse=sparse, **kwargs)
+        (grad,) = torch.autograd.grad(out, leaf, grad_out.clone().requires_grad_(create_graph), create_graph=create_graph)
+        return grad
+
+    first, second = gradient(True), gradient(True)
+    assert torch.equal(first._indices(), second._indices()) and torch.equal(first._values(), second._values())
+    assert torch.equal(first._indices()[0], ids.reshape(-1).to(torch.int64))
+    # The reference's rows: 1.5 * keep * scale * grad_out's token columns, the mask of the forward's seed.
     torch.manual_seed(seed)
-    assert torch.equal(runs[0].to_dense(), gradient(False))  # the same kernels on renumbered ids
+    keep = reference.dropout_keep(_dropout.draw_seed(torch.device(device)), ids.numel(), WIDTH, _dropout.threshold_of(0.3))
+    exact = torch.where(keep, grad_out.reshape(-1, width)[:, :WIDTH].double() * (1.5 * _dropout.scale_of(0.3)), 0.0)
+    assert_within(first._values(), exact, 1e-6 + 2**-22 * exact.abs(), f"sparse values {backend}")
+    # The same values where a graph is recorded (double backward), from the reference's mask.
+    assert torch.allclose(gradient(True, create_graph=True)._values(), first._values(), rtol=1e-6, atol=1e-7)
+    dense = gradient(False)
+    summed = first.coalesce().to_dense()
+    assert_within(summed, dense.double(), 1e-5 * (1 + dense.abs().double()), f"sparse sum {backend}")
 
 
 @pytest.mark.parametrize("backend,device", TARGETS)
@@ -86,9 +101,26 @@ def test_out_of_range_ids_with_the_check_off_get_nothing(backend, device):
         return leaf.grad
 
     sparse_grad = gradient(True)
-    rows = sparse_grad.coalesce().indices()[0]
-    assert bool(((rows >= 0) & (rows < VOCAB)).all())
-    assert torch.equal(sparse_grad.to_dense(), gradient(False))  # the left-out tokens' run dropped, the rest the same
+    kept = (ids.reshape(-1) >= 0) & (ids.reshape(-1) < VOCAB)
+    assert torch.equal(sparse_grad._indices()[0], ids.reshape(-1)[kept])
+    torch.testing.assert_close(sparse_grad.to_dense(), gradient(False), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("backend,device", TARGETS)
+def test_ids_unchecked_in_the_forward_are_left_out_after_the_check_is_back_on(backend, device):
+    """Whether the ids were range-checked is taken at the forward: a backward after the check is back on
+    still leaves out the out-of-range ids it let through."""
+    ids, weight, grad_out = _inputs(0, device)
+    ids[1, 3] = VOCAB + 9
+    layer = pf.SinusoidalEmbedding.from_pretrained(weight.clone(), sparse=True, backend=backend)
+    leaf = weight.clone().requires_grad_(True)
+    for entry, call, table in (("functional", lambda: pf.sinusoidal_embedding(ids, leaf, sparse=True, backend=backend),
+                                leaf), ("module", lambda: layer(ids), layer.weight)):
+        with pf.id_check(False):
+            for _ in range(2):  # the second call: the module's prepared launch
+                out = call()
+        out.backward(grad_out)
+        assert bool((table.grad._indices() < VOCAB).all()), entry
 
 
 @pytest.mark.parametrize("optimizer", ["SparseAdam", "SGD"])
@@ -121,21 +153,10 @@ def test_padding_past_the_id_dtype_leaves_every_id_its_row(ids_dtype, seed):
     g = torch.Generator().manual_seed(seed)
     ids = torch.tensor([7, 3, 7, 9, 2**31 - 1], dtype=ids_dtype)
     grad_out = torch.randn(ids.numel(), WIDTH, generator=g)
-    grad = ops.sparse_weight_gradient(grad_out, ids, vocab, WIDTH, 2.0, 2**32 + 7, torch.float32, None, 0.0, "cpu")
-    assert grad.indices()[0].tolist() == [3, 7, 9, 2**31 - 1]
-    assert torch.equal(grad.values()[1], (grad_out[0] + grad_out[2]) * 2.0)
-
-
-def test_weight_gradient_refuses_a_sorted_pair_that_does_not_fit_the_ids():
-    from posenc_fast import ops
-    from posenc_fast.backends import sort_ids_for_gradient
-
-    ids = torch.tensor([3, 1, 3])
-    keys, order = sort_ids_for_gradient(ids, 5)
-    for pair in ((keys[:2], order[:2]), (keys, order.to(torch.int32)), (keys.float(), order)):
-        with pytest.raises(ValueError, match="sorted_ids must be"):
-            ops.weight_gradient(torch.randn(3, 4), ids, 5, 4, 1.0, -1, torch.float32, None, 0.0, "cpu",
-                                sorted_ids=pair)
+    grad = ops.sparse_weight_gradient(grad_out, ids, vocab, WIDTH, 2.0, 2**32 + 7, torch.float32, None, 0.0, "cpu",
+                                      ids_in_range=True)
+    assert grad._indices()[0].tolist() == ids.tolist()
+    assert torch.equal(grad._values(), grad_out * 2.0)
 
 
 def test_sparse_is_refused_where_it_cannot_be_computed():

@@ -6,9 +6,8 @@
     prepare(device) -> None: optional; run before ``available`` when the backend is asked for by name
         (``cuda`` and ``cpu`` build their extension on demand there)
     forward(ids, weight, turns, positions, offsets, offset, seq_len, params, dropout) -> Tensor[N, width]
-    backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype, dropout,
-             sorted_ids=None) -> Tensor[V, token_width]   (padding_idx: -1 for none; ``sorted_ids``: the pair
-        ``sort_ids_for_gradient(ids, num_embeddings)`` returns, where the caller has it already, else None)
+    backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype, dropout)
+        -> Tensor[V, token_width]   (padding_idx: -1 for none)
     prepare_forward(dtype, num_rows, device, turns, params) -> Optional[PreparedLaunch]: optional;
         ``forward`` for tables of ``num_rows`` rows of ``dtype`` on ``device``, with what stays fixed
         between calls bound once (``PreparedLaunch``)
@@ -38,8 +37,7 @@ def sort_ids_for_gradient(ids: torch.Tensor, num_embeddings: int):
     Out-of-range ids (possible only with the range check off) become the sentinel
     ``num_embeddings`` and sort last, where the kernels drop them.  Keys are int32 whenever
     the vocabulary allows: a radix sort's passes, and its traffic, scale with the key width.
-    Returns ``(sorted_ids, order)``; a backend's ``backward`` takes that pair from a caller that has it
-    (``sorted_ids``: the sparse gradient's renumbering sorts the ids itself).
+    Returns ``(sorted_ids, order)``.
     """
     key_dtype = torch.int32 if num_embeddings < 2**31 - 1 else torch.int64
     source = ids if key_dtype == torch.int32 else ids.to(torch.int64)  # clamp before narrowing

@@ -100,7 +100,7 @@ def forward(ids, weight, turns, positions, offsets, offset, seq_len, params: Ker
 
 
 def backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype,
-             dropout: Optional[Dropout], sorted_ids=None):
+             dropout: Optional[Dropout]):
     num_tokens = ids.numel()
     if num_tokens == 0 or num_embeddings == 0 or token_width == 0:
         return torch.zeros((num_embeddings, token_width), dtype=weight_dtype, device=grad_out.device)
@@ -109,7 +109,7 @@ def backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_id
     module = _lookup.require()
     # The kernel takes the gradient in the weight's dtype or in fp32.
     grad_out = gradient_rows(grad_out, weight_dtype if grad_out.dtype == weight_dtype else torch.float32)
-    sorted_ids, order = sort_ids_for_gradient(ids, num_embeddings) if sorted_ids is None else sorted_ids
+    sorted_ids, order = sort_ids_for_gradient(ids, num_embeddings)
     dropout_seed, dropout_threshold, dropout_scale = dropout_arguments(dropout, grad_out.device)
     module.weight_grad(
         *gradient_arguments(module, "cpu", sorted_ids, order, grad_out, grad_weight), num_tokens, num_embeddings,

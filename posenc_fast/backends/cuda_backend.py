@@ -193,7 +193,7 @@ def forward(ids, weight, turns, positions, offsets, offset, seq_len, params: Ker
 
 
 def backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype,
-             dropout: Optional[Dropout], sorted_ids=None):
+             dropout: Optional[Dropout]):
     grad_weight = torch.zeros((num_embeddings, token_width), dtype=weight_dtype, device=grad_out.device)
     num_tokens = ids.numel()
     if num_tokens == 0 or num_embeddings == 0 or token_width == 0:
@@ -201,7 +201,7 @@ def backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_id
     module = _lookup.require()
     # The kernels take the gradient in the weight's dtype or in fp32.
     grad_out = gradient_rows(grad_out, weight_dtype if grad_out.dtype == weight_dtype else torch.float32)
-    sorted_ids, order = sort_ids_for_gradient(ids, num_embeddings) if sorted_ids is None else sorted_ids
+    sorted_ids, order = sort_ids_for_gradient(ids, num_embeddings)
     chunk = max(int(GRAD_CHUNK), 1)
     partials = new_buffer(((num_tokens + chunk - 1) // chunk, 2, token_width), torch.float32, grad_out.device)
     stream, device = _stream_and_device(grad_out)

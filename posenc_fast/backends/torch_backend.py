@@ -34,9 +34,7 @@ def forward(ids, weight, turns, positions, offsets, offset, seq_len, params: Ker
         )
 
 
-def backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype, dropout,
-             sorted_ids=None):
-    del sorted_ids  # aten's embedding backward sorts on its own
+def backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype, dropout):
     ids64 = ids.to(torch.int64)
     if num_embeddings == 0 or token_width == 0 or ids64.numel() == 0:
         return torch.zeros((num_embeddings, token_width), dtype=weight_dtype, device=grad_out.device)

@@ -210,9 +210,8 @@ def forward(ids, weight, turns, positions, offsets, offset, seq_len, params: Ker
         return _forward(ids, weight, turns, positions, offsets, offset, seq_len, params, dropout)
 
 
-def backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype, dropout,
-             sorted_ids=None):
-    arguments = (grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype, dropout, sorted_ids)
+def backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype, dropout):
+    arguments = (grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype, dropout)
     if _kernels_interpreted is False:
         return _backward(*arguments)
     with _interpreter_lock:
@@ -341,14 +340,14 @@ def prepare_forward(dtype, num_rows: int, device, turns, params: KernelParams) -
     return PreparedLaunch(launch, current_stream_function(device), _Kernels, kernels, turns)
 
 
-def _backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype, dropout, sorted_ids):
+def _backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype, dropout):
     grad_weight = torch.zeros((num_embeddings, token_width), dtype=weight_dtype, device=grad_out.device)
     num_tokens = ids.numel()
     if num_tokens == 0 or num_embeddings == 0:
         return grad_weight
     kernels = _load_kernels()
     grad_out = gradient_rows(grad_out, grad_out.dtype)
-    sorted_ids, order = sort_ids_for_gradient(ids, num_embeddings) if sorted_ids is None else sorted_ids
+    sorted_ids, order = sort_ids_for_gradient(ids, num_embeddings)
     num_chunks = triton.cdiv(num_tokens, GRAD_CHUNK)
     partials = new_buffer((num_chunks, 2, token_width), torch.float32, grad_out.device)
     # At least 4 columns: the dropout mask is made four columns (one Philox call) at a time.
