@@ -2,7 +2,7 @@
 # The GPU proof of posenc_fast: everything that needs a GPU, in one script.  On a machine with an NVIDIA GPU,
 # torch (CUDA), Triton, nvcc, pybind11, ninja, pytest and pytest-benchmark installed, from the repository root:
 #
-#   bash bench/gpu_proof.sh [STEP...]                 (default: install tests sanitizer bench host-time)
+#   bash bench/gpu_proof.sh [STEP...]       (default: install tests sanitizer bench host-time sparse dropout)
 #
 #   install     pip install --no-build-isolation --no-deps -e .  (the CUDA extension for this GPU's arch)
 #   tests       the whole suite, slow tests included, on the GPU (spread over the cores with pytest-xdist
@@ -11,6 +11,8 @@
 #               of both backends, racecheck of triton's (the CUDA kernels use no shared memory)
 #   bench       python -m posenc_fast bench: bench/results/<gpu>.json and .png, the default cases
 #   host-time   bench/host_overhead.py --real cuda --entry-points: bench/results/host-overhead-<gpu>.json
+#   sparse      bench/sparse_gradient_cost.py at 4K, 16K and 64K tokens: bench/results/sparse-gradient-<gpu>.json
+#   dropout     bench/dropout_cost.py: bench/results/dropout-cost-<gpu>.json
 #
 # Logs go to $OUT (default: a new temporary folder), one per step; the summary comes last.  A step that fails
 # is reported and the next one runs.  Each step runs under `timeout` for the seconds in TIMEOUT_<STEP>
@@ -82,10 +84,21 @@ run_host_time() {
         --json "bench/results/host-overhead-$(gpu_slug).json"
 }
 
+# The two cost scripts write a fixed file name into --out: a folder of their own, then renamed per GPU.
+run_sparse() {
+    step sparse "$PY" bench/sparse_gradient_cost.py --device cuda --tokens 4096,16384,65536 --out "$OUT/sparse" \
+        && cp "$OUT/sparse/sparse_gradient_cost.json" "bench/results/sparse-gradient-$(gpu_slug).json"
+}
+
+run_dropout() {
+    step dropout "$PY" bench/dropout_cost.py --out "$OUT/dropout" \
+        && cp "$OUT/dropout/dropout_cost.json" "bench/results/dropout-cost-$(gpu_slug).json"
+}
+
 { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
   "$PY" -c "import sys, torch, triton; print(f'python {sys.version.split()[0]}; torch {torch.__version__}; \
 triton {triton.__version__}')"; } 2>&1 | tee "$OUT/env.txt"
-for name in "${@:-install tests sanitizer bench host-time}"; do
+for name in "${@:-install tests sanitizer bench host-time sparse dropout}"; do
     for one in $name; do
         case "$one" in
             install) run_install ;;
@@ -93,7 +106,9 @@ for name in "${@:-install tests sanitizer bench host-time}"; do
             sanitizer) run_sanitizer ;;
             bench) run_bench ;;
             host-time) run_host_time ;;
-            *) echo "unknown step '$one'; expected install tests sanitizer bench host-time" >&2; exit 2 ;;
+            sparse) run_sparse ;;
+            dropout) run_dropout ;;
+            *) echo "unknown step '$one'; expected install tests sanitizer bench host-time sparse dropout" >&2; exit 2 ;;
         esac
     done
 done
