@@ -90,6 +90,40 @@ def test_sparse_gradient_with_dropout_is_deterministic_and_sums_to_the_dense_one
 
 
 @pytest.mark.parametrize("backend,device", TARGETS)
+@pytest.mark.parametrize("dropout_p", [0.0, 0.3])
+def test_a_broadcast_gradient_gives_the_same_sparse_gradient(dropout_p, backend, device, seed):
+    """``out.sum()`` gives one gradient row broadcast to every token (row stride 0): the sparse gradient is
+    the one the same gradient gives when it is materialised, dropout mask included."""
+    ids, weight, _ = _inputs(seed, device)
+
+    def gradient(broadcast):
+        leaf = weight.clone().requires_grad_(True)
+        torch.manual_seed(seed)  # the dropout seed
+        out = pf.sinusoidal_embedding(ids, leaf, sparse=True, dropout_p=dropout_p, embed_scale=2.0, backend=backend)
+        if broadcast:
+            return torch.autograd.grad(out.sum(), leaf)[0]
+        return torch.autograd.grad(out, leaf, torch.ones_like(out))[0]
+
+    expanded, materialised = gradient(True), gradient(False)
+    assert torch.equal(expanded._indices(), materialised._indices())
+    assert torch.equal(expanded._values(), materialised._values())
+
+
+@pytest.mark.parametrize("backend,device", TARGETS)
+def test_a_bfloat16_table_gets_nn_embeddings_gradient(backend, device, seed):
+    ids, weight, grad_out = _inputs(seed, device)
+    weight, grad_out = weight.bfloat16(), grad_out.bfloat16()
+    layer = pf.SinusoidalEmbedding.from_pretrained(weight.clone(), embed_scale=1.5, padding_idx=7, sparse=True,
+                                                   backend=backend)
+    layer(ids).backward(grad_out)
+    embedding = torch.nn.Embedding.from_pretrained(weight.clone(), freeze=False, padding_idx=7, sparse=True)
+    (embedding(ids) * 1.5).backward(grad_out)
+    ours, theirs = layer.weight.grad, embedding.weight.grad
+    assert ours.dtype == torch.bfloat16 and torch.equal(ours._indices(), theirs._indices())
+    assert torch.equal(ours._values(), theirs._values())
+
+
+@pytest.mark.parametrize("backend,device", TARGETS)
 def test_out_of_range_ids_with_the_check_off_get_nothing(backend, device):
     ids, weight, grad_out = _inputs(0, device)
     ids[2, 0], ids[2, 1] = VOCAB + 3, -1
