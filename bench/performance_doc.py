@@ -585,7 +585,7 @@ def known_gaps(results: Results) -> List[str]:
                      "backward with `sparse=True`, fused time over `nn.Embedding(sparse=True)`'s: " + "; ".join(coalesced)
                      + ". That form sorted the ids, ran `unique_consecutive` and read two values back to the host. "
                      "The gradient now takes nn.Embedding's format (one entry per token, uncoalesced): no sort, "
-                     "one elementwise pass, and no host sync without a padding row" + (" (measured: " + "; ".join(sparse) + ")" if sparse else "")
+                     "one elementwise pass, and no host sync unless tokens are left out (a padding row, unchecked ids)" + (" (measured: " + "; ".join(sparse) + ")" if sparse else "")
                      + "; those devices have yet to measure it.")
     # Host time against the eager layer it replaces (the torch backend is the float64 reference, not a fused layer).
     host = []

@@ -344,7 +344,8 @@ def sparse_weight_gradient(grad_out, ids, num_embeddings, token_width, embed_sca
     token_rows = grad_out if grad_out.shape[1] == token_width else grad_out[:, :token_width]
     if dropout is None:
         values = token_rows * embed_scale if embed_scale != 1.0 else token_rows
-    elif torch.is_grad_enabled() and grad_out.requires_grad:  # differentiable again (double backward)
+    elif (torch.is_grad_enabled() and grad_out.requires_grad) or not (plain(grad_out) and plain(ids)):
+        # Differentiable again (double backward), or under torch.func, whose wrappers no kernel can read.
         keep = dropout_keep(dropout.seed, ids.shape[0], token_width, dropout.threshold)
         values = torch.where(keep, token_rows * (embed_scale * dropout.scale), 0.0)
     else:

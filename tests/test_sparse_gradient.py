@@ -124,6 +124,23 @@ def test_a_bfloat16_table_gets_nn_embeddings_gradient(backend, device, seed):
 
 
 @pytest.mark.parametrize("backend,device", TARGETS)
+def test_torch_func_grad_gives_the_eager_sparse_gradient_with_dropout(backend, device, seed):
+    """Under torch.func the gradient's tensors are functorch wrappers, which no kernel reads: the dropout mask
+    comes from torch ops there, and the gradient is the eager one."""
+    ids, weight, _ = _inputs(seed, device)
+    weights = torch.arange(WIDTH, dtype=torch.float32, device=device)
+
+    def loss(w):
+        torch.manual_seed(seed)  # the dropout seed
+        return (pf.sinusoidal_embedding(ids, w, sparse=True, dropout_p=0.3, backend=backend) * weights).sum()
+
+    transformed = torch.func.grad(loss)(weight.clone())
+    leaf = weight.clone().requires_grad_(True)
+    loss(leaf).backward()
+    torch.testing.assert_close(transformed.to_dense(), leaf.grad.to_dense(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend,device", TARGETS)
 def test_out_of_range_ids_with_the_check_off_get_nothing(backend, device):
     ids, weight, grad_out = _inputs(0, device)
     ids[2, 0], ids[2, 1] = VOCAB + 3, -1
@@ -180,7 +197,7 @@ def test_optimizer_steps_like_nn_embedding(optimizer, seed):
 def test_padding_past_the_id_dtype_leaves_every_id_its_row(ids_dtype, seed):
     """A padding_idx that int32 ids cannot hold (a vocabulary past 2^32) pads nothing: compared as an int32 it
     would wrap onto a small id (2^32 + 7 onto 7) and drop that id's row.  The gradient op is called directly:
-    the sparse tensor's vocabulary is only a size, and its values are U rows."""
+    the sparse tensor's vocabulary is only a size, and its values are one row per token."""
     from posenc_fast import ops
 
     vocab = 2**32 + 100
