@@ -8,12 +8,12 @@ Layers, lowest first; a module imports only from its own layer or lower ones (te
 
 1. host-side data and settings: ``config``, ``presets``, ``_spec`` (the PE's parameters), ``_dropout``,
    ``_timing``, ``_build`` (compiling the extensions), ``baselines``, the extensions ``_cpu`` and ``_C``;
-2. checks: ``_validate`` (arguments), ``_routing`` (eager, traced or transformed call);
+2. checks: ``_validate``;
 3. the definition: ``reference``, ``positions``;
 4. ``backends``: one module per backend, the same entry points (``backends/__init__``);
-5. ``_dispatch``: the one place that maps ``backend=`` and a device to a backend;
+5. ``_dispatch``: the one place that decides how a call runs (eager, traced, transformed) and on which backend;
 6. ``ops``: the torch.library ops and autograd Functions;
-7. ``_prepared``: prepared launches, the repeated eager call of every entry point;
+7. ``_prepared``: prepared launches, the plain eager call of every entry point;
 8. ``functional``; 9. ``module``;
 10. integrations and tools: ``integrations``, ``check``, ``cli``, ``benchmark``, ``explore``, this file.
 """

@@ -1,5 +1,5 @@
-"""Host side of the fused dropout: checking ``p``, the integer keep threshold and the scale every
-backend uses, and the per-call seed drawn from torch's generator.
+"""Host side of the fused dropout: the integer keep threshold and the scale every backend uses, and the
+per-call seed drawn from torch's generator (``dropout_p`` itself is checked in ``_validate``).
 
 The mask itself is defined by ``reference.dropout_keep`` (Philox4x32-10 of the seed and the
 element's place), so forward and backward, and every backend, draw the same one and none is stored.
@@ -7,7 +7,6 @@ element's place), so forward and backward, and every backend, draw the same one 
 
 from __future__ import annotations
 
-import numbers
 from typing import NamedTuple
 
 import torch
@@ -21,15 +20,6 @@ class Dropout(NamedTuple):
     seed: Tensor  # int64, one element, on the device; read by the kernels (no host sync)
     threshold: int  # in [0, 2**32)
     scale: float  # 1 / (1 - p); 0 for p = 1
-
-
-def check_dropout_p(p) -> float:
-    if type(p) is float and 0.0 <= p <= 1.0:  # the common case, first: this runs on every call
-        return p
-    # Comparisons only (NaN fails both): under torch.compile(dynamic=True) p may be a symbolic float.
-    if isinstance(p, bool) or not isinstance(p, (numbers.Real, torch.SymFloat)) or not (0.0 <= p and p <= 1.0):
-        raise ValueError(f"dropout probability has to be a number in [0, 1], got {p!r}")
-    return float(p)
 
 
 def _drops_everything(p: float) -> bool:

@@ -2,25 +2,24 @@
 worked out once.
 
 A decoding step calls the layer with a few tokens, so its cost is host time: validation, backend choice,
-argument packing and the binding's argument conversion (bench/host_overhead.py measures it).  After an
-eager call that a prepared launch could have served, the general path (``functional.apply_spec`` /
-``apply_add_spec``) calls the entry point's ``keep``, which prepares one from the backend that ran and the
-spec's kernel parameters.  Each entry point keeps its launches:
+argument packing and the binding's argument conversion (bench/host_overhead.py measures it).  A plain eager
+call (``_dispatch.eager_call``) runs through a prepared launch, which the entry point first prepares where it
+has none for the call's settings and kind of table: the fixed settings are checked by the general path's own
+functions and the backend resolved once (``prepare``), then the launch is bound (``build``).  Each entry
+point keeps its launches:
 
-- ``SinusoidalEmbedding``: a :class:`PreparedForward` on the module (``keep_embedding``);
+- ``SinusoidalEmbedding``: a :class:`PreparedForward` on the module (``run_embedding``);
 - ``sinusoidal_embedding``: one per spec, backend, dropout probability and kind of table, here
-  (``remember_embedding``, ``functional_embedding``);
-- ``SinusoidalPositionalEncoding``: a :class:`PreparedAddition` on the module (``keep_addition``);
-- ``add_sinusoidal``: one per spec, backend, dtype and device, here (``remember_addition``,
-  ``functional_addition``).
+  (``functional_embedding``);
+- ``SinusoidalPositionalEncoding``: a :class:`PreparedAddition` on the module (``run_addition``);
+- ``add_sinusoidal``: one per spec, backend, dtype and device, here (``functional_addition``).
 
-A later call runs the prepared launch only if it is plain eager (``_routing.eager_call``) and the same
-kind of call on the same kind of table, its positions an int offset or a contiguous int64 tensor of the
-ids' shape; a training call runs it inside :class:`LaunchedEmbeddingFunction` or
-:class:`LaunchedAdditionFunction`.  Anything else (another spec, backend, dropout probability, or table
-dtype, shape or device; dropout to apply, positions of another kind, a position rule, a tensor offset,
-cu_seqlens or a vocabulary range; a changed extension) takes the general path, which validates everything
-and raises the errors.
+A launch serves a call only if it is the same kind of call on the same kind of table, its positions an int
+offset or a contiguous int64 tensor of the ids' shape; a training call runs it inside
+:class:`LaunchedEmbeddingFunction` or :class:`LaunchedAdditionFunction`.  Anything else (dropout to apply,
+positions of another kind, a position rule, a tensor offset, cu_seqlens or a vocabulary range; a bad
+argument) takes the general path (``functional.apply_spec`` / ``apply_add_spec``), which validates
+everything and raises the errors.  A launch whose settings, table kind or extension changed is prepared again.
 
 A prepared launch never holds the table or its address: the table's data pointer is read on every call,
 so in-place updates, ``.data`` swaps and a new Parameter of the same shape need no invalidation.
@@ -40,7 +39,8 @@ import torch
 
 from . import backends as _backends
 from . import config
-from ._dispatch import get_backend
+from ._dispatch import BACKENDS, resolve_backend
+from ._validate import check_dropout_p, check_weight_for_spec
 from .ops import AddSinusoidalFunction, dense_weight_gradient, ids_checked, sparse_weight_gradient
 
 _STRIDED, _CONTIGUOUS = torch.strided, torch.contiguous_format
@@ -57,7 +57,7 @@ _FUNCTIONAL_SPECS = 64  # specs whose functional launches are kept (_FUNCTIONAL)
 def _bind(spec, name: str, dtype, num_rows: int, device, zero_pe_at_padding: bool):
     """Backend ``name``'s PreparedLaunch for tables of ``num_rows`` rows of ``dtype`` on ``device``, or None
     where the backend has none."""
-    prepare = getattr(get_backend(name), "prepare_forward", None)
+    prepare = getattr(BACKENDS[name], "prepare_forward", None)
     if prepare is None:
         return None
     return prepare(dtype, num_rows, device, spec.turns_tensor(device), spec.kernel_params(zero_pe_at_padding))
@@ -119,10 +119,9 @@ class PreparedForward(_Bound):
 
     @staticmethod
     def build(spec, backend: str, name: str, dropout, weight: torch.Tensor) -> Optional["PreparedForward"]:
-        """The prepared launch for the next calls like the one the general path just ran with these settings
-        (so they are valid) on backend ``name``, which it resolved from ``backend``.  Where that backend has
-        none, a stand-in that serves no call, so that a module does not ask again on every call; None for a
-        dropout that is not a float."""
+        """The prepared launch for calls with these (valid) settings on backend ``name``, resolved from
+        ``backend``.  Where that backend has none, a stand-in that serves no call, so that an entry point
+        does not ask again on every call; None for a dropout that is not a float."""
         if type(dropout) is not float:
             return None
         launch = _bind(spec, name, weight.dtype, weight.shape[0], weight.device, spec.zero_pe_at_padding)
@@ -130,17 +129,32 @@ class PreparedForward(_Bound):
             return _NoForward(spec, backend, dropout, weight)
         return PreparedForward(spec, backend, dropout, weight, name, launch)
 
+    @staticmethod
+    def prepare(spec, backend: str, dropout, weight: torch.Tensor) -> Optional["PreparedForward"]:
+        """``build`` for calls with these settings on tables like ``weight``, once the general path's checks of
+        them pass (the same functions); None where one fails, and the general path raises its error."""
+        try:
+            check_dropout_p(dropout)
+            check_weight_for_spec(weight, spec)
+            name = resolve_backend(backend, weight.device, weight.dtype, float64_math=spec.precision == "float64")
+        except (TypeError, ValueError, RuntimeError):
+            return None
+        return PreparedForward.build(spec, backend, name, dropout, weight)
+
     def prepared_for(self, spec, backend: str, dropout, weight) -> bool:
         """Whether a table ``weight`` with these settings is still what this launch was prepared for."""
-        return (spec is self.spec and backend == self.backend and type(dropout) is float
-                and dropout == self.dropout and weight.dtype is self.dtype and weight.shape == self.shape
-                and weight.device == self.device and self.is_current())
+        try:
+            return (spec is self.spec and backend == self.backend and type(dropout) is float
+                    and dropout == self.dropout and weight.dtype is self.dtype and weight.shape == self.shape
+                    and weight.device == self.device and self.is_current())
+        except RuntimeError:  # a table without sizes (a nested tensor): the general path names it
+            return False
 
     def run(self, spec, backend: str, dropout, training: bool, sparse, weight, ids, offset,
             positions=None) -> Optional[torch.Tensor]:
         """The layer's output for ``ids`` at ``offset`` (positions ``offset + t``) or at ``positions`` when this
         launch was prepared for that call (no dropout applied); else None, and the caller takes the general
-        path.  The caller has checked that the call is eager (``_routing.eager_call``)."""
+        path.  The caller has checked that the call is eager (``_dispatch.eager_call``)."""
         # prepared_for's checks and the call's own, inline: a decoding step pays for each Python call.
         if (type(offset) is not int or not _INT64_MIN <= offset < _INT64_END
                 or spec is not self.spec or backend != self.backend or type(dropout) is not float
@@ -217,6 +231,15 @@ class PreparedAddition(_Bound):
         launch = _bind(spec, name, x.dtype, _ADDITION_ROW_BOUND, x.device, False)
         return _NoAddition(spec, backend, x) if launch is None else PreparedAddition(spec, backend, x, launch)
 
+    @staticmethod
+    def prepare(spec, backend: str, x: torch.Tensor) -> Optional["PreparedAddition"]:
+        """As ``PreparedForward.prepare``, for ``add_sinusoidal``'s calls on ``x``'s dtype and device."""
+        try:
+            name = resolve_backend(backend, x.device, x.dtype, float64_math=spec.precision == "float64")
+        except (TypeError, ValueError, RuntimeError):
+            return None
+        return PreparedAddition.build(spec, backend, name, x)
+
     def prepared_for(self, spec, backend: str, x) -> bool:
         return (spec is self.spec and backend == self.backend and x.dtype is self.dtype and x.device == self.device
                 and self.is_current())
@@ -224,7 +247,7 @@ class PreparedAddition(_Bound):
     def run(self, spec, backend: str, x, offset, positions=None) -> Optional[torch.Tensor]:
         """``x_scale * x + pe_scale * PE(position)``, positions ``offset + t`` or ``positions``, when this launch
         was prepared for that call; else None.  The caller has checked that the call is eager
-        (``_routing.eager_call(x, x)``)."""
+        (``_dispatch.eager_call(x, x)``)."""
         try:
             if (type(offset) is not int or not _INT64_MIN <= offset < _INT64_END
                     or spec is not self.spec or backend != self.backend or x.dtype is not self.dtype
@@ -293,20 +316,29 @@ class _NoAddition(PreparedAddition):
         return None
 
 
-def keep_embedding(owner, spec, backend: str, dropout, weight, name: str) -> None:
-    """The general path's ``keep`` for a ``SinusoidalEmbedding`` call (``functional.apply_spec``): after the eager
-    call it ran on backend ``name``, prepare the next ones like it in the module's ``owner._prepared``, unless the
-    launch there already serves them."""
-    prepared = owner._prepared
-    if prepared is None or not prepared.prepared_for(spec, backend, dropout, weight):
-        owner._prepared = PreparedForward.build(spec, backend, name, dropout, weight)
+def run_embedding(owner, spec, backend: str, dropout, training: bool, sparse, weight, ids, offset, positions):
+    """A ``SinusoidalEmbedding`` call (plain eager, ``owner`` the module) through the module's prepared launch,
+    prepared first where it has none for these settings and this kind of table; None where the call needs the
+    general path."""
+    prepared = owner._prepared  # read once: another thread may replace it
+    if prepared is not None:
+        out = prepared.run(spec, backend, dropout, training, sparse, weight, ids, offset, positions)
+        if out is not None or prepared.prepared_for(spec, backend, dropout, weight):
+            return out
+    prepared = owner._prepared = PreparedForward.prepare(spec, backend, dropout, weight)
+    return None if prepared is None else prepared.run(spec, backend, dropout, training, sparse, weight, ids, offset,
+                                                      positions)
 
 
-def keep_addition(owner, spec, backend: str, x, name: str) -> None:
-    """As ``keep_embedding``, for a ``SinusoidalPositionalEncoding`` call (``functional.apply_add_spec``)."""
+def run_addition(owner, spec, backend: str, x, offset, positions):
+    """As ``run_embedding``, for a ``SinusoidalPositionalEncoding`` call."""
     prepared = owner._prepared
-    if prepared is None or not prepared.prepared_for(spec, backend, x):
-        owner._prepared = PreparedAddition.build(spec, backend, name, x)
+    if prepared is not None:
+        out = prepared.run(spec, backend, x, offset, positions)
+        if out is not None or prepared.prepared_for(spec, backend, x):
+            return out
+    prepared = owner._prepared = PreparedAddition.prepare(spec, backend, x)
+    return None if prepared is None else prepared.run(spec, backend, x, offset, positions)
 
 
 # The functional entry points' prepared launches: id(spec) -> (spec, {key or slot: launch}).  Keyed by identity
@@ -315,12 +347,10 @@ def keep_addition(owner, spec, backend: str, x, name: str) -> None:
 _FUNCTIONAL: dict = {}
 
 
-def _kept_for(spec, create: bool = False) -> Optional[dict]:
+def _kept_for(spec) -> dict:
     entry = _FUNCTIONAL.get(id(spec))
     if entry is not None and entry[0] is spec:
         return entry[1]
-    if not create:
-        return None
     if len(_FUNCTIONAL) >= _FUNCTIONAL_SPECS:
         _FUNCTIONAL.clear()
     kept = {}
@@ -329,82 +359,53 @@ def _kept_for(spec, create: bool = False) -> Optional[dict]:
 
 
 def forget_functional_launches() -> None:
-    """Drop every launch the functional entry points keep (their next calls take the general path first)."""
+    """Drop every launch the functional entry points keep (their next calls prepare them again)."""
     _FUNCTIONAL.clear()
-
-
-def _keep(spec, slot, key, prepared_for, build) -> None:
-    """Keep a functional entry point's launch for ``spec`` under ``key`` (``build()``'s, unless a current one is
-    there), and make it the one that ``slot``'s calls try first where it is ``prepared_for`` the call that just
-    succeeded."""
-    kept = _kept_for(spec, create=True)
-    prepared = kept.get(key)
-    if prepared is None or not prepared.is_current():
-        if len(kept) >= _FUNCTIONAL_KEPT:
-            kept.clear()
-        prepared = kept[key] = build()
-    if prepared is not None and prepared_for(prepared):
-        kept[slot] = prepared
 
 
 # The functional entry points key their launches by backend name (a str: anything else takes the general
 # path, which names it), the table's kind and, for the embedding, the dropout probability.  A call first tries
-# its slot, the launch last used for its backend (and dropout probability): ``run`` checks the table's kind
+# its slot, the launch that last served its backend (and dropout probability): ``run`` checks the table's kind
 # more cheaply than a key of its dtype, shape and device could be built.  Only where that launch does not
-# serve the call is the one kept for the call's kind of table looked up and made the slot's (calls that
-# alternate between kinds of table).
-def functional_embedding(spec, backend: str, dropout, training: bool, sparse, weight, ids, offset, positions):
-    """``sinusoidal_embedding``'s call through the prepared launch kept for its spec, or None (general path).
-    ``spec`` is the arguments' (already made); after a general-path call, ``remember_embedding``."""
-    if type(backend) is not str or type(dropout) is not float:
-        return None
+# serve the call is the one kept for the call's kind of table tried (prepared first where there is none), and
+# made the slot's if it serves (calls that alternate between kinds of table).
+def _functional_call(spec, slot, key, run_arguments, prepare, prepare_arguments):
     kept = _kept_for(spec)
-    slot = (backend, dropout)
-    prepared = None if kept is None else kept.get(slot)
-    if prepared is None:
-        return None
-    out = prepared.run(spec, backend, dropout, training, sparse, weight, ids, offset, positions)
+    prepared = kept.get(slot)
+    out = None if prepared is None else prepared.run(*run_arguments)
     if out is None:
-        for_table = kept.get((backend, weight.dtype, weight.shape, weight.device, dropout))
-        if for_table is not None and for_table is not prepared:
+        for_table = kept.get(key)
+        if for_table is None or not for_table.is_current():
+            if len(kept) >= _FUNCTIONAL_KEPT:
+                kept.clear()
+            for_table = prepare(*prepare_arguments)
+            if for_table is None:
+                return None
+            kept[key] = for_table
+        elif for_table is prepared:
+            return None
+        out = for_table.run(*run_arguments)
+        if out is not None:
             kept[slot] = for_table
-            out = for_table.run(spec, backend, dropout, training, sparse, weight, ids, offset, positions)
     return out
 
 
-def remember_embedding(spec, backend: str, dropout, weight, name: str) -> None:
-    """The general path's ``keep`` for a ``sinusoidal_embedding`` call (``functional.apply_spec``): after the eager
-    call it ran on backend ``name``, prepare the next ones like it."""
-    if type(backend) is str and type(dropout) is float:
-        _keep(spec, (backend, dropout), (backend, weight.dtype, weight.shape, weight.device, dropout),
-              lambda prepared: prepared.prepared_for(spec, backend, dropout, weight),
-              lambda: PreparedForward.build(spec, backend, name, dropout, weight))
+def functional_embedding(spec, backend: str, dropout, training: bool, sparse, weight, ids, offset, positions):
+    """``sinusoidal_embedding``'s plain eager call through the launch kept for its spec (``spec``: the arguments',
+    already made), or None (general path)."""
+    if type(backend) is not str or type(dropout) is not float:
+        return None
+    return _functional_call(spec, (backend, dropout), (backend, weight.dtype, weight.shape, weight.device, dropout),
+                            (spec, backend, dropout, training, sparse, weight, ids, offset, positions),
+                            PreparedForward.prepare, (spec, backend, dropout, weight))
 
 
 def functional_addition(spec, backend: str, x, offset, positions):
-    """``add_sinusoidal``'s call through the prepared launch kept for its spec, or None (general path)."""
+    """``add_sinusoidal``'s plain eager call through the launch kept for its spec, or None (general path)."""
     if type(backend) is not str:
         return None
-    kept = _kept_for(spec)
-    slot = ("add", backend)
-    prepared = None if kept is None else kept.get(slot)
-    if prepared is None:
-        return None
-    out = prepared.run(spec, backend, x, offset, positions)
-    if out is None:
-        for_input = kept.get(("add", backend, x.dtype, x.device))
-        if for_input is not None and for_input is not prepared:
-            kept[slot] = for_input
-            out = for_input.run(spec, backend, x, offset, positions)
-    return out
-
-
-def remember_addition(spec, backend: str, x, name: str) -> None:
-    """As ``remember_embedding``, for ``add_sinusoidal`` (``functional.apply_add_spec``)."""
-    if type(backend) is str:
-        _keep(spec, ("add", backend), ("add", backend, x.dtype, x.device),
-              lambda prepared: prepared.prepared_for(spec, backend, x),
-              lambda: PreparedAddition.build(spec, backend, name, x))
+    return _functional_call(spec, ("add", backend), ("add", backend, x.dtype, x.device),
+                            (spec, backend, x, offset, positions), PreparedAddition.prepare, (spec, backend, x))
 
 
 class _PlainEagerApply:

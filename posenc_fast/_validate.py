@@ -9,6 +9,7 @@ lives in :func:`check_id_range`, called from inside the op at run time.
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
 from typing import NamedTuple, Optional, Sequence, Tuple
 
@@ -56,6 +57,15 @@ def _check_scale(name: str, value) -> float:
     if abs(value) > MAX_SCALE:
         raise ValueError(f"{name}={value!r} is beyond the float32 range; |{name}| must be <= {MAX_SCALE!r}")
     return float(value)
+
+
+def check_dropout_p(p) -> float:
+    if type(p) is float and 0.0 <= p <= 1.0:  # the common case, first: this runs on every call
+        return p
+    # Comparisons only (NaN fails both): under torch.compile(dynamic=True) p may be a symbolic float.
+    if isinstance(p, bool) or not isinstance(p, (numbers.Real, torch.SymFloat)) or not (0.0 <= p and p <= 1.0):
+        raise ValueError(f"dropout probability has to be a number in [0, 1], got {p!r}")
+    return float(p)
 
 
 def _frequency_values(frequencies) -> Tuple[float, ...]:

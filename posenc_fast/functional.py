@@ -8,14 +8,14 @@ import warnings
 from typing import Optional, Sequence, Union
 
 import torch
-import torch.autograd.forward_ad as _forward_ad
 
-from ._dispatch import resolve_backend
-from ._dropout import check_dropout_p, draw_seed
-from ._prepared import functional_addition, functional_embedding, remember_addition, remember_embedding
-from ._routing import eager_call as _eager_call, in_onnx_export as _in_onnx_export, jit_tracing as _jit_tracing
-from ._spec import PESpec, dispatch_mode_depth
-from ._validate import check_offset, check_weight, check_weight_for_spec, make_batch, make_spec, refuse_nested
+from ._dispatch import FUNCTION, OP, RUN, STANDARD_OPS, resolve_backend, route as _route
+from ._dispatch import eager_call as _eager_call, jit_tracing as _jit_tracing  # (names tests patch here)
+from ._dropout import draw_seed
+from ._prepared import functional_addition, functional_embedding
+from ._spec import PESpec
+from ._validate import (check_dropout_p, check_offset, check_weight, check_weight_for_spec, make_batch, make_spec,
+                        refuse_nested)
 from .ops import (AddSinusoidalFunction, EmbeddingFunction, add_sinusoidal_forward, add_sinusoidal_op,
                   add_sinusoidal_standard_ops, run_forward, sinusoidal_embedding_op, standard_ops_forward)
 from .positions import make_positions, packed_positions
@@ -28,7 +28,7 @@ def _quiet_under_jit_trace(function):
     calls reaches the output only through tensors (``_refuse_jit_trace``).  It wraps the general paths,
     not the public functions, so that a decoding step's prepared launch does not pay for the wrapper.
     Before the general path the public functions read nothing that warns (``make_spec`` silences its
-    own), and under jit.trace they skip the prepared launch (``_routing.eager_call``), which reads sizes."""
+    own), and under jit.trace they skip the prepared launch (``_dispatch.eager_call``), which reads sizes."""
     @functools.wraps(function)
     def call(*args, **kwargs):
         if not _jit_tracing():
@@ -112,9 +112,8 @@ def sinusoidal_embedding(
             out = functional_embedding(spec, backend, dropout_p, training, sparse, weight, ids, offset, positions)
             if out is not None:
                 return out
-    keep = functools.partial(remember_embedding, spec, backend, dropout_p, weight) if simple_call else None
     return apply_spec(ids, weight, spec, spec.turns_tensor(weight.device), positions, offset, backend,
-                      cu_seqlens=cu_seqlens, dropout_p=dropout_p, training=training, sparse=sparse, keep=keep)
+                      cu_seqlens=cu_seqlens, dropout_p=dropout_p, training=training, sparse=sparse)
 
 
 def _positions_by_rule(ids, spec: PESpec, positions, offset, cu_seqlens, position_rule: str):
@@ -142,38 +141,10 @@ def _positions_by_rule(ids, spec: PESpec, positions, offset, cu_seqlens, positio
     return positions, offset
 
 
-# How a call runs (``_route``):
-_RUN = "run"            # eager, nothing to differentiate: the op's implementation, directly
-_FUNCTION = "function"  # eager with autograd, forward-mode AD or torch.func: ops.EmbeddingFunction
-_OP = "op"              # traced (torch.compile, torch.export) or intercepted (a dispatch mode): the op
-_STANDARD_OPS = "standard"  # captured for another runtime (torch.onnx.export, jit.trace): the definition in
-                            # standard torch ops (ops.standard_ops_forward)
-
-
-def _route(ids, weight, standard_ops_under_export: bool = False) -> str:
-    """How a call with these tensors runs now (``_RUN``, ``_FUNCTION``, ``_OP`` or ``_STANDARD_OPS``), or
-    a clear error for a transform that cannot be right.  ``standard_ops_under_export``: torch.export gets
-    the standard-ops form too (a program that runs without posenc_fast)."""
-    if _eager_call(ids, weight):
-        return _FUNCTION if torch.is_grad_enabled() and weight.requires_grad else _RUN
-    if _in_onnx_export() or _jit_tracing():  # ONNX and TorchScript have no fused op: the math in standard ops
-        return _STANDARD_OPS
-    if standard_ops_under_export and torch.compiler.is_exporting():
-        return _STANDARD_OPS
-    if torch.compiler.is_compiling() or dispatch_mode_depth():  # a dispatch mode sees only the dispatcher's ops
-        return _OP
-    if torch._C._are_functorch_transforms_active():
-        _check_function_transforms()
-        return _FUNCTION
-    if _forward_ad._current_level >= 0:  # inside forward_ad.dual_level(): an input may carry a tangent
-        return _FUNCTION
-    return _OP  # tensor subclasses (a FakeTensor outside its mode, DTensor...): through the dispatcher
-
-
 def _refuse_jit_trace(positions, offset, cu_seqlens, position_rule: str = "offset") -> None:
     """Under jit.trace, refuse a call whose positions derive from its length, an offset, ``cu_seqlens`` or
     a position rule: the tracer records Python values as constants and would bake them in.  With explicit
-    ``positions``, the standard-ops form (``_route``) reads only tensors and their sizes, which the tracer
+    ``positions``, the standard-ops form (``_dispatch.route``) reads only tensors and their sizes, which the tracer
     records, so the trace is right at every shape; patch_model's position modules pass positions, so
     TorchScript's ONNX exporter, and optimum's, take a patched model.  Runs before the call's validation."""
     if not _jit_tracing():
@@ -186,21 +157,6 @@ def _refuse_jit_trace(positions, offset, cu_seqlens, position_rule: str = "offse
         "for calls with explicit positions (and no offset, cu_seqlens or position_rule): a trace would bake in "
         "this call's sequence length or offset. Pass positions=..., or use torch.export.export, or "
         "torch.onnx.export(..., dynamo=True), which keep the lengths symbolic")
-
-
-def _check_function_transforms() -> None:
-    """torch.func's grad, vjp, jacrev, jvp, jacfwd, hessian and vmap (per-sample gradients) are
-    supported (``ops.EmbeddingFunction``); refuse anything else clearly."""
-    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
-
-    supported = (torch._C._functorch.TransformType.Grad, torch._C._functorch.TransformType.Jvp,
-                 torch._C._functorch.TransformType.Vmap)
-    for interpreter in retrieve_all_functorch_interpreters():
-        kind = interpreter.key()
-        if kind not in supported:
-            raise RuntimeError(
-                f"posenc_fast does not support the torch.func transform {kind.name}; supported are grad, vjp, "
-                "jacrev, jvp, jacfwd, hessian and vmap")
 
 
 def _check_fsmt_symbolic_past() -> None:
@@ -217,7 +173,7 @@ def _check_fsmt_symbolic_past() -> None:
 def apply_spec(ids, weight, spec: PESpec, turns: torch.Tensor, positions, offset, backend: str, *,
                cu_seqlens=None, position_rule: str = "offset", vocab_range=None,
                dropout_p: float = 0.0, training: bool = True, sparse: bool = False,
-               standard_ops_under_export: bool = False, keep=None) -> torch.Tensor:
+               standard_ops_under_export: bool = False) -> torch.Tensor:
     """Run the layer described by ``spec`` (``turns``: its fixed-point frequencies on weight's device).
 
     ``vocab_range=(start, end)``: ``weight`` holds rows start..end-1 of a larger vocabulary of
@@ -227,8 +183,6 @@ def apply_spec(ids, weight, spec: PESpec, turns: torch.Tensor, positions, offset
     ``sparse``: the weight's gradient as a sparse tensor (``ops.sparse_weight_gradient``).
     ``standard_ops_under_export``: under torch.export, the definition in standard ops instead of the fused
     op (patch_model's position modules: an exported model then runs without posenc_fast).
-    ``keep(name)``: called with the backend that ran, after an eager call with an int offset (one a prepared
-    launch could serve, posenc_fast._prepared), for the caller to prepare the next calls like it.
     """
     _refuse_jit_trace(positions, offset, cu_seqlens, position_rule)
     refuse_nested("ids", ids)  # (before a position rule or cu_seqlens reads its shape)
@@ -256,22 +210,18 @@ def apply_spec(ids, weight, spec: PESpec, turns: torch.Tensor, positions, offset
     name = resolve_backend(backend, weight.device, weight.dtype, float64_math=spec.precision == "float64")
     dropout_seed = draw_seed(weight.device) if dropout_p > 0.0 else None
     route = _route(batch.ids, weight, standard_ops_under_export)
-    if sparse and route in (_OP, _STANDARD_OPS) and torch.is_grad_enabled() and weight.requires_grad:
+    if sparse and route in (OP, STANDARD_OPS) and torch.is_grad_enabled() and weight.requires_grad:
         raise NotImplementedError("sparse=True gradients are computed on plain eager calls only, not under "
                                   "torch.compile, torch.export, jit.trace, a TorchDispatchMode (e.g. FlopCounterMode, "
                                   "selective activation checkpointing) or with tensor subclasses; there use "
                                   "sparse=False (a dense, equally deterministic gradient)")
-    if keep is not None and type(offset) is int and route in (_RUN, _FUNCTION) and _eager_call(batch.ids, weight):
-        keep = functools.partial(keep, name)
-    else:
-        keep = None
-    if route is _STANDARD_OPS:
+    if route is STANDARD_OPS:
         out = standard_ops_forward(batch.ids, weight, turns, batch.positions, batch.offsets, batch.offset,
                                    batch.seq_len, spec.kernel_params(zero_pe_at_padding), dropout_seed,
                                    -1 if spec.padding_idx is None else spec.padding_idx)
-    elif route is not _OP:
+    elif route is not OP:
         params = spec.kernel_params(zero_pe_at_padding)
-        if route is _FUNCTION:
+        if route is FUNCTION:
             out = EmbeddingFunction.apply(weight, batch.ids, turns, batch.positions, batch.offsets, batch.offset,
                                           batch.seq_len, params, -1 if spec.padding_idx is None else spec.padding_idx,
                                           vocab_start, vocab_size, dropout_seed, dropout_p, name, sparse)
@@ -282,10 +232,7 @@ def apply_spec(ids, weight, spec: PESpec, turns: torch.Tensor, positions, offset
                 # The backend's fresh [N, width] buffer, reshaped in place rather than viewed: like
                 # nn.Embedding's output (and the prepared launch's, posenc_fast._prepared) it is then not a
                 # view, which under no_grad could not later be modified in place with grad mode on.
-                out = out.resize_(batch.out_shape)
-                if keep is not None:
-                    keep()
-                return out
+                return out.resize_(batch.out_shape)
     else:
         out = sinusoidal_embedding_op(
             batch.ids, weight, turns, batch.positions, batch.offsets, batch.offset, batch.seq_len,
@@ -293,8 +240,6 @@ def apply_spec(ids, weight, spec: PESpec, turns: torch.Tensor, positions, offset
             -1 if spec.padding_idx is None else spec.padding_idx, zero_pe_at_padding, spec.precision == "float64",
             vocab_start, vocab_size, dropout_seed, dropout_p, name,
         )
-    if keep is not None:
-        keep()
     return out.reshape(batch.out_shape)
 
 
@@ -343,15 +288,12 @@ def add_sinusoidal(
             out = functional_addition(spec, backend, x, offset, positions)
             if out is not None:
                 return out
-    keep = functools.partial(remember_addition, spec, backend, x) if simple_call else None
-    return apply_add_spec(x, spec, spec.turns_tensor(x.device), positions, offset, cu_seqlens, backend, keep)
+    return apply_add_spec(x, spec, spec.turns_tensor(x.device), positions, offset, cu_seqlens, backend)
 
 
 @_quiet_under_jit_trace
-def apply_add_spec(x, spec: PESpec, turns: torch.Tensor, positions, offset, cu_seqlens, backend: str,
-                   keep=None) -> torch.Tensor:
-    """Run :func:`add_sinusoidal` as ``spec`` describes it (``spec.embed_scale`` is ``x_scale``); ``keep``
-    as ``apply_spec`` takes it."""
+def apply_add_spec(x, spec: PESpec, turns: torch.Tensor, positions, offset, cu_seqlens, backend: str) -> torch.Tensor:
+    """Run :func:`add_sinusoidal` as ``spec`` describes it (``spec.embed_scale`` is ``x_scale``)."""
     _refuse_jit_trace(positions, offset, cu_seqlens)
     refuse_nested("x", x, " [..., D]")  # (the modules' calls come here first)
     if x.shape[-1] != spec.pe_width:
@@ -364,10 +306,8 @@ def apply_add_spec(x, spec: PESpec, turns: torch.Tensor, positions, offset, cu_s
     batch = make_batch(row_ids, rows, spec, positions, offset)
     name = resolve_backend(backend, x.device, x.dtype, float64_math=spec.precision == "float64")
     route = _route(batch.ids, x)
-    op = {_RUN: add_sinusoidal_forward, _FUNCTION: AddSinusoidalFunction.apply, _OP: add_sinusoidal_op,
-          _STANDARD_OPS: add_sinusoidal_standard_ops}[route]
+    op = {RUN: add_sinusoidal_forward, FUNCTION: AddSinusoidalFunction.apply, OP: add_sinusoidal_op,
+          STANDARD_OPS: add_sinusoidal_standard_ops}[route]
     out = op(rows, turns, batch.positions, batch.offsets, batch.offset, batch.seq_len, spec.columns.as_list(),
              spec.embed_scale, spec.pe_scale, spec.precision == "float64", name)
-    if keep is not None and type(offset) is int and route in (_RUN, _FUNCTION) and _eager_call(x, x):
-        keep(name)
     return out.reshape(x.shape)

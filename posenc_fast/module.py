@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Optional, Sequence, Tuple, Union
 
 import torch
@@ -11,10 +10,9 @@ from torch import nn
 
 from . import presets
 from ._dispatch import check_backend_name
-from ._dropout import check_dropout_p
-from ._validate import check_weight, make_spec
-from ._prepared import PreparedAddition, PreparedForward, keep_addition, keep_embedding
-from ._routing import eager_call
+from ._validate import check_dropout_p, check_weight, make_spec
+from ._prepared import PreparedAddition, PreparedForward, run_addition, run_embedding
+from ._dispatch import eager_call
 from .functional import apply_add_spec, apply_spec
 from .presets import PADDING_AWARE_RULES, POSITION_RULES
 
@@ -180,19 +178,17 @@ class SinusoidalEmbedding(nn.Module):
         parameters = self._parameters
         weight = parameters["weight"] if "weight" in parameters else self.weight
         spec, backend, dropout = self.spec, self.backend, self.dropout
-        # A repeated eager call (_routing.eager_call) runs the prepared launch (posenc_fast._prepared); anything
-        # else takes the general path, where torch.compile and jit.trace see the op and its checks.
-        simple_call = (cu_seqlens is None and self.position_rule == "offset" and self.vocab_range is None
-                       and eager_call(ids, weight))
-        prepared = self._prepared  # read once: another thread may replace it
-        if simple_call and prepared is not None:
-            out = prepared.run(spec, backend, dropout, self.training, self.sparse, weight, ids, offset, positions)
+        # A plain eager call (_dispatch.eager_call) runs the prepared launch (posenc_fast._prepared); anything it
+        # does not serve takes the general path, where torch.compile and jit.trace see the op and its checks.
+        if (cu_seqlens is None and self.position_rule == "offset" and self.vocab_range is None
+                and eager_call(ids, weight)):
+            out = run_embedding(self, spec, backend, dropout, self.training, self.sparse, weight, ids, offset,
+                                positions)
             if out is not None:
                 return out
-        keep = functools.partial(keep_embedding, self, spec, backend, dropout, weight) if simple_call else None
         return apply_spec(ids, weight, spec, spec.turns_tensor(weight.device), positions, offset, backend,
                           cu_seqlens=cu_seqlens, position_rule=self.position_rule, vocab_range=self.vocab_range,
-                          dropout_p=dropout, training=self.training, sparse=self.sparse, keep=keep)
+                          dropout_p=dropout, training=self.training, sparse=self.sparse)
 
     def __getstate__(self):
         # The prepared launch holds a binding object: not copied or pickled, prepared again on use.
@@ -325,14 +321,11 @@ class SinusoidalPositionalEncoding(nn.Module):
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             raise TypeError(f"x must be a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}")
         spec, backend = self.spec, self.backend
-        simple_call = cu_seqlens is None and eager_call(x, x)
-        prepared = self._prepared  # (see SinusoidalEmbedding.forward)
-        if simple_call and prepared is not None:
-            out = prepared.run(spec, backend, x, offset, positions)
+        if cu_seqlens is None and eager_call(x, x):  # (see SinusoidalEmbedding.forward)
+            out = run_addition(self, spec, backend, x, offset, positions)
             if out is not None:
                 return out
-        keep = functools.partial(keep_addition, self, spec, backend, x) if simple_call else None
-        return apply_add_spec(x, spec, spec.turns_tensor(x.device), positions, offset, cu_seqlens, backend, keep)
+        return apply_add_spec(x, spec, spec.turns_tensor(x.device), positions, offset, cu_seqlens, backend)
 
     _prepared: Optional[PreparedAddition] = None  # as SinusoidalEmbedding's
 

@@ -19,9 +19,8 @@ import torch
 from torch import Tensor
 
 from . import config
-from ._dispatch import get_backend
+from ._dispatch import eager_call, get_backend, plain
 from ._dropout import dropout_for
-from ._routing import eager_call, plain
 from ._spec import PEColumns
 from ._validate import check_id_range, check_op_inputs, id_value_fits
 from . import reference
@@ -79,7 +78,7 @@ def run_forward(ids, weight, turns, positions, offsets, offset, seq_len, params:
                                         dropout_for(dropout_seed, dropout_p))
 
 
-# The op under a name of its own; eager calls bypass it through ``run_forward`` (``_routing.eager_call``).
+# The op under a name of its own; eager calls bypass it through ``run_forward`` (``_dispatch.eager_call``).
 sinusoidal_embedding_op = torch.library.custom_op("posenc_fast::sinusoidal_embedding", mutates_args=())(
     sinusoidal_embedding_forward)
 
@@ -133,7 +132,7 @@ def _(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weig
 
 
 def weight_gradient_op(grad_out, ids, *rest) -> Tensor:
-    """The backward op; or, where the call is eager on plain tensors (``_routing.eager_call``) and records
+    """The backward op; or, where the call is eager on plain tensors (``_dispatch.eager_call``) and records
     no graph, its implementation directly, since torch.library's wrapper is a large share of a small
     batch's host time.  A recorded graph takes the op, whose autograd gives the double backward."""
     if not (torch.is_grad_enabled() and grad_out.requires_grad) and eager_call(ids, grad_out):
@@ -219,7 +218,7 @@ class _DirectApply:
 
 class EmbeddingFunction(_DirectApply, torch.autograd.Function):
     """The op's forward and autograd formula without torch.library's custom-op wrapper, for eager
-    training, forward-mode AD and torch.func (``functional._route`` picks it).
+    training, forward-mode AD and torch.func (``_dispatch.route`` picks it).
 
     - Eager training: the custom-op wrapper re-reads the op's schema for every argument on every call
       (``torch._library.utils.fill_defaults``), most of a training call's host time.  Same implementation
@@ -504,7 +503,7 @@ class AddSinusoidalFunction(_DirectApply, torch.autograd.Function):
 
 # --- The layer in standard torch ops -------------------------------------------------------------------
 # Where a graph is captured for another runtime, the public functions emit this definition instead of the
-# fused op (functional._route): torch.onnx.export(dynamo=True), which translates standard ops only,
+# fused op (_dispatch.route): torch.onnx.export(dynamo=True), which translates standard ops only,
 # jit.trace (TorchScript, and its ONNX exporter), and torch.export of a patched Hugging Face model (a program
 # that runs without posenc_fast).  It is the torch backend's float64 math on flat inputs: a gather, the exact
 # fixed-point phase as a wrapping int64 multiply, float64 sin/cos, one rounding.  Lengths and offsets stay

@@ -32,9 +32,9 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 
-from ._dropout import Dropout, check_dropout_p, dropout_for
+from ._dropout import Dropout, dropout_for
 from ._spec import PEColumns, default_frequencies, turns_fixed_point
-from ._validate import check_id_range, check_weight, make_batch, make_spec
+from ._validate import check_dropout_p, check_id_range, check_weight, make_batch, make_spec
 from . import config
 
 _RADIANS_PER_UNIT = 2.0 * math.pi / 2.0**64

@@ -13,7 +13,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "posenc_fast"
 # Lowest first; a package stands for its modules.
 LAYERS = [
     {"config", "presets", "_spec", "_dropout", "_timing", "_build", "baselines", "_cpu", "_C"},
-    {"_validate", "_routing"},
+    {"_validate"},
     {"reference", "positions"},
     {"backends"},
     {"_dispatch"},

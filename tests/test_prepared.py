@@ -75,10 +75,22 @@ def _layer(case, weight, backend, **extra):
     return pf.SinusoidalEmbedding.from_pretrained(weight.clone(), backend=backend, **settings, **extra)
 
 
+class _ServesNothing:
+    """A module's prepared launch that serves no call and is never prepared again: every call takes the
+    general path."""
+
+    def run(self, *args):
+        return None
+
+    def prepared_for(self, *args):
+        return True
+
+
 def _fresh(layer):
-    """A copy of ``layer`` with no prepared launch: its first call takes the general path."""
+    """A copy of ``layer`` whose calls take the general path."""
     twin = copy.deepcopy(layer)
     assert twin._prepared is None
+    twin._prepared = _ServesNothing()
     return twin
 
 
@@ -100,7 +112,7 @@ def test_repeated_calls_match_float64(case, dtype, backend, device, seed, prepar
             exact = reference.sinusoidal_embedding(ids, layer.weight.double(), offset=offset, **settings)
             assert_within(out, exact, output_bound(exact, dtype, case.precision), f"{case.name} call {call}")
     served = len(prepared_runs)
-    assert served == (calls - 1 if backend in PREPARED_BACKENDS else 0), served
+    assert served == (calls if backend in PREPARED_BACKENDS else 0), served
 
 
 def _basic_layer(backend, device, **kwargs):
@@ -217,7 +229,7 @@ def test_prepared_calls_equal_the_general_path_bitwise(backend, device, prepared
             assert torch.equal(layer(ids, offset=offset), _fresh(layer)(ids, offset=offset)), offset
         for offset in (torch.tensor([0, 7, 2**40], device=device), torch.tensor(5, device=device)):
             assert torch.equal(layer(ids, offset=offset), _fresh(layer)(ids, offset=offset)), offset
-    assert len(prepared_runs) == (4 if backend in PREPARED_BACKENDS else 0)  # tensor offsets: general path
+    assert len(prepared_runs) == (5 if backend in PREPARED_BACKENDS else 0)  # tensor offsets: general path
 
 
 @pytest.mark.parametrize("backend,device", REFUSAL_TARGETS)
@@ -304,7 +316,7 @@ def test_triton_launches_stop_when_the_interpreter_is_turned_off(backend, device
         for _ in range(2):
             layer(ids)
             addition(x)
-        assert len(prepared_runs) == 2
+        assert len(prepared_runs) == 4
         monkeypatch.setenv("TRITON_INTERPRET", "0")
         with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
             layer(ids)
@@ -350,16 +362,16 @@ def test_dropout_in_training_takes_the_general_path(backend, device, prepared_ru
     out = layer(ids)  # with autograd too
     torch.manual_seed(7)
     assert torch.equal(out, _fresh(layer)(ids)) and out.grad_fn is not None
-    # Of these calls only the eval ones run prepared (prepared again for dropout 0.5 after the first
+    # Of these calls only the two in eval mode run prepared (prepared again for dropout 0.5 at the first
     # training call); the training calls need dropout.
-    assert served == (1 if backend in PREPARED_BACKENDS else 0)
-    assert len(prepared_runs) == 3 * served
+    assert served == (2 if backend in PREPARED_BACKENDS else 0)
+    assert len(prepared_runs) == 2 * served
 
 
 # Every entry point the prepared launches serve, as make(backend, device) -> (call(input, offset=),
 # make_input(seed), trainable table or None: then the input is trainable): a new entry point is one more
 # entry.  The functional ones keep their launch on the spec, which is cached per argument tuple, so each
-# test takes a PE scale never used before: a new spec, whose first call takes the general path.
+# test takes a PE scale never used before: a new spec, whose first call prepares its launch.
 _NEW_SCALES = itertools.count(1)
 
 
@@ -407,7 +419,7 @@ ENTRY_POINTS = [_module_entry, _functional_entry, _addition_module_entry, _addit
 def test_every_entry_point_equals_the_general_path(entry, autograd, backend, device, prepared_runs, monkeypatch):
     """Repeated calls of each entry point, inference and training, at int offsets and at explicit positions:
     output, gradient (to the table or to x) and double backward bit for bit those of the general path, and
-    served prepared after the first."""
+    every call served prepared."""
     call, make_input, table = entry(backend, device)
 
     def step(seed, offset):
@@ -441,7 +453,7 @@ def test_every_entry_point_equals_the_general_path(entry, autograd, backend, dev
     for c, g, w in zip(calls, got, want):
         for part, (a, b) in enumerate(zip(g, w)):
             assert (a is None and b is None) or torch.equal(a, b), (c, part)
-    assert served == (len(calls) - 1 if backend in PREPARED_BACKENDS else 0), served
+    assert served == (len(calls) if backend in PREPARED_BACKENDS else 0), served
 
 
 # The functional entry points' calls, each with a new spec (_new_pe_scale), on a table (the embedding's) or on x.
@@ -466,9 +478,8 @@ def _addition_call(backend, frequencies=None):
 def test_functional_calls_alternating_kinds_of_table(make_call, shape, frequencies, backend, device, prepared_runs,
                                                      monkeypatch):
     """A functional entry point called in turn on two kinds of table (fp32, bf16) under one spec: each call as
-    the general path gives it, each kind's launch prepared once, and every call after each kind's first served
-    by it (the launch its slot holds does not serve the other kind: the one kept for that kind does).  With the
-    frequencies given too (the presets' calls), whose spec is found only after the checks."""
+    the general path gives it, each kind's launch prepared once, and every call served by it (the launch its
+    slot holds does not serve the other kind: the one kept for that kind does).  With the frequencies given too (the presets' calls), whose spec is found only after the checks."""
     builds = []
     for kind in (_prepared.PreparedForward, _prepared.PreparedAddition):
         real_build = kind.build
@@ -486,7 +497,7 @@ def test_functional_calls_alternating_kinds_of_table(make_call, shape, frequenci
     for turn, (a, b) in enumerate(zip(got, want)):
         assert a.dtype == tables[turn % 2].dtype and torch.equal(a, b), turn
     prepared = backend in PREPARED_BACKENDS
-    assert len(builds) == 2 and served == (4 if prepared else 0), (len(builds), served)
+    assert len(builds) == 2 and served == (6 if prepared else 0), (len(builds), served)
 
 
 @pytest.mark.parametrize("backend,device", REFUSAL_TARGETS)
@@ -551,7 +562,7 @@ def test_sparse_gradients_of_prepared_training_calls(backend, device, prepared_r
         layer(ids, offset=seed).sum().backward()
         twin(ids, offset=seed).sum().backward()
         assert layer.weight.grad.is_sparse and torch.equal(layer.weight.grad.to_dense(), twin.weight.grad.to_dense())
-    assert len(prepared_runs) == (2 if backend in PREPARED_BACKENDS else 0)
+    assert len(prepared_runs) == (3 if backend in PREPARED_BACKENDS else 0)
 
 
 @pytest.mark.parametrize("backend,device", TARGETS)
@@ -564,11 +575,11 @@ def test_addition_calls_the_launch_does_not_serve(backend, device, prepared_runs
         layer(x)
         layer(x)
         for other in (x.transpose(0, 1), x[0, 0], x.to(torch.bfloat16), x[:, :0]):
-            assert torch.equal(layer(other, offset=3), pf.SinusoidalPositionalEncoding(16, backend=backend)(other, offset=3))
+            assert torch.equal(layer(other, offset=3), _fresh(pf.SinusoidalPositionalEncoding(16, backend=backend))(other, offset=3))
         served = len(prepared_runs)
         for shape in ((9, 11, 16), (2, 16), (40, 3, 16)):  # more rows than numbered so far: they grow
             other = _addition_input(device, 2, shape)
-            assert torch.equal(layer(other, offset=5), pf.SinusoidalPositionalEncoding(16, backend=backend)(other, offset=5))
+            assert torch.equal(layer(other, offset=5), _fresh(pf.SinusoidalPositionalEncoding(16, backend=backend))(other, offset=5))
         assert len(prepared_runs) == served + (3 if backend in PREPARED_BACKENDS else 0)
         with pytest.raises(ValueError, match="width 8"):
             layer(x[..., :8])
@@ -720,8 +731,8 @@ def test_backends_without_a_launch_are_asked_once(backend, device, monkeypatch):
 
 @pytest.mark.parametrize("backend,device", [t for t in TARGETS if t.values[0] in PREPARED_BACKENDS])
 def test_activation_checkpointing_across_the_two_paths(backend, device):
-    """Non-reentrant activation checkpointing recomputes the forward: the first step's forward takes the
-    general path and its recomputation the prepared launch (which now exists), so both must save the same."""
+    """Non-reentrant activation checkpointing recomputes the forward through the prepared launch, and it must
+    save what the general path saves (the twin's, compared)."""
     from torch.utils.checkpoint import checkpoint
 
     layer = _basic_layer(backend, device).train()
@@ -801,15 +812,15 @@ def test_the_weight_the_module_reads_is_its_attribute(kind, backend, device, pre
 @pytest.mark.parametrize("backend,device", TARGETS)
 def test_addition_outputs_are_laid_out_as_the_general_paths(backend, device):
     """A contiguous x may carry any stride on a size-1 dimension: the output has the standard strides on
-    both paths (the first call's and the prepared ones')."""
+    both paths (the general path's and the prepared launch's)."""
     storage = torch.randn(1000, device=device)
     for x in (storage[:80].view(5, 16).unsqueeze(0).transpose(0, 1).transpose(0, 1),
               storage.as_strided((1, 5, 16), (1000, 16, 1)), storage.as_strided((5, 1, 16), (16, 999, 1))):
         assert x.is_contiguous()
         layer = pf.SinusoidalPositionalEncoding(16, backend=backend)
         with torch.no_grad():
-            outs = [layer(x, offset=3) for _ in range(3)] + [pf.add_sinusoidal(x, offset=3, backend=backend)
-                                                               for _ in range(3)]
+            outs = ([layer(x, offset=3) for _ in range(3)] + [_fresh(layer)(x, offset=3)]
+                    + [pf.add_sinusoidal(x, offset=3, backend=backend) for _ in range(3)])
         for out in outs:
             assert out.stride() == torch.empty(x.shape).stride(), (x.stride(), out.stride())
             assert torch.equal(out, outs[0])
@@ -818,7 +829,7 @@ def test_addition_outputs_are_laid_out_as_the_general_paths(backend, device):
 @pytest.mark.parametrize("backend,device", TRITON_INTERPRETER)
 def test_triton_launches_follow_the_kernel_module(backend, device, monkeypatch, prepared_runs):
     """A prepared Triton launch holds the kernels it was prepared with: once the backend's kernel module is
-    another (a benchmark's stubs, restored), calls take the general path and prepare again."""
+    another (a benchmark's stubs, restored), the next call prepares it again."""
     from types import SimpleNamespace
 
     from posenc_fast.backends import triton_backend
@@ -828,15 +839,15 @@ def test_triton_launches_follow_the_kernel_module(backend, device, monkeypatch, 
     with torch.no_grad():
         want = layer(ids)
         layer(ids)
-        assert len(prepared_runs) == 1
+        assert len(prepared_runs) == 2
         kernels = triton_backend._load_kernels()
         monkeypatch.setattr(triton_backend._Kernels, "state", SimpleNamespace(
             forward_kernel=kernels.forward_kernel, grad_chunk_kernel=kernels.grad_chunk_kernel,
             grad_carry_kernel=kernels.grad_carry_kernel))
         assert torch.equal(layer(ids), want)
-        assert len(prepared_runs) == 1  # the general path
+        assert len(prepared_runs) == 3  # prepared again at once, on the new module
         assert torch.equal(layer(ids), want)
-        assert len(prepared_runs) == 2  # prepared again, on the new module
+        assert len(prepared_runs) == 4
 
 
 def test_backend_traits_name_every_backend():
@@ -895,11 +906,33 @@ def test_a_repeated_module_call_goes_down_to_its_launch(entry, where, autograd, 
     where = dict(offset=3) if where == "offset" else dict(positions=torch.arange(tokens.numel(), device=device)
                                                           .view(tokens))
     with torch.set_grad_enabled(autograd):
-        for _ in range(2):  # the general path, then the prepared launch's first call (Triton: its tiles, kept)
+        for _ in range(2):  # the launch prepared, then run again (Triton: its tiles, kept)
             layer(source, **where)
         files, crossings = _files_entered(lambda: layer(source, **where))
     assert files[0] == "module.py" and any(path.startswith("backends/") for path in files), files
     assert len(files) <= 6 and len(set(files)) == len(files), files
+    layer_of = {path: LAYER_OF[path.split("/")[0].removesuffix(".py")] for path in files}
+    upward = [(a, b) for a, b in crossings if layer_of[b] > layer_of[a]]
+    assert not upward, (upward, files)
+
+
+@pytest.mark.parametrize("backend,device", [t for t in TARGETS if t.values[0] in PREPARED_BACKENDS])
+@pytest.mark.parametrize("autograd", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("entry", [_module_entry, _addition_module_entry], ids=["embedding", "addition"])
+def test_a_first_module_call_prepares_its_launch_on_the_way_down(entry, autograd, backend, device):
+    """A module's first call checks its settings, resolves its backend and binds its launch on its way to the
+    launch, through eight of the package's files at most, none of them the general path's, and nothing calls
+    back up a layer."""
+    from test_layering import LAYER_OF
+
+    layer, make_input, table = entry(backend, device)
+    source = make_input(1)
+    if table is None:
+        source.requires_grad_(autograd)
+    with torch.set_grad_enabled(autograd):
+        files, crossings = _files_entered(lambda: layer(source, offset=3))
+    assert isinstance(layer._prepared, (_prepared.PreparedForward, _prepared.PreparedAddition))
+    assert len(set(files)) <= 8 and "functional.py" not in files and "ops.py" not in files, " ".join(files)
     layer_of = {path: LAYER_OF[path.split("/")[0].removesuffix(".py")] for path in files}
     upward = [(a, b) for a, b in crossings if layer_of[b] > layer_of[a]]
     assert not upward, (upward, files)

@@ -47,8 +47,8 @@ import torch
 from torch import nn
 
 from .. import presets, reference
-from .._prepared import functional_embedding, remember_embedding
-from .._routing import eager_call
+from .._prepared import functional_embedding
+from .._dispatch import eager_call
 from .._spec import PESpec
 from .._validate import make_spec
 from ..functional import apply_spec
@@ -247,17 +247,14 @@ def _position_forward(self, *args, **kwargs) -> torch.Tensor:
         rows = torch.zeros(positions.shape, dtype=torch.int64, device=positions.device)
     else:
         rows = positions.eq(state.zero_position).to(torch.int64)
-    keep = None
     if eager_call(rows, zero_table):  # (a decoding step: the launch kept for the spec, as sinusoidal_embedding's)
-        positions = positions.contiguous()
-        pe = functional_embedding(state.spec, "auto", 0.0, False, False, zero_table, rows, 0, positions)
+        pe = functional_embedding(state.spec, "auto", 0.0, False, False, zero_table, rows, 0, positions.contiguous())
         if pe is not None:
             return _batched(state, pe, args, kwargs)
-        keep = functools.partial(remember_embedding, state.spec, "auto", 0.0, zero_table)
     # Under torch.export the rows are the float64 definition in standard ops, so an exported patched model
     # runs without posenc_fast.
     pe = apply_spec(rows, zero_table, state.spec, state.spec.turns_tensor(positions.device), positions, 0, "auto",
-                    standard_ops_under_export=True, keep=keep)
+                    standard_ops_under_export=True)
     return _batched(state, pe, args, kwargs)
 
 
