@@ -90,10 +90,10 @@ def sinusoidal_embedding(
     Presets for other libraries: ``posenc_fast.presets``.  The exact definition:
     ``posenc_fast.reference``.
     """
-    # A repeated call (a decoding step) takes a prepared launch (posenc_fast._prepared), on plain eager calls
-    # only, so that torch.compile and jit.trace trace the op and its checks.  A cached spec means valid
-    # arguments, and the launch checks what check_weight does; a spec not cached that way (frequencies given)
-    # is tried after the checks.
+    # A plain eager call runs a prepared launch (posenc_fast._prepared); other calls take the general path, so
+    # that torch.compile and jit.trace trace the op and its checks.  A cached spec means valid arguments, and
+    # preparing a launch checks the table; a spec not cached that way (frequencies given) is tried after the
+    # checks.
     simple_call = cu_seqlens is None and _eager_call(ids, weight)
     spec = None
     if simple_call and weight.dim() == 2 and not weight.is_nested:
@@ -144,8 +144,8 @@ def _positions_by_rule(ids, spec: PESpec, positions, offset, cu_seqlens, positio
 def _refuse_jit_trace(positions, offset, cu_seqlens, position_rule: str = "offset") -> None:
     """Under jit.trace, refuse a call whose positions derive from its length, an offset, ``cu_seqlens`` or
     a position rule: the tracer records Python values as constants and would bake them in.  With explicit
-    ``positions``, the standard-ops form (``_dispatch.route``) reads only tensors and their sizes, which the tracer
-    records, so the trace is right at every shape; patch_model's position modules pass positions, so
+    ``positions``, the standard-ops form (``_dispatch.route``) reads only tensors and their sizes, which the
+    tracer records, so the trace is right at every shape; patch_model's position modules pass positions, so
     TorchScript's ONNX exporter, and optimum's, take a patched model.  Runs before the call's validation."""
     if not _jit_tracing():
         return
@@ -266,7 +266,7 @@ def add_sinusoidal(
     ``x.shape`` in ``x.dtype``; the gradient to ``x`` is ``x_scale * grad``.  Same kernels as the
     embedding (``x`` plays the table, row n read by token n), so the same accuracy.
     """
-    # A repeated call: as sinusoidal_embedding's (the prepared launch checks x's float dtype and memory).
+    # As sinusoidal_embedding's (the prepared launch checks x's float dtype and memory).
     simple_call = cu_seqlens is None and _eager_call(x, x)
     spec = None
     if simple_call and x.dim() >= 2 and not x.is_nested:

@@ -47,8 +47,8 @@ import torch
 from torch import nn
 
 from .. import presets, reference
-from .._prepared import functional_embedding
 from .._dispatch import eager_call
+from .._prepared import functional_embedding
 from .._spec import PESpec
 from .._validate import make_spec
 from ..functional import apply_spec
