@@ -1,4 +1,4 @@
-"""Prepared launches: the repeated eager call of every entry point, with what stays fixed between calls
+"""Prepared launches: the plain eager call of every entry point, with what stays fixed between calls
 worked out once.
 
 A decoding step calls the layer with a few tokens, so its cost is host time: validation, backend choice,
@@ -50,7 +50,7 @@ _INT64_MIN, _INT64_END = -(2**63), 2**63
 # add_sinusoidal's launch reads rows 0..N-1 that it numbers itself, so its table's row count is only a
 # bound: the largest for which the CUDA kernels keep 32-bit row arithmetic (forward_kernels.cuh).
 _ADDITION_ROW_BOUND = 2**32
-_FUNCTIONAL_KEPT = 16  # entries (launches and slots) kept per spec for the functional entry points (_keep)
+_FUNCTIONAL_KEPT = 16  # entries (launches and slots) kept per spec for the functional entry points (_functional_call)
 _FUNCTIONAL_SPECS = 64  # specs whose functional launches are kept (_FUNCTIONAL)
 
 

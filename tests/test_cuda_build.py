@@ -328,6 +328,25 @@ def test_build_cache_is_reused_and_found_whatever_the_arch_list(tmp_path, monkey
     assert _build.cached_extension(dict(env, POSENC_FAST_CUDA_ARCHS="80")) == for_80
 
 
+def test_a_failed_on_demand_build_is_not_tried_again():
+    """An on-demand build that failed is tried once per process: each later call gets its error at once
+    instead of waiting for another build."""
+    from posenc_fast.backends._extension import Lookup
+
+    lookup = Lookup("_not_an_extension", "cached_extension", "missing", "hint")
+    attempts = []
+
+    def failing_build():
+        attempts.append(1)
+        raise RuntimeError("nvcc exited with status 1")
+
+    for _ in range(3):
+        state = lookup.load_build(failing_build, "building it on demand failed")
+        assert state.module is None and state.problem == "building it on demand failed: nvcc exited with status 1"
+        assert lookup.state is state
+    assert len(attempts) == 1
+
+
 def test_build_cache_key_follows_the_sources(tmp_path):
     nvcc, env = _fake_toolkit(tmp_path)
     copy = tmp_path / "csrc"

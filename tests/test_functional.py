@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import posenc_fast as pf
-from posenc_fast import backends, reference
+from posenc_fast import backends, functional, reference
 from posenc_fast._spec import MAX_SCALE
 from posenc_fast.backends import triton_backend
 
@@ -222,11 +222,12 @@ def test_functional_compiles_fullgraph():
 
 def _through_the_op(monkeypatch, fn):
     """``fn()`` with every call going through the torch.library op, as under torch.compile or a dispatch mode."""
-    from posenc_fast import functional, module
+    from posenc_fast import _dispatch, functional, module
 
     with monkeypatch.context() as patch:
-        patch.setattr(functional, "_eager_call", lambda ids, weight: False)
-        patch.setattr(module, "eager_call", lambda ids, weight: False)  # and no module's prepared launch
+        patch.setattr(_dispatch, "eager_call", lambda ids, weight: False)  # the route: the op
+        patch.setattr(functional, "_eager_call", lambda ids, weight: False)  # no functional prepared launch
+        patch.setattr(module, "eager_call", lambda ids, weight: False)  # and no module's
         return fn()
 
 
@@ -241,7 +242,7 @@ def _no_dispatcher(monkeypatch):
 
 @pytest.mark.parametrize("backend,device", TARGETS)
 def test_eager_inference_skips_the_dispatcher_with_the_same_result(backend, device, monkeypatch):
-    """Under no_grad the op's implementation runs directly (functional._eager_call): the same
+    """Under no_grad the eager call runs the implementation directly (its prepared launch): the same
     output bit for bit as through torch.library, and the same id check."""
     weight = torch.randn(40, 10, device=device, requires_grad=True)
     ids = torch.randint(0, 40, (3, 7), device=device)
@@ -301,18 +302,21 @@ def test_dispatch_modes_see_the_op(monkeypatch):
 
 @pytest.mark.parametrize("backend,device", TARGETS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_a_broadcast_gradient_is_read_as_one_row(backend, device, dtype):
+def test_a_broadcast_gradient_is_read_as_one_row(backend, device, dtype, monkeypatch):
     """``loss = out.sum()`` broadcasts one value to every element of the output's gradient: the weight
     gradient reads it as one row (``backends.gradient_rows``: no tokens x width copy), and equals the
     gradient of the same values given in full."""
     weight = torch.randn(30, 12, dtype=dtype).to(device).requires_grad_()
     ids = torch.randint(0, 30, (4, 9)).to(device)
     kwargs = dict(offset=3, embed_scale=2.0, padding_idx=1, backend=backend)
-    for call in range(2):  # the general path, then the prepared launch where the backend has one
-        (broadcast,) = torch.autograd.grad(pf.sinusoidal_embedding(ids, weight, **kwargs).sum(), weight)
-        out = pf.sinusoidal_embedding(ids, weight, **kwargs)
-        (full,) = torch.autograd.grad(out, weight, torch.ones_like(out))
-        assert torch.equal(broadcast, full), call
+    for path in ("prepared launch", "general path"):  # (the prepared launch where the backend has one)
+        with monkeypatch.context() as patch:
+            if path == "general path":
+                patch.setattr(functional, "_eager_call", lambda ids, weight: False)  # the entry point tries no launch
+            (broadcast,) = torch.autograd.grad(pf.sinusoidal_embedding(ids, weight, **kwargs).sum(), weight)
+            out = pf.sinusoidal_embedding(ids, weight, **kwargs)
+            (full,) = torch.autograd.grad(out, weight, torch.ones_like(out))
+        assert torch.equal(broadcast, full), path
     rows = backends.gradient_rows(torch.ones((), dtype=dtype, device=device).expand(36, 12), dtype)
     assert rows.shape == (36, 12) and rows.stride() == (0, 1)
     assert rows.untyped_storage().nbytes() == 12 * rows.element_size()

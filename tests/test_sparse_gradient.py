@@ -168,7 +168,7 @@ def test_ids_unchecked_in_the_forward_are_left_out_after_the_check_is_back_on(ba
     for entry, call, table in (("functional", lambda: pf.sinusoidal_embedding(ids, leaf, sparse=True, backend=backend),
                                 leaf), ("module", lambda: layer(ids), layer.weight)):
         with pf.id_check(False):
-            for _ in range(2):  # the second call: the module's prepared launch
+            for _ in range(2):  # through the entry point's prepared launch (made by the first call)
                 out = call()
         out.backward(grad_out)
         assert bool((table.grad._indices() < VOCAB).all()), entry

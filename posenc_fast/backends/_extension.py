@@ -37,6 +37,7 @@ class Lookup:
     def __init__(self, name: str, cached_build: str, missing: str, hint: str):
         self.name, self.cached_build, self.missing, self.hint = name, cached_build, missing, hint
         self.state: Optional[Extension] = None
+        self.failed_build: Optional[Extension] = None  # (load_build)
         self._lock = threading.Lock()
 
     def __call__(self) -> Extension:
@@ -61,11 +62,15 @@ class Lookup:
         return getattr(_build, self.cached_build)()
 
     def load_build(self, build: Callable[[], str], failure: str) -> Extension:
-        """``build()`` (an on-demand build; its path) loaded as the extension, or ``failure`` and the error."""
-        try:
-            self.state = Extension(load_file(f"posenc_fast.{self.name}", build()), None)
-        except (RuntimeError, ImportError, OSError, ValueError) as error:
-            self.state = Extension(None, f"{failure}: {error}")
+        """``build()`` (an on-demand build; its path) loaded as the extension, or ``failure`` and the error.  A
+        build that failed is not tried again in this process: every later call would wait for it again."""
+        if self.failed_build is None:
+            try:
+                self.state = Extension(load_file(f"posenc_fast.{self.name}", build()), None)
+            except (RuntimeError, ImportError, OSError, ValueError) as error:
+                self.failed_build = Extension(None, f"{failure}: {error}")
+        if self.failed_build is not None:
+            self.state = self.failed_build
         return self.state
 
 
