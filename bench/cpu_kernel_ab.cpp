@@ -9,7 +9,7 @@
 //
 // Timing only: the turns are approximate (long double), nothing is checked.  Each build is compiled with its
 // own revision's headers, and this file with the working tree's: the driver refuses a base revision
-// whose cpu_kernels.h or forward_args.h differs (its ForwardArgs could be laid out differently).  Where one version runs on more
+// whose cpu_kernels.h or kernel_args.h differs (its ForwardArgs could be laid out differently).  Where one version runs on more
 // threads than the other (a small batch split or not), load from other processes penalises only that one:
 // compare on an idle machine.
 #include <omp.h>

@@ -13,7 +13,7 @@ whether the two versions' outputs of the case are the same bits.
 Run it on an idle machine: where one version splits a case over more threads than the other, load from other
 processes penalises only that one.  Needs Linux on x86 (the AVX-512 or AVX2 variant's flags, read from
 /proc/cpuinfo), a C++ compiler with OpenMP (-fopenmp), and a base revision with the same csrc/cpu/cpu_kernels.h and
-csrc/common/forward_args.h.
+csrc/common/kernel_args.h.
 """
 
 from __future__ import annotations
@@ -50,9 +50,9 @@ def build(base: str, workdir: str, isa: str = "best") -> str:
     if cxx is None:
         sys.exit("no C++ compiler found")
     same_header = subprocess.run(["git", "-C", REPO, "diff", "--quiet", base, "--", "csrc/cpu/cpu_kernels.h",
-                                  "csrc/common/forward_args.h"])
+                                  "csrc/common/kernel_args.h"])
     if same_header.returncode != 0:
-        sys.exit(f"csrc/cpu/cpu_kernels.h or csrc/common/forward_args.h differs between {base} and the working "
+        sys.exit(f"csrc/cpu/cpu_kernels.h or csrc/common/kernel_args.h differs between {base} and the working "
                  "tree: the two builds could not share one ForwardArgs")
     base_dir = os.path.join(workdir, "base")
     os.makedirs(base_dir)

@@ -41,7 +41,7 @@ from typing import List, Mapping, NamedTuple, Optional, Sequence, Tuple
 DEFAULT_CUDA_ARCHS = "80;86;89;90+PTX"
 # Paths under csrc/: common/ (what both extensions share), cuda/ (``_C``), cpu/ (``_cpu``).  Every
 # include is written from csrc/ (``#include "common/philox.cuh"``), which each build passes as -I.
-COMMON_HEADERS = ("common/forward_args.h", "common/launch_arguments.h", "common/host_device.h",
+COMMON_HEADERS = ("common/kernel_args.h", "common/launch_arguments.h", "common/host_device.h",
                   "common/exact_angle.cuh", "common/philox.cuh")
 SOURCES = ("cuda/forward.cu", "cuda/forward_fp32.cu", "cuda/forward_fp16.cu", "cuda/forward_bf16.cu",
            "cuda/weight_grad.cu", "cuda/binding.cpp")

@@ -63,9 +63,8 @@ _PROBE = """
     from posenc_fast.backends import Dropout, KernelParams, _extension, cuda_backend
     from posenc_fast._spec import PEColumns
     count, why = C.device_status()
-    report = dict(file=C.__file__, device_count=C.device_count(), status_count=count, why=why,
-                  driver=C.driver_version(), runtime=C.CUDA_RUNTIME_VERSION, archs=C.CUDA_ARCHS,
-                  emulation=C.HOST_EMULATION)
+    report = dict(file=C.__file__, device_count=count, why=why, runtime=C.CUDA_RUNTIME_VERSION,
+                  archs=C.CUDA_ARCHS, emulation=C.HOST_EMULATION)
     # The Python side's argument list matches the binding's: 0 tokens launch nothing and need no GPU.
     params = KernelParams(True, 6, 5, PEColumns(False, 0, 3, 3, 2), 1.5, 0.5, -1, False)
     empty = torch.empty(0, dtype=torch.int64)
@@ -74,7 +73,7 @@ _PROBE = """
         _extension.launch_forward(C, "cuda", empty, torch.zeros(4, 6), torch.empty(0, 11),
                                   torch.zeros(3, dtype=torch.int64), None, None, 7, 1, params, dropout, 0, 0)
         cuda_backend._launch_weight_grad(C, empty, empty, torch.empty(0, 11), torch.zeros(4, 6), torch.empty(0),
-                                         4, 6, -1, 1.5, dropout, 32, 0, 0)
+                                         -1, 1.5, dropout, 32, 0, 0)
     try:
         C.ForwardLaunch(99, 0, 3, 4, 6, 5, True, False, 0, 3, 3, 2, -1, 1.0, 1.0, False, 0)
     except ValueError as error:
@@ -115,7 +114,6 @@ def test_extension_imports_and_reports_devices(installed):
     assert installed["emulation"] is False
     assert installed["runtime"] >= 12000
     assert installed["archs"] and installed["archs"] != "unknown"
-    assert installed["device_count"] == installed["status_count"]
     if installed["device_count"] == 0:
         assert installed["why"], "no device, but no reason given"
     else:

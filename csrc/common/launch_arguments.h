@@ -1,11 +1,14 @@
 // What both bindings (binding.cpp for posenc_fast._C, cpu_binding.cpp for posenc_fast._cpu) share: the
-// dtype-code checks and the forward's one entry, ForwardLaunch, described once with its arguments' types,
-// order and Python names:
+// dtype-code checks, the forward's one entry, ForwardLaunch, and the weight gradient's, each described once
+// with its arguments' types, order and Python names:
 //   ForwardLaunch(dtype, turns, num_turns, num_embeddings, token_width, pe_width, concat, interleaved,
 //                 sin_base, num_sin, cos_base, num_cos, pe_zero_id, embed_scale, pe_scale, float64_math, <device's>)
 //   .__call__(ids, ids_dtype, weight, weight_row_stride, out, offset, seq_len, num_tokens, <last>)
 //   .run(ids, ids_dtype, weight, weight_row_stride, out, positions, offsets, offset, seq_len, num_tokens,
 //        dropout_seed, dropout_threshold, dropout_scale, <last>)
+//   weight_grad(sorted_ids, sorted_ids_dtype, order, grad_out, grad_out_row_stride, grad_dtype, grad_weight,
+//               weight_dtype, num_tokens, num_embeddings, token_width, padding_idx, embed_scale, dropout_seed,
+//               dropout_threshold, dropout_scale, <device's>)
 // Each binding appends only its device's own arguments (CUDA: the device, and the stream last; CPU: the thread
 // count last); pybind11 checks its signatures against these, so a mismatch does not compile.  Pointers are
 // Python ints (uintptr_t), dtypes the modules' codes (FLOAT32, ..., INT64).
@@ -16,7 +19,7 @@
 #include <cstdint>
 #include <string>
 
-#include "common/forward_args.h"
+#include "common/kernel_args.h"
 
 namespace posenc {
 namespace binding {
@@ -148,6 +151,35 @@ void def_forward_launch(py::module_& m, const char* call_last, ExtraNames... ext
            py::arg("weight_row_stride"), py::arg("out"), py::arg("positions"), py::arg("offsets"), py::arg("offset"),
            py::arg("seq_len"), py::arg("num_tokens"), py::arg("dropout_seed"), py::arg("dropout_threshold"),
            py::arg("dropout_scale"), py::arg(call_last));
+}
+
+// `weight_grad(<the common arguments>, <Launch's>)`: WeightGradArgs converted and checked, then
+// `Launch::weight_grad(args, extra...)` (named `extra_names`) runs both stages.
+template <typename Launch, typename... Extra, typename... ExtraNames>
+void def_weight_grad(py::module_& m, const char* doc, ExtraNames... extra_names) {
+  static_assert(sizeof...(Extra) == sizeof...(ExtraNames), "one name per extra argument");
+  m.def(
+      "weight_grad",
+      [](uintptr_t sorted_ids, int sorted_ids_dtype, uintptr_t order, uintptr_t grad_out, int64_t grad_out_row_stride,
+         int grad_dtype, uintptr_t grad_weight, int weight_dtype, int64_t num_tokens, int64_t num_embeddings,
+         int64_t token_width, int64_t padding_idx, double embed_scale, uintptr_t dropout_seed,
+         uint32_t dropout_threshold, double dropout_scale, Extra... extra) {
+        const WeightGradArgs args{pointer<const void>(sorted_ids), id_code(sorted_ids_dtype, "sorted_ids"),
+                                  pointer<const int64_t>(order), pointer<const void>(grad_out), grad_out_row_stride,
+                                  float_code(grad_dtype, "grad_out"), pointer<void>(grad_weight),
+                                  float_code(weight_dtype, "grad_weight"), num_tokens, num_embeddings, token_width,
+                                  padding_idx, embed_scale, pointer<const int64_t>(dropout_seed), dropout_threshold,
+                                  dropout_scale};
+        if (args.grad_dtype != args.weight_dtype && args.grad_dtype != DType::kFloat32) {
+          throw py::value_error("grad_out must have the weight's dtype or FLOAT32");
+        }
+        Launch::weight_grad(args, extra...);
+      },
+      doc, py::arg("sorted_ids"), py::arg("sorted_ids_dtype"), py::arg("order"), py::arg("grad_out"),
+      py::arg("grad_out_row_stride"), py::arg("grad_dtype"), py::arg("grad_weight"), py::arg("weight_dtype"),
+      py::arg("num_tokens"), py::arg("num_embeddings"), py::arg("token_width"), py::arg("padding_idx"),
+      py::arg("embed_scale"), py::arg("dropout_seed"), py::arg("dropout_threshold"), py::arg("dropout_scale"),
+      py::arg(extra_names)...);
 }
 
 }  // namespace binding

@@ -15,8 +15,6 @@
 #ifdef __linux__
 #include <dlfcn.h>
 #include <link.h>
-#endif
-#ifdef __linux__
 #include <sys/mman.h>
 #endif
 
@@ -40,8 +38,27 @@ namespace posenc {
 namespace cpu {
 namespace {
 
-// Workers wait for a job's generation number, take chunks of it from a shared counter until none
-// is left, and report back.  One job at a time; a call that finds the pool busy (another Python
+// One parallel_for's items, taken in chunks of `grain` from a shared counter by every thread that runs it
+// (the pool's workers or an OpenMP team: the split, and so every result, is the same on both).
+struct ChunkedJob {
+  void (*fn)(void*, int64_t, int64_t);
+  void* context;
+  int64_t num_items;
+  int64_t grain;
+  std::atomic<int64_t> next_chunk{0};
+
+  static void run(void* data) {
+    auto* job = static_cast<ChunkedJob*>(data);
+    for (;;) {
+      const int64_t begin = job->next_chunk.fetch_add(1) * job->grain;
+      if (begin >= job->num_items) return;
+      const int64_t end = begin + job->grain < job->num_items ? begin + job->grain : job->num_items;
+      job->fn(job->context, begin, end);
+    }
+  }
+};
+
+// Workers wait for a job's generation number, run their share of the ChunkedJob, and report back.  One job at a time; a call that finds the pool busy (another Python
 // thread, the GIL being released) runs on its own thread instead of waiting.
 //
 // Waiting spins briefly before it blocks: waking a blocked thread is a large share of a short call,
@@ -67,17 +84,17 @@ class ThreadPool {
         workers_.emplace_back([this, index] { work(index); });
         workers_.back().detach();  // lives as long as the process (the pool is never destroyed)
       }
-      fn_ = fn;
-      context_ = context;
-      num_items_ = num_items;
-      grain_ = grain;
-      next_chunk_.store(0);
+      job_.fn = fn;
+      job_.context = context;
+      job_.num_items = num_items;
+      job_.grain = grain;
+      job_.next_chunk.store(0);
       helpers_ = helpers;
       finished_.store(0);
       generation_.fetch_add(1, std::memory_order_release);
     }
     wake_.notify_all();
-    take_chunks();
+    ChunkedJob::run(&job_);
     spin_while([&] { return finished_.load(std::memory_order_acquire) != helpers; });
     std::unique_lock<std::mutex> lock(mutex_);
     done_.wait(lock, [&] { return finished_.load() == helpers; });
@@ -95,16 +112,6 @@ class ThreadPool {
     }
   }
 
-  void take_chunks() {
-    for (;;) {
-      const int64_t chunk = next_chunk_.fetch_add(1);
-      const int64_t begin = chunk * grain_;
-      if (begin >= num_items_) return;
-      const int64_t end = begin + grain_ < num_items_ ? begin + grain_ : num_items_;
-      fn_(context_, begin, end);
-    }
-  }
-
   void work(int index) {
     uint64_t seen = 0;
     for (;;) {
@@ -117,7 +124,7 @@ class ThreadPool {
         helpers = helpers_;
       }
       if (index >= helpers) continue;  // not needed for this job
-      take_chunks();
+      ChunkedJob::run(&job_);
       std::lock_guard<std::mutex> lock(mutex_);
       if (finished_.fetch_add(1) + 1 == helpers) done_.notify_one();
     }
@@ -128,11 +135,7 @@ class ThreadPool {
   std::condition_variable wake_, done_;
   std::vector<std::thread> workers_;
   std::atomic<uint64_t> generation_{0};
-  void (*fn_)(void*, int64_t, int64_t) = nullptr;
-  void* context_ = nullptr;
-  int64_t num_items_ = 0;
-  int64_t grain_ = 1;
-  std::atomic<int64_t> next_chunk_{0};
+  ChunkedJob job_{nullptr, nullptr, 0, 1};
   int helpers_ = 0;
   std::atomic<int> finished_{0};
 };
@@ -226,26 +229,6 @@ Threading& threading() {
   return *current;
 }
 
-// One parallel_for on an OpenMP team: the team's threads take chunks from a shared counter, as the
-// pool's workers do, so the split (and so every result) is the same on both.
-struct OpenMPJob {
-  void (*fn)(void*, int64_t, int64_t);
-  void* context;
-  int64_t num_items;
-  int64_t grain;
-  std::atomic<int64_t> next_chunk{0};
-
-  static void run(void* data) {
-    auto* job = static_cast<OpenMPJob*>(data);
-    for (;;) {
-      const int64_t begin = job->next_chunk.fetch_add(1) * job->grain;
-      if (begin >= job->num_items) return;
-      const int64_t end = begin + job->grain < job->num_items ? begin + job->grain : job->num_items;
-      job->fn(job->context, begin, end);
-    }
-  }
-};
-
 // Asks Linux to back a buffer about to be written for the first time with transparent huge pages
 // (where THP is "madvise"): a large fresh buffer (the [V, d] weight gradient) then takes one page
 // fault per 2 MiB instead of per 4 KiB.  Only a hint: no effect on contents.
@@ -269,7 +252,7 @@ int64_t element_bytes(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
 struct Variant {
   const char* name;
   const char* (*forward)(const ForwardArgs&, int num_threads);
-  const char* (*weight_grad)(const WeightGradArgs&);
+  const char* (*weight_grad)(const CpuWeightGradArgs&);
 };
 
 #ifndef POSENC_CPU_HAVE_X86_VARIANTS
@@ -313,8 +296,6 @@ py::list isa_names() {
   return names;
 }
 
-using binding::float_code;
-using binding::id_code;
 using binding::pointer;
 
 void check(const char* error, const char* what) {
@@ -336,41 +317,20 @@ struct CpuLaunch {
 
 using ForwardLaunch = binding::ForwardLaunch<CpuLaunch>;
 
-void weight_grad(uintptr_t sorted_ids, int sorted_ids_dtype, uintptr_t order, uintptr_t grad_out,
-                 int64_t grad_out_row_stride, int grad_dtype, uintptr_t grad_weight, int weight_dtype,
-                 int64_t num_tokens, int64_t num_embeddings, int64_t token_width, int64_t padding_idx,
-                 double embed_scale, uintptr_t dropout_seed, uint32_t dropout_threshold, double dropout_scale,
-                 int num_threads) {
-  WeightGradArgs a;
-  a.sorted_ids = pointer<const void>(sorted_ids);
-  a.sorted_ids_dtype = id_code(sorted_ids_dtype, "sorted_ids");
-  a.order = pointer<const int64_t>(order);
-  a.grad_out = pointer<const void>(grad_out);
-  a.grad_out_row_stride = grad_out_row_stride;
-  a.grad_dtype = float_code(grad_dtype, "grad_out");
-  a.grad_weight = pointer<void>(grad_weight);
-  a.weight_dtype = float_code(weight_dtype, "grad_weight");
-  a.num_tokens = num_tokens;
-  a.num_embeddings = num_embeddings;
-  a.token_width = token_width;
-  a.padding_idx = padding_idx;
-  a.embed_scale = embed_scale;
-  a.dropout_seed = pointer<const int64_t>(dropout_seed);
-  a.dropout_threshold = dropout_threshold;
-  a.dropout_scale = dropout_scale;
-  a.num_threads = num_threads < 1 ? 1 : num_threads;
-  if (a.grad_dtype != a.weight_dtype && a.grad_dtype != DType::kFloat32) {
-    throw py::value_error("grad_out must have the weight's dtype or FLOAT32");
+// The weight gradient's CPU part: the thread count.
+struct CpuWeightGrad {
+  static void weight_grad(const WeightGradArgs& args, int num_threads) {
+    if (args.num_embeddings == 0 || args.token_width == 0) return;
+    const CpuWeightGradArgs a{args, num_threads < 1 ? 1 : num_threads};
+    const char* error;
+    {
+      py::gil_scoped_release no_gil;
+      advise_huge_pages(a.grad_weight, a.num_embeddings * a.token_width * element_bytes(a.weight_dtype));
+      error = selected.weight_grad(a);
+    }
+    check(error, "weight gradient");
   }
-  if (num_embeddings == 0 || token_width == 0) return;
-  const char* error;
-  {
-    py::gil_scoped_release no_gil;
-    advise_huge_pages(a.grad_weight, num_embeddings * token_width * element_bytes(a.weight_dtype));
-    error = selected.weight_grad(a);
-  }
-  check(error, "weight gradient");
-}
+};
 
 }  // namespace
 
@@ -391,8 +351,8 @@ void parallel_for(int64_t num_items, int64_t grain, int num_threads, void (*fn)(
     fn(context, 0, num_items);
     return;
   }
-  OpenMPJob job{fn, context, num_items, grain};
-  t.openmp.parallel(&OpenMPJob::run, &job, static_cast<unsigned>(team), 0);
+  ChunkedJob job{fn, context, num_items, grain};
+  t.openmp.parallel(&ChunkedJob::run, &job, static_cast<unsigned>(team), 0);
 }
 
 // The smallest and largest of num_ids contiguous ids (int32 or int64), for the id range check of a
@@ -451,14 +411,11 @@ PYBIND11_MODULE(_cpu, m) {
   cpu::select_variant(requested != nullptr ? requested : "");
 
   posenc::binding::def_forward_launch<cpu::ForwardLaunch>(m, "num_threads");
-  m.def("weight_grad", &cpu::weight_grad,
-        "The deterministic weight gradient (ids sorted by the caller; every element of grad_weight is written); with a "
-        "dropout_seed pointer (0: none), through the forward's dropout mask.",
-        py::arg("sorted_ids"), py::arg("sorted_ids_dtype"), py::arg("order"), py::arg("grad_out"),
-        py::arg("grad_out_row_stride"), py::arg("grad_dtype"), py::arg("grad_weight"), py::arg("weight_dtype"),
-        py::arg("num_tokens"), py::arg("num_embeddings"), py::arg("token_width"), py::arg("padding_idx"),
-        py::arg("embed_scale"), py::arg("dropout_seed"), py::arg("dropout_threshold"), py::arg("dropout_scale"),
-        py::arg("num_threads"));
+  posenc::binding::def_weight_grad<cpu::CpuWeightGrad, int>(
+      m,
+      "The deterministic weight gradient (ids sorted by the caller; every element of grad_weight is written); with "
+      "a dropout_seed pointer (0: none), through the forward's dropout mask.",
+      "num_threads");
   m.def("id_range", &cpu::id_range, py::arg("ids"), py::arg("ids_dtype"), py::arg("num_ids"),
         "(smallest, largest) of num_ids >= 1 contiguous ids, allocating no tensor.");
   m.def("threading", &cpu::threading_name,

@@ -653,7 +653,7 @@ const char* forward_math(const ForwardArgs& a, int num_threads) {
 constexpr int64_t kGradColumns = 128;  // columns per work item (a multiple of 4: whole Philox groups)
 
 struct GradPlan {
-  const WeightGradArgs* args;
+  const CpuWeightGradArgs* args;
   const int64_t* run_starts;  // [num_runs + 1]
   int64_t num_runs;
   int64_t column_blocks;
@@ -662,13 +662,13 @@ struct GradPlan {
 };
 
 template <typename KeyT>
-POSENC_INLINE int64_t sorted_id(const WeightGradArgs& a, int64_t i) {
+POSENC_INLINE int64_t sorted_id(const CpuWeightGradArgs& a, int64_t i) {
   return static_cast<int64_t>(static_cast<const KeyT*>(a.sorted_ids)[i]);
 }
 
 // Rows [begin, end) of grad_weight set to zero (+0.0 is all-zero bits in every float format).
 template <typename W>
-POSENC_INLINE void zero_rows(const WeightGradArgs& a, int64_t begin, int64_t end) {
+POSENC_INLINE void zero_rows(const CpuWeightGradArgs& a, int64_t begin, int64_t end) {
   if (end <= begin) return;
   W* rows = static_cast<W*>(a.grad_weight) + begin * a.token_width;
   std::memset(static_cast<void*>(rows), 0, static_cast<size_t>((end - begin) * a.token_width) * sizeof(W));
@@ -681,7 +681,7 @@ POSENC_INLINE void zero_rows(const WeightGradArgs& a, int64_t begin, int64_t end
 template <typename G, typename W, int64_t kColumns>
 POSENC_INLINE void sum_run(const GradPlan& p, int64_t first, int64_t last, int64_t col0, int64_t count,
                            W* __restrict__ out) {
-  const WeightGradArgs& a = *p.args;
+  const CpuWeightGradArgs& a = *p.args;
   const int64_t n = kColumns > 0 ? kColumns : count;
   const G* __restrict__ grad_out = static_cast<const G*>(a.grad_out) + col0;
   float sum[kGradColumns];
@@ -718,7 +718,7 @@ POSENC_INLINE void prefetch_item_start(const GradPlan& p, int64_t item) {
   const int64_t run = item / p.column_blocks;
   if (run >= p.num_runs) return;
   const int64_t col0 = (item - run * p.column_blocks) * kGradColumns;
-  const WeightGradArgs& a = *p.args;
+  const CpuWeightGradArgs& a = *p.args;
   prefetch_lines(static_cast<const G*>(a.grad_out) + a.order[p.run_starts[run]] * a.grad_out_row_stride + col0,
                  min_of(kGradColumns, a.token_width - col0) * static_cast<int64_t>(sizeof(G)));
 }
@@ -727,7 +727,7 @@ template <typename G, typename W, typename KeyT>
 struct GradItems {
   static void run(void* context, int64_t begin, int64_t end) {
     const GradPlan& p = *static_cast<const GradPlan*>(context);
-    const WeightGradArgs& a = *p.args;
+    const CpuWeightGradArgs& a = *p.args;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t run = item / p.column_blocks;
       const int64_t col0 = (item - run * p.column_blocks) * kGradColumns;
@@ -752,7 +752,7 @@ template <typename W, typename KeyT>
 struct ZeroUnwrittenRows {
   static void run(void* context, int64_t begin, int64_t end) {
     const GradPlan& p = *static_cast<const GradPlan*>(context);
-    const WeightGradArgs& a = *p.args;
+    const CpuWeightGradArgs& a = *p.args;
     int64_t low = 0, high = p.num_runs;  // the first run whose id is >= begin
     while (low < high) {
       const int64_t middle = low + (high - low) / 2;
@@ -775,7 +775,7 @@ struct ZeroUnwrittenRows {
 };
 
 template <typename G, typename W>
-const char* weight_grad_typed(const WeightGradArgs& a) {
+const char* weight_grad_typed(const CpuWeightGradArgs& a) {
   const bool keys64 = a.sorted_ids_dtype == DType::kInt64;
   if (!keys64 && a.sorted_ids_dtype != DType::kInt32) return "sorted_ids: dtype code is not INT32 or INT64";
   Scratch<int64_t> starts(a.num_tokens + 1);
@@ -817,7 +817,7 @@ const char* weight_grad_typed(const WeightGradArgs& a) {
 }
 
 template <typename W>
-const char* weight_grad_of_weight(const WeightGradArgs& a) {
+const char* weight_grad_of_weight(const CpuWeightGradArgs& a) {
   if (a.grad_dtype == DType::kFloat32) return weight_grad_typed<float, W>(a);
   if (a.grad_dtype != a.weight_dtype) return "grad_out must have the weight's dtype or FLOAT32";
   if (a.grad_dtype == DType::kFloat16) return weight_grad_typed<Float16, W>(a);
@@ -840,7 +840,7 @@ const char* forward(const ForwardArgs& a, int num_threads) {
   }
 }
 
-const char* weight_grad(const WeightGradArgs& a) {
+const char* weight_grad(const CpuWeightGradArgs& a) {
   if (a.num_tokens < 0 || a.token_width < 0 || a.num_embeddings < 0 || a.num_threads < 1) {
     return "invalid weight gradient arguments";
   }

@@ -13,32 +13,15 @@
 
 #include <cstdint>
 
-#include "common/forward_args.h"
+#include "common/kernel_args.h"
 
 namespace posenc {
 namespace cpu {
 
-// grad_W[v] = embed_scale * sum over tokens t with ids[t] == v of grad_out[t, :token_width] (fp32,
-// in sorted order), as posenc::WeightGradArgs.  The caller sorts the ids stably (out-of-range ids
-// become the sentinel num_embeddings).  Unlike the CUDA kernel, this one writes every row of
-// grad_weight: rows no token hits, and padding_idx, become zero (the buffer needs no initial value).
-struct WeightGradArgs {
-  const void* sorted_ids;
-  DType sorted_ids_dtype;  // kInt32 or kInt64
-  const int64_t* order;  // sorted_ids[i] is the id of token order[i]
-  const void* grad_out;  // [num_tokens, >= token_width], unit column stride
-  int64_t grad_out_row_stride;
-  DType grad_dtype;  // the weight's dtype or kFloat32
-  void* grad_weight;  // [num_embeddings, token_width], contiguous; every element is written
-  DType weight_dtype;
-  int64_t num_tokens;
-  int64_t num_embeddings;
-  int64_t token_width;
-  int64_t padding_idx;  // < 0: none
-  double embed_scale;
-  const int64_t* dropout_seed;  // nullptr: no dropout
-  uint32_t dropout_threshold;
-  double dropout_scale;
+// The weight gradient (posenc::WeightGradArgs) on num_threads threads.  Unlike the CUDA kernel, this one
+// writes every row of grad_weight: rows no token hits, and padding_idx, become zero (the buffer needs no
+// initial value).
+struct CpuWeightGradArgs : WeightGradArgs {
   int num_threads;
 };
 
@@ -46,7 +29,7 @@ struct WeightGradArgs {
 #define POSENC_CPU_DECLARE_ISA(isa)                                  \
   namespace isa {                                                    \
   const char* forward(const ForwardArgs& args, int num_threads);     \
-  const char* weight_grad(const WeightGradArgs& args);               \
+  const char* weight_grad(const CpuWeightGradArgs& args);            \
   }
 POSENC_CPU_DECLARE_ISA(isa_baseline)
 POSENC_CPU_DECLARE_ISA(isa_avx2)

@@ -35,8 +35,6 @@ void check_cuda(cudaError_t status, const std::string& what) {
   if (status != cudaSuccess) throw_cuda_error(status, what);
 }
 
-using posenc::binding::float_code;
-using posenc::binding::id_code;
 using posenc::binding::pointer;
 
 #ifdef POSENC_FAST_HOST_EMULATION
@@ -83,50 +81,18 @@ struct CudaLaunch {
 
 using ForwardLaunch = posenc::binding::ForwardLaunch<CudaLaunch>;
 
-void weight_grad(uintptr_t sorted_ids, int sorted_ids_dtype, uintptr_t order, uintptr_t grad_out,
-                 int64_t grad_out_row_stride, int grad_dtype, uintptr_t grad_weight, int weight_dtype,
-                 uintptr_t partials, int64_t num_tokens, int64_t num_embeddings, int64_t token_width,
-                 int64_t padding_idx, double embed_scale, uintptr_t dropout_seed, uint32_t dropout_threshold,
-                 double dropout_scale, int64_t chunk, uintptr_t stream, int device) {
-  posenc::WeightGradArgs args;
-  args.sorted_ids = pointer<const void>(sorted_ids);
-  args.sorted_ids_dtype = id_code(sorted_ids_dtype, "sorted_ids");
-  args.order = pointer<const int64_t>(order);
-  args.grad_out = pointer<const void>(grad_out);
-  args.grad_out_row_stride = grad_out_row_stride;
-  args.grad_dtype = float_code(grad_dtype, "grad_out");
-  args.grad_weight = pointer<void>(grad_weight);
-  args.weight_dtype = float_code(weight_dtype, "grad_weight");
-  args.partials = pointer<float>(partials);
-  args.num_tokens = num_tokens;
-  args.num_embeddings = num_embeddings;
-  args.token_width = token_width;
-  args.padding_idx = padding_idx;
-  args.embed_scale = embed_scale;
-  args.chunk = chunk;
-  args.dropout_seed = pointer<const int64_t>(dropout_seed);
-  args.dropout_threshold = dropout_threshold;
-  args.dropout_scale = dropout_scale;
-  if (args.grad_dtype != args.weight_dtype && args.grad_dtype != posenc::DType::kFloat32) {
-    throw py::value_error("grad_out must have the weight's dtype or FLOAT32");
+// The weight gradient's device part: its scratch, the chunk size, the stream and device.
+struct CudaWeightGrad {
+  static void weight_grad(const posenc::WeightGradArgs& args, uintptr_t partials, int64_t chunk, uintptr_t stream,
+                          int device) {
+    if (chunk < 1) throw py::value_error("chunk must be >= 1, got " + std::to_string(chunk));
+    if (args.num_tokens == 0 || args.num_embeddings == 0 || args.token_width == 0) return;
+    py::gil_scoped_release no_gil;
+    DeviceGuard guard(device);
+    check_cuda(posenc::launch_weight_grad(args, pointer<float>(partials), chunk, pointer<CUstream_st>(stream)),
+               "weight gradient launch");
   }
-  if (chunk < 1) throw py::value_error("chunk must be >= 1, got " + std::to_string(chunk));
-  if (num_tokens == 0 || num_embeddings == 0 || token_width == 0) return;
-  py::gil_scoped_release no_gil;
-  DeviceGuard guard(device);
-  check_cuda(posenc::launch_weight_grad(args, pointer<CUstream_st>(stream)), "weight gradient launch");
-}
-
-// Visible CUDA devices; 0 (not an error) when there is no GPU or no driver.
-int device_count() {
-  int count = 0;
-  const cudaError_t status = cudaGetDeviceCount(&count);
-  if (status != cudaSuccess) {
-    cudaGetLastError();
-    return 0;
-  }
-  return count;
-}
+};
 
 // (device count, message): why there is no usable device, in words, or "" when there is one.
 py::tuple device_status() {
@@ -153,16 +119,6 @@ py::tuple device_status() {
   return py::make_tuple(0, std::string("no CUDA device is visible (check CUDA_VISIBLE_DEVICES)"));
 }
 
-// CUDA driver version as an int (e.g. 13000), 0 when no driver is installed.
-int driver_version() {
-  int version = 0;
-  if (cudaDriverGetVersion(&version) != cudaSuccess) {
-    cudaGetLastError();
-    return 0;
-  }
-  return version;
-}
-
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -180,17 +136,11 @@ PYBIND11_MODULE(_C, m) {
 #endif
 
   posenc::binding::def_forward_launch<ForwardLaunch, int>(m, "stream", "device");
-  m.def("weight_grad", &weight_grad,
-        "Launch both stages of the deterministic weight gradient (ids sorted by the caller); with a "
-        "dropout_seed pointer (0: none), of the gradient through the forward's dropout mask.",
-        py::arg("sorted_ids"), py::arg("sorted_ids_dtype"), py::arg("order"), py::arg("grad_out"),
-        py::arg("grad_out_row_stride"), py::arg("grad_dtype"), py::arg("grad_weight"), py::arg("weight_dtype"),
-        py::arg("partials"),
-        py::arg("num_tokens"), py::arg("num_embeddings"), py::arg("token_width"), py::arg("padding_idx"),
-        py::arg("embed_scale"), py::arg("dropout_seed"), py::arg("dropout_threshold"), py::arg("dropout_scale"),
-        py::arg("chunk"), py::arg("stream"), py::arg("device"));
-  m.def("device_count", &device_count, "Visible CUDA devices (0 without a GPU or driver; never raises).");
+  posenc::binding::def_weight_grad<CudaWeightGrad, uintptr_t, int64_t, uintptr_t, int>(
+      m,
+      "Launch both stages of the deterministic weight gradient (ids sorted by the caller); with a dropout_seed "
+      "pointer (0: none), of the gradient through the forward's dropout mask.",
+      "partials", "chunk", "stream", "device");
   m.def("device_status", &device_status,
         "(count, reason): reason says why no CUDA device is usable, '' when count > 0.");
-  m.def("driver_version", &driver_version, "CUDA driver version (e.g. 13000), 0 without a driver.");
 }

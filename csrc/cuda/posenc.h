@@ -19,47 +19,17 @@
 
 #include <cuda_runtime_api.h>
 
-#include "common/forward_args.h"
+#include "common/kernel_args.h"
 
 namespace posenc {
 
 // Launches the forward kernel on `stream`; returns the launch status (cudaSuccess for 0 tokens).
 cudaError_t launch_forward(const ForwardArgs& args, cudaStream_t stream);
 
-// grad_W[v] = embed_scale * sum of grad_out[t, :token_width] over tokens t with ids[t] == v,
-// summed in fp32 in sorted order: bitwise reproducible.  With dropout, the sum takes only the
-// elements (t, c) the forward kept (its mask, regenerated; dropped ones count as 0 even if not
-// finite) and the final scale is embed_scale * dropout_scale.  The caller sorts (stably) the ids,
-// with out-of-range ids replaced by the sentinel num_embeddings, and passes the sorted ids and
-// the permutation.  Rows that no token hits, padding_idx and the sentinel are never written, so
-// grad_weight must come zero-filled.
-struct WeightGradArgs {
-  const void* sorted_ids;  // [num_tokens], values in [0, num_embeddings]
-  DType sorted_ids_dtype;  // kInt32 (radix sorts are faster on narrow keys) or kInt64
-  const int64_t* order;  // [num_tokens]: sorted_ids[i] is the id of token order[i]
-  const void* grad_out;  // [num_tokens, >= token_width], unit column stride
-  int64_t grad_out_row_stride;  // in elements
-  DType grad_dtype;
-  void* grad_weight;  // [num_embeddings, token_width], contiguous, zero-filled
-  DType weight_dtype;
-  float* partials;  // [ceil(num_tokens / chunk), 2, token_width] fp32 scratch (no initial value needed)
-  int64_t num_tokens;
-  int64_t num_embeddings;
-  int64_t token_width;
-  int64_t padding_idx;  // < 0: none
-  double embed_scale;  // applied in fp32 (rounded once, times dropout_scale with dropout) to each final sum
-  int64_t chunk;  // sorted tokens per stage-1 work item, >= 1
-  const int64_t* dropout_seed;  // as in ForwardArgs; nullptr: no dropout
-  uint32_t dropout_threshold;
-  double dropout_scale;
-};
-
-// Launches both stages of the weight gradient on `stream`; returns the launch status.
-cudaError_t launch_weight_grad(const WeightGradArgs& args, cudaStream_t stream);
-
-// Number of fp32 partial rows launch_weight_grad needs: 2 per chunk.
-inline int64_t weight_grad_partial_rows(int64_t num_tokens, int64_t chunk) {
-  return 2 * ((num_tokens + chunk - 1) / chunk);
-}
+// Launches both stages of the weight gradient (WeightGradArgs) on `stream`; returns the launch status.
+// Rows that no token hits, padding_idx and the sentinel are never written, so grad_weight must come
+// zero-filled.  `partials`: [ceil(num_tokens / chunk), 2, token_width] fp32 scratch (no initial value
+// needed); `chunk`: sorted tokens per stage-1 work item, >= 1.
+cudaError_t launch_weight_grad(const WeightGradArgs& args, float* partials, int64_t chunk, cudaStream_t stream);
 
 }  // namespace posenc

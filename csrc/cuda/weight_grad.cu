@@ -221,8 +221,8 @@ cudaError_t launch_typed(const GradKernelArgs& a, DType key_dtype, cudaStream_t 
 
 }  // namespace
 
-cudaError_t launch_weight_grad(const WeightGradArgs& args, cudaStream_t stream) {
-  if (args.num_tokens < 0 || args.num_embeddings < 0 || args.token_width < 0 || args.chunk < 1) {
+cudaError_t launch_weight_grad(const WeightGradArgs& args, float* partials, int64_t chunk, cudaStream_t stream) {
+  if (args.num_tokens < 0 || args.num_embeddings < 0 || args.token_width < 0 || chunk < 1) {
     return cudaErrorInvalidValue;
   }
   if (args.num_tokens == 0 || args.num_embeddings == 0 || args.token_width == 0) return cudaSuccess;
@@ -232,13 +232,13 @@ cudaError_t launch_weight_grad(const WeightGradArgs& args, cudaStream_t stream) 
   a.grad_out = args.grad_out;
   a.grad_out_row_stride = args.grad_out_row_stride;
   a.grad_weight = args.grad_weight;
-  a.partials = args.partials;
+  a.partials = partials;
   a.num_tokens = args.num_tokens;
   a.num_embeddings = args.num_embeddings;
   a.token_width = args.token_width;
   a.padding_idx = args.padding_idx;
-  a.chunk = args.chunk;
-  a.num_chunks = ceil_div(args.num_tokens, args.chunk);
+  a.chunk = chunk;
+  a.num_chunks = ceil_div(args.num_tokens, chunk);
   // The dropout scale joins the final scaling: the product in double, rounded to fp32 once.
   a.embed_scale = static_cast<float>(args.dropout_seed != nullptr ? args.embed_scale * args.dropout_scale
                                                                   : args.embed_scale);

@@ -4,7 +4,16 @@ availability answer constant under ``torch.compile``) and calling its forward.  
 the binding's one ``ForwardLaunch`` (``bind_forward``): the general path's ``forward`` runs it with every
 per-call argument (``launch_forward``), the prepared launch calls it with the nine that change
 (``prepare_forward``).  The argument helpers (dtype codes, pointers, int64 vectors, dropout) run on every
-general-path call, so they copy or allocate only what the kernels cannot read as given."""
+general-path call, so they copy or allocate only what the kernels cannot read as given.
+
+An extension is looked for at its backend's first use, never by ``import posenc_fast``:
+
+1. the module ``pip install .`` built (``posenc_fast._C`` where nvcc was found, ``posenc_fast._cpu`` where a
+   C++ compiler was);
+2. an earlier on-demand build in the per-user cache (``posenc_fast._build``);
+3. on the first call that names the backend (``backend="cuda"`` on CUDA tensors, ``backend="cpu"``), where
+   the compiler is present, an on-demand build into that cache, progress on stderr (the backend's
+   ``prepare``; ``POSENC_FAST_BUILD_ON_DEMAND=0`` turns it off).  ``backend="auto"`` never builds."""
 
 from __future__ import annotations
 
@@ -216,12 +225,15 @@ def dropout_arguments(dropout, device: torch.device):
     return seed.data_ptr(), int(dropout.threshold), float(dropout.scale)
 
 
-def gradient_arguments(module, backend: str, sorted_ids, order, grad_out, grad_weight) -> tuple:
-    """The tensors of the binding's ``weight_grad``, its first eight arguments: pointers, with the dtype code
-    after the sorted ids, after the gradient's row stride and after the weight gradient."""
+def gradient_arguments(module, backend: str, sorted_ids, order, grad_out, grad_weight, padding_idx, embed_scale,
+                       dropout) -> tuple:
+    """The arguments both bindings' ``weight_grad`` take first (csrc/common/launch_arguments.h): pointers, with the
+    dtype code after the sorted ids, after the gradient's row stride and after the weight gradient; the sizes;
+    the scale; the dropout."""
     return (sorted_ids.data_ptr(), dtype_code(module, sorted_ids.dtype, backend), order.data_ptr(),
             grad_out.data_ptr(), grad_out.stride(0), dtype_code(module, grad_out.dtype, backend),
-            grad_weight.data_ptr(), dtype_code(module, grad_weight.dtype, backend))
+            grad_weight.data_ptr(), dtype_code(module, grad_weight.dtype, backend), sorted_ids.numel(),
+            *grad_weight.shape, int(padding_idx), float(embed_scale), *dropout_arguments(dropout, grad_out.device))
 
 
 def pointer(t: Optional[torch.Tensor]) -> int:

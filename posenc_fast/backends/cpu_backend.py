@@ -6,14 +6,8 @@ shares the CUDA kernels' exact-angle math and Philox dropout mask (csrc/common/e
 csrc/common/philox.cuh), runs on ``torch.get_num_threads()`` threads, and is compiled per instruction
 set (AVX-512, AVX2, baseline; the best the CPU has is picked at import).  The weight gradient's
 stable sort stays in PyTorch (``sort_ids_for_gradient``); the kernel sums each id's run in order.
-
-The extension is looked for at the first use, never by ``import posenc_fast``:
-
-1. ``posenc_fast._cpu``, built by ``pip install .`` when a C++ compiler was found;
-2. an earlier on-demand build in the per-user cache (``posenc_fast._build.build_cpu_in_cache``);
-3. on the first explicit ``backend="cpu"`` call, if a C++ compiler is present, an on-demand build
-   into that cache (``prepare``; ``POSENC_FAST_BUILD_ON_DEMAND=0`` turns it off).
-   ``backend="auto"`` never builds: without the extension it runs the torch backend.
+How the extension is found (or built on demand): ``_extension``; without it, ``backend="auto"`` runs the
+torch backend.
 """
 
 from __future__ import annotations
@@ -26,7 +20,7 @@ import torch
 from . import Dropout, KernelParams, PreparedLaunch, _extension, gradient_rows, new_buffer, sort_ids_for_gradient
 from ._extension import Lookup
 from ._extension import constant_under_compile as _constant_under_compile
-from ._extension import dropout_arguments, gradient_arguments
+from ._extension import gradient_arguments
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FLOAT64_MATH = True  # precision="float64": float64 arithmetic and polynomials, one rounding
@@ -110,9 +104,6 @@ def backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_id
     # The kernel takes the gradient in the weight's dtype or in fp32.
     grad_out = gradient_rows(grad_out, weight_dtype if grad_out.dtype == weight_dtype else torch.float32)
     sorted_ids, order = sort_ids_for_gradient(ids, num_embeddings)
-    dropout_seed, dropout_threshold, dropout_scale = dropout_arguments(dropout, grad_out.device)
-    module.weight_grad(
-        *gradient_arguments(module, "cpu", sorted_ids, order, grad_out, grad_weight), num_tokens, num_embeddings,
-        token_width, int(padding_idx), float(embed_scale), dropout_seed, dropout_threshold, dropout_scale,
-        torch.get_num_threads())
+    module.weight_grad(*gradient_arguments(module, "cpu", sorted_ids, order, grad_out, grad_weight, padding_idx,
+                                           embed_scale, dropout), torch.get_num_threads())
     return grad_weight

@@ -5,15 +5,7 @@ codes, a device index and the current CUDA stream handle; it does not link libto
 build works with any torch version.  Same semantics and algorithms as the Triton backend; the
 weight gradient's stable sort stays in PyTorch (``sort_ids_for_gradient``).  The kernels draw
 the dropout mask themselves from the seed's device pointer, in the forward and again in the
-weight gradient.
-
-The extension is looked for at the first use, never by ``import posenc_fast``:
-
-1. ``posenc_fast._C``, built by ``pip install .`` when nvcc was found;
-2. an earlier on-demand build in the per-user cache (``posenc_fast._build``);
-3. on the first explicit ``backend="cuda"`` call on CUDA tensors, if nvcc is present, an
-   on-demand build into that cache, with progress on stderr (``prepare``;
-   ``POSENC_FAST_BUILD_ON_DEMAND=0`` turns it off).  ``backend="auto"`` never builds.
+weight gradient.  How the extension is found (or built on demand): ``_extension``.
 
 Tests without a GPU load a host-emulation build instead (``use_host_emulation``): the same
 kernel source compiled for the CPU, so that backend="cuda" runs on CPU tensors there.
@@ -31,7 +23,7 @@ from . import (Dropout, KernelParams, PreparedLaunch, _extension, current_stream
                gradient_rows, new_buffer, sort_ids_for_gradient)
 from ._extension import Extension, Lookup
 from ._extension import constant_under_compile as _constant_under_compile
-from ._extension import dropout_arguments, gradient_arguments, pointer
+from ._extension import gradient_arguments, pointer
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FLOAT64_MATH = True  # precision="float64": the kernels' float64 variant (longer polynomials, one rounding)
@@ -160,15 +152,12 @@ def use_host_emulation(path: Optional[str]) -> None:
     _lookup.state, _host_emulation = Extension(module, None), True
 
 
-def _launch_weight_grad(module, sorted_ids, order, grad_out, grad_weight, partials, num_embeddings, token_width,
-                        padding_idx, embed_scale, dropout: Optional[Dropout], chunk, stream: int, device: int) -> None:
+def _launch_weight_grad(module, sorted_ids, order, grad_out, grad_weight, partials, padding_idx, embed_scale,
+                        dropout: Optional[Dropout], chunk, stream: int, device: int) -> None:
     """One call into ``_C.weight_grad`` with every argument in the binding's order (tests call this with 0 tokens
     on CPU tensors to check the signature without a GPU: nothing is launched then)."""
-    dropout_seed, dropout_threshold, dropout_scale = dropout_arguments(dropout, grad_out.device)
-    module.weight_grad(
-        *gradient_arguments(module, "cuda", sorted_ids, order, grad_out, grad_weight), pointer(partials),
-        sorted_ids.numel(), num_embeddings, token_width, int(padding_idx), float(embed_scale), dropout_seed,
-        dropout_threshold, dropout_scale, int(chunk), stream, device)
+    module.weight_grad(*gradient_arguments(module, "cuda", sorted_ids, order, grad_out, grad_weight, padding_idx,
+                                           embed_scale, dropout), pointer(partials), int(chunk), stream, device)
 
 
 def _stream_and_device(t: torch.Tensor):
@@ -205,6 +194,6 @@ def backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_id
     chunk = max(int(GRAD_CHUNK), 1)
     partials = new_buffer(((num_tokens + chunk - 1) // chunk, 2, token_width), torch.float32, grad_out.device)
     stream, device = _stream_and_device(grad_out)
-    _launch_weight_grad(module, sorted_ids, order, grad_out, grad_weight, partials, num_embeddings, token_width,
-                        padding_idx, embed_scale, dropout, chunk, stream, device)
+    _launch_weight_grad(module, sorted_ids, order, grad_out, grad_weight, partials, padding_idx, embed_scale, dropout,
+                        chunk, stream, device)
     return grad_weight

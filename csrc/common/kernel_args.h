@@ -1,5 +1,5 @@
-// The forward's argument block and the dtype codes, shared by the CUDA core (posenc.h) and the CPU
-// kernels (cpu_kernels.h): plain data, no CUDA, Python or PyTorch.
+// The kernels' argument blocks (forward, weight gradient) and the dtype codes, shared by the CUDA core
+// (posenc.h) and the CPU kernels (cpu_kernels.h): plain data, no CUDA, Python or PyTorch.
 //
 // y[t, :] = embed_scale * W[ids[t]]  (+)  pe_scale * PE(pos[t]), for t < num_tokens; semantics are those of
 // posenc_fast/reference.py.  Pointers are device memory for the CUDA kernels, host memory for the CPU ones.
@@ -57,6 +57,31 @@ struct ForwardArgs {
   const int64_t* dropout_seed;  // one int64 in [0, 2^63); nullptr: no dropout
   uint32_t dropout_threshold;  // keep iff the element's Philox word >= this
   double dropout_scale;  // 1 / (1 - p), 0 for p = 1
+};
+
+// grad_W[v] = embed_scale * sum of grad_out[t, :token_width] over tokens t with ids[t] == v, summed in fp32
+// in sorted order: bitwise reproducible.  With dropout, the sum takes only the elements (t, c) the forward
+// kept (its mask, regenerated; dropped ones count as 0 even if not finite) and the final scale is
+// embed_scale * dropout_scale.  The caller sorts (stably) the ids, with out-of-range ids replaced by the
+// sentinel num_embeddings, and passes the sorted ids and the permutation.  Which rows of grad_weight the
+// kernels write: posenc.h (CUDA), cpu_kernels.h (CPU).
+struct WeightGradArgs {
+  const void* sorted_ids;  // [num_tokens], values in [0, num_embeddings]
+  DType sorted_ids_dtype;  // kInt32 (radix sorts are faster on narrow keys) or kInt64
+  const int64_t* order;  // [num_tokens]: sorted_ids[i] is the id of token order[i]
+  const void* grad_out;  // [num_tokens, >= token_width], unit column stride
+  int64_t grad_out_row_stride;  // in elements
+  DType grad_dtype;  // the weight's dtype or kFloat32
+  void* grad_weight;  // [num_embeddings, token_width], contiguous
+  DType weight_dtype;
+  int64_t num_tokens;
+  int64_t num_embeddings;
+  int64_t token_width;
+  int64_t padding_idx;  // < 0: none
+  double embed_scale;  // applied in fp32 (rounded once, times dropout_scale with dropout) to each final sum
+  const int64_t* dropout_seed;  // as in ForwardArgs; nullptr: no dropout
+  uint32_t dropout_threshold;
+  double dropout_scale;
 };
 
 }  // namespace posenc
