@@ -22,10 +22,6 @@ class Dropout(NamedTuple):
     scale: float  # 1 / (1 - p); 0 for p = 1
 
 
-def _drops_everything(p: float) -> bool:
-    return round(p * 2.0**32) >= 2**32  # p within 2**-33 of 1, p = 1 included
-
-
 def threshold_of(p: float) -> int:
     """Keep iff a uniform u32 word is >= round(p * 2**32): keep rate 1 - p within 2**-33.
     (Where that rounds to 2**32 the threshold is 2**32 - 1 and the scale 0: nothing is kept.)"""
@@ -36,7 +32,7 @@ def scale_of(p: float) -> float:
     """Kept elements are multiplied by 1 / (1 - p), as torch.nn.functional.dropout does.  Where
     ``threshold_of`` cannot express the keep rate (p within 2**-33 of 1), everything is dropped:
     scale 0, rather than an enormous scale on the few words at 2**32 - 1."""
-    return 0.0 if _drops_everything(p) else 1.0 / (1.0 - p)
+    return 0.0 if round(p * 2.0**32) >= 2**32 else 1.0 / (1.0 - p)  # (p within 2**-33 of 1, p = 1 included)
 
 
 def draw_seed(device: torch.device) -> torch.Tensor:

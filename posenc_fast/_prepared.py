@@ -26,13 +26,14 @@ so in-place updates, ``.data`` swaps and a new Parameter of the same shape need 
 Every backend's launch is called the same way (``backends.PreparedLaunch``): ``cpu`` and ``cuda`` call
 their binding's ``ForwardLaunch`` with the nine arguments that change, ``triton`` its kept kernel's launch
 function (``triton_launch``).  The ``torch`` reference has none: its entry points keep a stand-in that
-serves no call (``_NoForward``, ``_NoAddition``) and take the general path.
+serves no call (``_ServesNoCall``) and take the general path.
 """
 
 from __future__ import annotations
 
 import functools
 import threading
+import types
 from typing import Optional
 
 import torch
@@ -50,7 +51,7 @@ _INT64_MIN, _INT64_END = -(2**63), 2**63
 # add_sinusoidal's launch reads rows 0..N-1 that it numbers itself, so its table's row count is only a
 # bound: the largest for which the CUDA kernels keep 32-bit row arithmetic (forward_kernels.cuh).
 _ADDITION_ROW_BOUND = 2**32
-_FUNCTIONAL_KEPT = 16  # entries (launches and slots) kept per spec for the functional entry points (_functional_call)
+_FUNCTIONAL_KEPT = 16  # entries (launches and slots) kept per spec for the functional entry points (_functional_miss)
 _FUNCTIONAL_SPECS = 64  # specs whose functional launches are kept (_FUNCTIONAL)
 
 
@@ -89,10 +90,22 @@ class _Bound:
         return self.source.state is self.state
 
 
-class _NeverReplaced:
-    """The ``source`` of the stand-ins that serve no call (``_NoForward``, ``_NoAddition``)."""
+_NEVER_REPLACED = types.SimpleNamespace(state=None)
 
-    state = None
+
+class _ServesNoCall:
+    """Where the backend has no prepared launch (the torch reference), an entry point keeps one of these:
+    ``prepared_for`` as a prepared launch's, so that it is built again only when something changes (its
+    ``source`` is never replaced); ``run`` serves no call."""
+
+    __slots__ = ()
+
+    def __init__(self, spec, backend: str, *table_and_settings):
+        self._identify(spec, backend, *table_and_settings)
+        self.source, self.state = _NEVER_REPLACED, None
+
+    def run(self, *args) -> None:
+        return None
 
 
 class PreparedForward(_Bound):
@@ -189,18 +202,8 @@ class PreparedForward(_Bound):
         return out
 
 
-class _NoForward(PreparedForward):
-    """What is kept where the backend has no prepared launch (the torch reference): ``prepared_for`` as a
-    prepared launch's, so that it is built again only when something changes; ``run`` serves no call."""
-
+class _NoForward(_ServesNoCall, PreparedForward):
     __slots__ = ()
-
-    def __init__(self, spec, backend: str, dropout: float, weight: torch.Tensor):
-        self._identify(spec, backend, dropout, weight)
-        self.source, self.state = _NeverReplaced, None
-
-    def run(self, *args) -> None:
-        return None
 
 
 class PreparedAddition(_Bound):
@@ -303,17 +306,8 @@ class PreparedAddition(_Bound):
         return out
 
 
-class _NoAddition(PreparedAddition):
-    """``_NoForward``'s counterpart for ``add_sinusoidal``."""
-
+class _NoAddition(_ServesNoCall, PreparedAddition):
     __slots__ = ()
-
-    def __init__(self, spec, backend: str, x: torch.Tensor):
-        self._identify(spec, backend, x)
-        self.source, self.state = _NeverReplaced, None
-
-    def run(self, *args) -> None:
-        return None
 
 
 def run_embedding(owner, spec, backend: str, dropout, training: bool, sparse, weight, ids, offset, positions):
@@ -365,28 +359,26 @@ def forget_functional_launches() -> None:
 
 # The functional entry points key their launches by backend name (a str: anything else takes the general
 # path, which names it), the table's kind and, for the embedding, the dropout probability.  A call first tries
-# its slot, the launch that last served its backend (and dropout probability): ``run`` checks the table's kind
-# more cheaply than a key of its dtype, shape and device could be built.  Only where that launch does not
-# serve the call is the one kept for the call's kind of table tried (prepared first where there is none), and
-# made the slot's if it serves (calls that alternate between kinds of table).
-def _functional_call(spec, slot, key, run_arguments, prepare, prepare_arguments):
-    kept = _kept_for(spec)
-    prepared = kept.get(slot)
-    out = None if prepared is None else prepared.run(*run_arguments)
-    if out is None:
-        for_table = kept.get(key)
-        if for_table is None or not for_table.is_current():
-            if len(kept) >= _FUNCTIONAL_KEPT:
-                kept.clear()
-            for_table = prepare(*prepare_arguments)
-            if for_table is None:
-                return None
-            kept[key] = for_table
-        elif for_table is prepared:
+# its slot, the launch that last served its backend (and dropout probability), inline: ``run`` checks the
+# table's kind more cheaply than a key of its dtype, shape and device could be built.  Only where that launch
+# does not serve the call is the one kept for the call's kind of table tried (``_functional_miss``).
+def _functional_miss(kept, slot, tried, key, run_arguments, prepare, prepare_arguments):
+    """The call's slot did not serve it (``tried``: the slot's launch, or None): the launch kept for the call's
+    kind of table, prepared first where there is none, made the slot's if it serves (calls that alternate
+    between kinds of table)."""
+    for_table = kept.get(key)
+    if for_table is None or not for_table.is_current():
+        if len(kept) >= _FUNCTIONAL_KEPT:
+            kept.clear()
+        for_table = prepare(*prepare_arguments)
+        if for_table is None:
             return None
-        out = for_table.run(*run_arguments)
-        if out is not None:
-            kept[slot] = for_table
+        kept[key] = for_table
+    elif for_table is tried:
+        return None
+    out = for_table.run(*run_arguments)
+    if out is not None:
+        kept[slot] = for_table
     return out
 
 
@@ -395,7 +387,13 @@ def functional_embedding(spec, backend: str, dropout, training: bool, sparse, we
     already made), or None (general path)."""
     if type(backend) is not str or type(dropout) is not float:
         return None
-    return _functional_call(spec, (backend, dropout), (backend, weight.dtype, weight.shape, weight.device, dropout),
+    kept, slot = _kept_for(spec), (backend, dropout)
+    prepared = kept.get(slot)
+    if prepared is not None:
+        out = prepared.run(spec, backend, dropout, training, sparse, weight, ids, offset, positions)
+        if out is not None:
+            return out
+    return _functional_miss(kept, slot, prepared, (backend, weight.dtype, weight.shape, weight.device, dropout),
                             (spec, backend, dropout, training, sparse, weight, ids, offset, positions),
                             PreparedForward.prepare, (spec, backend, dropout, weight))
 
@@ -404,8 +402,14 @@ def functional_addition(spec, backend: str, x, offset, positions):
     """``add_sinusoidal``'s plain eager call through the launch kept for its spec, or None (general path)."""
     if type(backend) is not str:
         return None
-    return _functional_call(spec, ("add", backend), ("add", backend, x.dtype, x.device),
-                            (spec, backend, x, offset, positions), PreparedAddition.prepare, (spec, backend, x))
+    kept, slot = _kept_for(spec), ("add", backend)
+    prepared = kept.get(slot)
+    if prepared is not None:
+        out = prepared.run(spec, backend, x, offset, positions)
+        if out is not None:
+            return out
+    return _functional_miss(kept, slot, prepared, ("add", backend, x.dtype, x.device), (spec, backend, x, offset,
+                            positions), PreparedAddition.prepare, (spec, backend, x))
 
 
 class _PlainEagerApply:

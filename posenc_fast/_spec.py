@@ -215,11 +215,6 @@ class PESpec:
     def width(self) -> int:
         return self.token_width + self.pe_width if self.mode == "concat" else self.token_width
 
-    @property
-    def num_pairs(self) -> int:
-        """h = D // 2 (sin, cos) pairs; an odd D has one extra all-zero column."""
-        return self.pe_width // 2
-
     def turns_tensor(self, device) -> torch.Tensor:
         """The int64 ``R_i`` on ``device``, cached: one host-to-device copy per (spec, device).
 

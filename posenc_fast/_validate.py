@@ -50,8 +50,7 @@ class Batch(NamedTuple):
 
 
 def _check_scale(name: str, value) -> float:
-    if not is_finite_number(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    """``value`` (finite: ``make_spec``) within what the kernels can multiply by."""
     # The kernels multiply in fp32: a larger scale would round to inf there (and inf * 0 = NaN
     # where the float64 definition gives 0), so every backend refuses it alike.
     if abs(value) > MAX_SCALE:
@@ -193,7 +192,7 @@ def _make_spec_cached(num_embeddings, token_width, mode, d_pos, base, layout, em
         raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
-    if not is_finite_number(base) or base <= 0:
+    if base <= 0:  # (finite: make_spec)
         raise ValueError(f"base must be a finite number > 0, got {base!r}")
     if mode == "add":
         if d_pos is not None:
@@ -422,18 +421,12 @@ def check_id_range(ids: torch.Tensor, num_embeddings: int, vocab_start: int = 0,
         low, high = torch.aminmax(ids)
         bounds = int(low), int(high)
     if bounds[0] < -vocab_start or bounds[1] >= num_embeddings - vocab_start:  # (local ids: no wrap in range)
-        check_id_bounds(*bounds, num_embeddings, vocab_start)
-
-
-def check_id_bounds(low: int, high: int, num_embeddings: int, vocab_start: int = 0) -> None:
-    """``check_id_range``'s error, from the ids' smallest and largest values."""
-    # Local ids are global ids minus vocab_start in int64, which wraps for a global id within
-    # vocab_start of -2**63; wrapping back recovers the global id to name it.
-    low, high = (_wrap_int64(v + vocab_start) for v in (low, high))
-    for bad in (low, high):
-        if not 0 <= bad < num_embeddings:
-            valid = f"valid: 0..{num_embeddings - 1}" if num_embeddings else "the table has no rows"
-            raise IndexError(f"id {bad} is out of range for an embedding table of {num_embeddings} rows ({valid})")
+        # Local ids are global ids minus vocab_start in int64, which wraps for a global id within
+        # vocab_start of -2**63; wrapping back recovers the global id to name it.
+        for bad in ((v + vocab_start - _INT64_MIN) % (1 << 64) + _INT64_MIN for v in bounds):
+            if not 0 <= bad < num_embeddings:
+                valid = f"valid: 0..{num_embeddings - 1}" if num_embeddings else "the table has no rows"
+                raise IndexError(f"id {bad} is out of range for an embedding table of {num_embeddings} rows ({valid})")
 
 
 def id_value_fits(ids: torch.Tensor, value: int) -> bool:
@@ -441,10 +434,6 @@ def id_value_fits(ids: torch.Tensor, value: int) -> bool:
     int32 tensor would wrap the value (2^32 + 7 onto 7): a padding_idx past the dtype matches no id."""
     info = torch.iinfo(ids.dtype)
     return info.min <= value <= info.max
-
-
-def _wrap_int64(value: int) -> int:
-    return (value - _INT64_MIN) % (1 << 64) + _INT64_MIN
 
 
 def check_cu_seqlens(cu_seqlens: torch.Tensor, total_tokens: int) -> None:

@@ -159,16 +159,6 @@ def _refuse_jit_trace(positions, offset, cu_seqlens, position_rule: str = "offse
         "torch.onnx.export(..., dynamo=True), which keep the lengths symbolic")
 
 
-def _check_fsmt_symbolic_past() -> None:
-    """The fsmt rule gives padding tokens a PE only when the past length is not 0: a Python branch.
-    torch.compile guards it (0 and 1 are specialised); torch.export would assume the example's branch
-    for every past length its range allows, 0 included (wrong at 0), so it is refused there."""
-    if torch.compiler.is_exporting():
-        raise ValueError("position_rule='fsmt' cannot take a symbolic past length under torch.export: whether "
-                         "padding tokens get a PE depends on whether it is 0; export with an int past length "
-                         "(static), or use position_rule='fairseq'")
-
-
 @_quiet_under_jit_trace
 def apply_spec(ids, weight, spec: PESpec, turns: torch.Tensor, positions, offset, backend: str, *,
                cu_seqlens=None, position_rule: str = "offset", vocab_range=None,
@@ -194,8 +184,13 @@ def apply_spec(ids, weight, spec: PESpec, turns: torch.Tensor, positions, offset
     check_weight_for_spec(weight, spec)  # a module's weight may have been replaced since it was built
     zero_pe_at_padding = spec.zero_pe_at_padding
     if position_rule != "offset" or cu_seqlens is not None:  # (the common call has nothing to rewrite)
-        if position_rule == "fsmt" and positions is None and isinstance(offset, torch.SymInt):
-            _check_fsmt_symbolic_past()
+        if (position_rule == "fsmt" and positions is None and isinstance(offset, torch.SymInt)
+                and torch.compiler.is_exporting()):
+            # Padding tokens get a PE only when the past length is not 0: a Python branch, which torch.compile
+            # guards but torch.export would take as the example's for every past length, 0 included.
+            raise ValueError("position_rule='fsmt' cannot take a symbolic past length under torch.export: whether "
+                             "padding tokens get a PE depends on whether it is 0; export with an int past length "
+                             "(static), or use position_rule='fairseq'")
         if position_rule == "fsmt" and positions is None and isinstance(offset, int) and offset != 0:
             zero_pe_at_padding = False  # padding is at padding_idx + past: it has a PE (see make_positions)
         positions, offset = _positions_by_rule(ids, spec, positions, offset, cu_seqlens, position_rule)

@@ -9,10 +9,9 @@ import torch
 from torch import nn
 
 from . import presets
-from ._dispatch import check_backend_name
-from ._validate import check_dropout_p, check_weight, make_spec
+from ._dispatch import check_backend_name, eager_call
 from ._prepared import PreparedAddition, PreparedForward, run_addition, run_embedding
-from ._dispatch import eager_call
+from ._validate import check_dropout_p, check_weight, make_spec
 from .functional import apply_add_spec, apply_spec
 from .presets import PADDING_AWARE_RULES, POSITION_RULES
 
@@ -240,35 +239,15 @@ class SinusoidalEmbedding(nn.Module):
         return module
 
     def extra_repr(self) -> str:
-        s = self.spec
-        parts = [f"{self.num_embeddings}, {self.d_model}"]
-        if self.preset is not None:
-            parts.append(f"preset={self.preset!r}")
-        parts.append(f"mode={s.mode!r}")
-        if s.mode == "concat":
-            parts.append(f"d_pos={s.pe_width}")
-        parts.append(f"layout={s.layout!r}")
-        if s.embed_scale != 1.0:
-            parts.append(f"embed_scale={s.embed_scale:g}")
-        if s.pe_scale != 1.0:
-            parts.append(f"pe_scale={s.pe_scale:g}")
-        if s.padding_idx is not None:
-            parts.append(f"padding_idx={s.padding_idx}")
-        if s.zero_pe_at_padding:
-            parts.append("zero_pe_at_padding=True")
-        if s.precision != "float32":
-            parts.append(f"precision={s.precision!r}")
-        if self.vocab_range is not None:
-            parts.append(f"vocab_range=({self.vocab_range[0]}, {self.vocab_range[0] + self.weight.shape[0]})")
-        if self.position_rule != "offset":
-            parts.append(f"position_rule={self.position_rule!r}")
-        if self.dropout:
-            parts.append(f"dropout={self.dropout:g}")
-        if self.sparse:
-            parts.append("sparse=True")
-        if self.backend != "auto":
-            parts.append(f"backend={self.backend!r}")
-        return ", ".join(parts)
+        s, shard = self.spec, self.vocab_range
+        return _settings_repr(f"{self.num_embeddings}, {self.d_model}", (
+            ("preset", self.preset, None), ("mode", s.mode, _SHOWN),
+            ("d_pos", s.pe_width if s.mode == "concat" else None, None), ("layout", s.layout, _SHOWN),
+            ("embed_scale", s.embed_scale, 1.0), ("pe_scale", s.pe_scale, 1.0), ("padding_idx", s.padding_idx, None),
+            ("zero_pe_at_padding", s.zero_pe_at_padding, False), ("precision", s.precision, "float32"),
+            ("vocab_range", shard and (shard[0], shard[0] + self.weight.shape[0]), None),
+            ("position_rule", self.position_rule, "offset"), ("dropout", self.dropout, 0.0),
+            ("sparse", self.sparse, False), ("backend", self.backend, "auto")))
 
 
 class SinusoidalPositionalEncoding(nn.Module):
@@ -334,16 +313,17 @@ class SinusoidalPositionalEncoding(nn.Module):
 
     def extra_repr(self) -> str:
         s = self.spec
-        parts = [f"{self.d_model}"]
-        if self.preset is not None:
-            parts.append(f"preset={self.preset!r}")
-        parts.append(f"layout={s.layout!r}")
-        if s.embed_scale != 1.0:
-            parts.append(f"x_scale={s.embed_scale:g}")
-        if s.pe_scale != 1.0:
-            parts.append(f"pe_scale={s.pe_scale:g}")
-        if s.precision != "float32":
-            parts.append(f"precision={s.precision!r}")
-        if self.backend != "auto":
-            parts.append(f"backend={self.backend!r}")
-        return ", ".join(parts)
+        return _settings_repr(f"{self.d_model}", (
+            ("preset", self.preset, None), ("layout", s.layout, _SHOWN), ("x_scale", s.embed_scale, 1.0),
+            ("pe_scale", s.pe_scale, 1.0), ("precision", s.precision, "float32"), ("backend", self.backend, "auto")))
+
+
+_SHOWN = object()  # a default no value equals: the setting is always shown
+
+
+def _settings_repr(leading: str, settings) -> str:
+    """An ``extra_repr``: ``leading``, then each ``(name, value, default)`` whose value is not its default, a
+    float as ``%g``."""
+    shown = (f"{name}={value:g}" if isinstance(value, float) else f"{name}={value!r}"
+             for name, value, default in settings if value != default)
+    return ", ".join((leading, *shown))

@@ -90,29 +90,12 @@ def _(ids, weight, turns, positions, offsets, offset, seq_len, concat, pe_width,
     return weight.new_empty((ids.shape[0], width))
 
 
-@torch.library.custom_op("posenc_fast::sinusoidal_embedding_backward", mutates_args=())
-def sinusoidal_embedding_backward_op(
-    grad_out: Tensor,
-    ids: Tensor,
-    num_embeddings: int,
-    token_width: int,
-    embed_scale: float,
-    padding_idx: int,
-    weight_dtype: torch.dtype,
-    dropout_seed: Optional[Tensor],
-    dropout_p: float,
-    backend: str,
-) -> Tensor:
-    """Weight gradient ``[num_embeddings, token_width]`` in ``weight_dtype``; deterministic.
-    With dropout, the forward's mask is regenerated from the same seed."""
-    return weight_gradient(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype,
-                           dropout_seed, dropout_p, backend)
-
-
-def weight_gradient(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype,
-                    dropout_seed, dropout_p, backend) -> Tensor:
-    """The backward op's implementation, which eager calls run without torch.library's wrapper
-    (``weight_gradient_op``)."""
+def weight_gradient(grad_out: Tensor, ids: Tensor, num_embeddings: int, token_width: int, embed_scale: float,
+                    padding_idx: int, weight_dtype: torch.dtype, dropout_seed: Optional[Tensor], dropout_p: float,
+                    backend: str) -> Tensor:
+    """Weight gradient ``[num_embeddings, token_width]`` in ``weight_dtype``; deterministic.  With dropout, the
+    forward's mask is regenerated from the same seed.  The backward op's implementation, which eager calls run
+    without torch.library's wrapper (``_direct_weight_gradient``)."""
     if (grad_out.dim() != 2 or ids.dim() != 1 or grad_out.shape[0] != ids.shape[0]
             or grad_out.shape[1] < token_width or num_embeddings < 0 or token_width < 0):
         raise ValueError(f"grad_out of shape {list(grad_out.shape)} and ids of shape {list(ids.shape)} do not fit a "
@@ -125,19 +108,15 @@ def weight_gradient(grad_out, ids, num_embeddings, token_width, embed_scale, pad
                                          weight_dtype, dropout_for(dropout_seed, dropout_p))
 
 
+# The backward op; eager calls bypass it as the forward's (``WeightGradient``, ``dense_weight_gradient``).
+sinusoidal_embedding_backward_op = torch.library.custom_op("posenc_fast::sinusoidal_embedding_backward",
+                                                           mutates_args=())(weight_gradient)
+
+
 @sinusoidal_embedding_backward_op.register_fake
 def _(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype, dropout_seed, dropout_p,
       backend):
     return grad_out.new_empty((num_embeddings, token_width), dtype=weight_dtype)
-
-
-def weight_gradient_op(grad_out, ids, *rest) -> Tensor:
-    """The backward op; or, where the call is eager on plain tensors (``_dispatch.eager_call``) and records
-    no graph, its implementation directly, since torch.library's wrapper is a large share of a small
-    batch's host time.  A recorded graph takes the op, whose autograd gives the double backward."""
-    if not (torch.is_grad_enabled() and grad_out.requires_grad) and eager_call(ids, grad_out):
-        return _direct_weight_gradient(grad_out, ids, *rest)
-    return sinusoidal_embedding_backward_op(grad_out, ids, *rest)
 
 
 def _direct_weight_gradient(grad_out, ids, *rest) -> Tensor:
@@ -239,8 +218,15 @@ class EmbeddingFunction(_DirectApply, torch.autograd.Function):
     @staticmethod
     def forward(weight, ids, turns, positions, offsets, offset, seq_len, params: KernelParams, padding_idx,
                 vocab_start, vocab_size, dropout_seed, dropout_p, backend, sparse=False):
-        return _layer(weight, ids, turns, positions, offsets, offset, seq_len, params, vocab_start, vocab_size,
-                      dropout_seed, dropout_p, backend)
+        if plain(weight) and plain(ids) and plain(positions) and plain(offsets):
+            return run_forward(ids, weight, turns, positions, offsets, offset, seq_len, params, vocab_start,
+                               vocab_size, dropout_seed, dropout_p, backend)
+        # Tensors torch.func has wrapped: the op, which rebuilds these params from its flat arguments
+        # (pe_zero_id: padding_idx with zero_pe_at_padding).
+        return sinusoidal_embedding_op(ids, weight, turns, positions, offsets, offset, seq_len, params.concat,
+                                       params.pe_width, params.columns.as_list(), params.embed_scale,
+                                       params.pe_scale, params.pe_zero_id, params.pe_zero_id >= 0,
+                                       params.float64_math, vocab_start, vocab_size, dropout_seed, dropout_p, backend)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -275,19 +261,6 @@ class EmbeddingFunction(_DirectApply, torch.autograd.Function):
         if padding is not None:
             tangent = torch.where(padding.unsqueeze(-1), 0.0, tangent)
         return tangent
-
-
-def _layer(weight, ids, turns, positions, offsets, offset, seq_len, params: KernelParams, vocab_start, vocab_size,
-           dropout_seed, dropout_p, backend):
-    """The forward on plain tensors (``run_forward``), or through the op where torch.func has wrapped them."""
-    if plain(weight) and plain(ids) and plain(positions) and plain(offsets):
-        return run_forward(ids, weight, turns, positions, offsets, offset, seq_len, params, vocab_start, vocab_size,
-                           dropout_seed, dropout_p, backend)
-    # The op rebuilds these params from its flat arguments (pe_zero_id: padding_idx with zero_pe_at_padding).
-    return sinusoidal_embedding_op(ids, weight, turns, positions, offsets, offset, seq_len, params.concat,
-                                   params.pe_width, params.columns.as_list(), params.embed_scale, params.pe_scale,
-                                   params.pe_zero_id, params.pe_zero_id >= 0, params.float64_math, vocab_start,
-                                   vocab_size, dropout_seed, dropout_p, backend)
 
 
 def _backward_setup_context(ctx, inputs, output):
@@ -393,8 +366,11 @@ class WeightGradient(_DirectApply, torch.autograd.Function):
     @staticmethod
     def forward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype, dropout_seed,
                 dropout_p, backend):
-        return weight_gradient_op(grad_out, ids, num_embeddings, token_width, embed_scale,
-                                  padding_idx, weight_dtype, dropout_seed, dropout_p, backend)
+        # Eager on plain tensors: the implementation directly, since torch.library's wrapper is a large share of
+        # a small batch's host time (nothing is recorded: a Function's forward runs with grad mode off).
+        op = _direct_weight_gradient if eager_call(ids, grad_out) else sinusoidal_embedding_backward_op
+        return op(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype, dropout_seed,
+                  dropout_p, backend)
 
     @staticmethod
     def setup_context(ctx, inputs, output):

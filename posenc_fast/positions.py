@@ -11,7 +11,7 @@ from typing import Union
 import torch
 
 from . import config
-from ._validate import check_cu_seqlens, id_value_fits
+from ._validate import check_cu_seqlens, check_offset, id_value_fits
 
 
 def make_positions(ids: torch.Tensor, padding_idx: int, past_length: Union[int, torch.Tensor] = 0,
@@ -39,12 +39,8 @@ def make_positions(ids: torch.Tensor, padding_idx: int, past_length: Union[int, 
             raise ValueError(f"past_length of shape {list(past_length.shape)} must be 0-d or ids.shape[:-1] "
                              f"= {list(ids.shape[:-1])}")
         past_length = past_length.to(device=ids.device, dtype=torch.int64).unsqueeze(-1)
-    elif isinstance(past_length, torch.SymInt):
-        pass  # a traced past length (torch.export: ``past.shape[1]``), kept symbolic
-    elif isinstance(past_length, bool) or not isinstance(past_length, int):
-        raise TypeError(f"past_length must be an int or an integer tensor, got {past_length!r}")
-    elif not -(1 << 63) <= past_length < (1 << 63):
-        raise ValueError(f"past_length={past_length} does not fit in int64")
+    else:  # an int in int64 range, or a traced past length (torch.export: ``past.shape[1]``), kept symbolic
+        check_offset(past_length, ids, "past_length")
     # Unlike the op's padding_idx, a negative one here is a real padding id.
     if id_value_fits(ids, padding_idx):
         real = (ids != padding_idx).to(torch.int64)

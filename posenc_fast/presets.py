@@ -36,18 +36,12 @@ def _vaswani(pe_width: int) -> Tuple[float, ...]:
 
 
 def _log_spaced_endpoints(pe_width: int) -> Tuple[float, ...]:
-    # exp(-i * ln 10000 / (h - 1)): fairseq get_embedding, Whisper sinusoids(), MusicGen.
+    # exp(-i * ln 10000 / (h - 1)): fairseq get_embedding, Whisper sinusoids(), MusicGen; tensor2tensor's
+    # get_timing_signal_1d, min_ts * exp(-i * ln(max_ts / min_ts) / (h - 1)), at its defaults 1 and 1e4.
     # (h - 1 is taken as at least 1, where the libraries divide by zero for D < 4.)
     half = _half(pe_width)
     step = math.log(10000.0) / max(half - 1, 1)
     return tuple(math.exp(-i * step) for i in range(half))
-
-
-def _tensor2tensor(pe_width: int, min_timescale: float = 1.0, max_timescale: float = 1.0e4) -> Tuple[float, ...]:
-    # get_timing_signal_1d: min_ts * exp(-i * ln(max_ts / min_ts) / max(h - 1, 1)).
-    half = _half(pe_width)
-    step = math.log(max_timescale / min_timescale) / max(half - 1, 1)
-    return tuple(min_timescale * math.exp(-i * step) for i in range(half))
 
 
 def _per_column_pairs(pe_width: int) -> Tuple[float, ...]:
@@ -115,7 +109,7 @@ _register(Preset(
 _register(Preset(
     "tensor2tensor", "tensor2tensor, OpenNMT SinusoidalConcat",
     "tensor2tensor common_attention.get_timing_signal_1d (min_timescale 1, max_timescale 1e4)",
-    "split", _tensor2tensor, _sqrt_width, _one,
+    "split", _log_spaced_endpoints, _sqrt_width, _one,
     notes="odd width: a zero last column (the library pads with one)",
 ))
 _register(Preset(

@@ -435,8 +435,8 @@ def test_compiled_launches_match_the_jit_path_on_a_gpu(dtype, seed, monkeypatch)
     positions = torch.randint(-(2**40), 2**40, (17,), generator=g).to(device)
     calls += [(ids[:16], weight, 0, 16, 16, positions[:16]), (ids[:16], weight, 0, 16, 16, positions[1:])]
     for call_ids, call_weight, offset, num_tokens, seq_len, call_positions in calls:
-        want = triton_backend._forward(call_ids, call_weight, turns, call_positions, None, offset, seq_len, params,
-                                       None)
+        want = triton_backend.forward(call_ids, call_weight, turns, call_positions, None, offset, seq_len, params,
+                                      None)
         for output_start in (0, 1):
             got = out[output_start:output_start + num_tokens * 96].view(num_tokens, 96)
             for _ in range(2):

@@ -13,6 +13,7 @@ first call (``triton_launch``).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import threading
@@ -203,22 +204,20 @@ def _dropout_grouped(params: KernelParams, block_p: int) -> bool:
     return block_p % 4 == 0 and all(start % 4 == 0 for start in starts)
 
 
+def _one_at_a_time_if_interpreted(function):
+    """``function`` under ``_interpreter_lock`` where the kernels run in Triton's interpreter (compiled
+    kernels' launches may overlap)."""
+    @functools.wraps(function)
+    def call(*arguments):
+        if _kernels_interpreted is False:
+            return function(*arguments)
+        with _interpreter_lock:
+            return function(*arguments)
+    return call
+
+
+@_one_at_a_time_if_interpreted
 def forward(ids, weight, turns, positions, offsets, offset, seq_len, params: KernelParams, dropout):
-    if _kernels_interpreted is False:  # compiled kernels: launches may overlap
-        return _forward(ids, weight, turns, positions, offsets, offset, seq_len, params, dropout)
-    with _interpreter_lock:
-        return _forward(ids, weight, turns, positions, offsets, offset, seq_len, params, dropout)
-
-
-def backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype, dropout):
-    arguments = (grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype, dropout)
-    if _kernels_interpreted is False:
-        return _backward(*arguments)
-    with _interpreter_lock:
-        return _backward(*arguments)
-
-
-def _forward(ids, weight, turns, positions, offsets, offset, seq_len, params: KernelParams, dropout):
     num_tokens = ids.numel()
     out = new_buffer((num_tokens, params.width), weight.dtype, weight.device)
     if num_tokens == 0:
@@ -340,7 +339,8 @@ def prepare_forward(dtype, num_rows: int, device, turns, params: KernelParams) -
     return PreparedLaunch(launch, current_stream_function(device), _Kernels, kernels, turns)
 
 
-def _backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype, dropout):
+@_one_at_a_time_if_interpreted
+def backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype, dropout):
     grad_weight = torch.zeros((num_embeddings, token_width), dtype=weight_dtype, device=grad_out.device)
     num_tokens = ids.numel()
     if num_tokens == 0 or num_embeddings == 0:
