@@ -242,10 +242,10 @@ class SinusoidalEmbedding(nn.Module):
         s, shard = self.spec, self.vocab_range
         return _settings_repr(f"{self.num_embeddings}, {self.d_model}", (
             ("preset", self.preset, None), ("mode", s.mode, _SHOWN),
-            ("d_pos", s.pe_width if s.mode == "concat" else None, None), ("layout", s.layout, _SHOWN),
+            ("d_pos", int(s.pe_width) if s.mode == "concat" else None, None), ("layout", s.layout, _SHOWN),
             ("embed_scale", s.embed_scale, 1.0), ("pe_scale", s.pe_scale, 1.0), ("padding_idx", s.padding_idx, None),
             ("zero_pe_at_padding", s.zero_pe_at_padding, False), ("precision", s.precision, "float32"),
-            ("vocab_range", shard and (shard[0], shard[0] + self.weight.shape[0]), None),
+            ("vocab_range", shard and (int(shard[0]), int(shard[0]) + self.weight.shape[0]), None),
             ("position_rule", self.position_rule, "offset"), ("dropout", self.dropout, 0.0),
             ("sparse", self.sparse, False), ("backend", self.backend, "auto")))
 
@@ -323,7 +323,7 @@ _SHOWN = object()  # a default no value equals: the setting is always shown
 
 def _settings_repr(leading: str, settings) -> str:
     """An ``extra_repr``: ``leading``, then each ``(name, value, default)`` whose value is not its default, a
-    float as ``%g``."""
-    shown = (f"{name}={value:g}" if isinstance(value, float) else f"{name}={value!r}"
-             for name, value, default in settings if value != default)
+    float as ``%g``, a string quoted."""
+    shown = (f"{name}={value:g}" if isinstance(value, float) else f"{name}={value!r}" if isinstance(value, str)
+             else f"{name}={value}" for name, value, default in settings if value != default)
     return ", ".join((leading, *shown))
