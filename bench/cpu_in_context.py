@@ -1,4 +1,4 @@
-"""The CPU layer timed as it runs inside a model (issue 26), not only alone.
+"""The CPU layer timed as it runs inside a model, not only alone.
 
 Case: V 32000, d 512, 8 x 512 tokens, fp32, embed scale sqrt(d), loss = out.sum().  Four ways to run it,
 all timed round-robin in one process (each repetition runs every implementation once, in a rotating order,

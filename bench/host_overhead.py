@@ -153,7 +153,7 @@ def real_device_table(device: torch.device, calls: int, num_sequences: int, d_mo
     return table
 
 
-# Issue 26's table: every entry point, inference (no autograd) and training (autograd node), per backend.
+# The entry-point table: every entry point, inference (no autograd) and training (autograd node), per backend.
 # ``cuda``: the host-emulation build with zero-token launches, as above (host work only); ``cpu`` so too, then,
 # with ``torch``, running its kernels for real on a tiny case (TABLE_* below: a few us of compute included).
 TABLE_TOKENS, TABLE_WIDTH, TABLE_VOCAB = 64, 8, 1000

@@ -1,5 +1,5 @@
 """Offline SASS report: the forward and gradient kernels compiled for sm_80 and sm_90 without a GPU,
-counted on their hot path, and a roofline prediction per GPU (issue 15).
+counted on their hot path, and a roofline prediction per GPU.
 
     python bench/sass_report.py                  # both backends, sm_80 and sm_90 -> bench/results/sass-sm*.json
     python bench/sass_report.py --arch 90 --backend triton --only bf16-add   # a quick look, printed only

@@ -1,32 +1,16 @@
-"""Prepared launches: the plain eager call of every entry point, with what stays fixed between calls
-worked out once.
+"""Prepared launches: every entry point's plain eager call (``_dispatch.eager_call``), with what stays fixed
+between calls worked out once: the fixed settings checked by the general path's own functions and the
+backend resolved (``prepare``), then the backend's launch bound (``build``, ``backends.PreparedLaunch``).
+The modules keep theirs on themselves (``run_embedding``, ``run_addition``); ``sinusoidal_embedding`` and
+``add_sinusoidal`` here, per spec, backend and kind of table (``functional_embedding``, ``functional_addition``).
 
-A decoding step calls the layer with a few tokens, so its cost is host time: validation, backend choice,
-argument packing and the binding's argument conversion (bench/host_overhead.py measures it).  A plain eager
-call (``_dispatch.eager_call``) runs through a prepared launch, which the entry point first prepares where it
-has none for the call's settings and kind of table: the fixed settings are checked by the general path's own
-functions and the backend resolved once (``prepare``), then the launch is bound (``build``).  Each entry
-point keeps its launches:
-
-- ``SinusoidalEmbedding``: a :class:`PreparedForward` on the module (``run_embedding``);
-- ``sinusoidal_embedding``: one per spec, backend, dropout probability and kind of table, here
-  (``functional_embedding``);
-- ``SinusoidalPositionalEncoding``: a :class:`PreparedAddition` on the module (``run_addition``);
-- ``add_sinusoidal``: one per spec, backend, dtype and device, here (``functional_addition``).
-
-A launch serves a call only if it is the same kind of call on the same kind of table, its positions an int
-offset or a contiguous int64 tensor of the ids' shape; a training call runs it inside
-:class:`LaunchedEmbeddingFunction` or :class:`LaunchedAdditionFunction`.  Anything else (dropout to apply,
-positions of another kind, a position rule, a tensor offset, cu_seqlens or a vocabulary range; a bad
-argument) takes the general path (``functional.apply_spec`` / ``apply_add_spec``), which validates
-everything and raises the errors.  A launch whose settings, table kind or extension changed is prepared again.
-
-A prepared launch never holds the table or its address: the table's data pointer is read on every call,
-so in-place updates, ``.data`` swaps and a new Parameter of the same shape need no invalidation.
-Every backend's launch is called the same way (``backends.PreparedLaunch``): ``cpu`` and ``cuda`` call
-their binding's ``ForwardLaunch`` with the nine arguments that change, ``triton`` its kept kernel's launch
-function (``triton_launch``).  The ``torch`` reference has none: its entry points keep a stand-in that
-serves no call (``_ServesNoCall``) and take the general path.
+A launch serves only the kind of call it was prepared for: the same settings and kind of table, positions an
+int offset or a contiguous int64 tensor of the ids' shape, no dropout to apply; under autograd inside
+:class:`LaunchedEmbeddingFunction` / :class:`LaunchedAdditionFunction`.  Anything else, and every bad argument,
+takes the general path (``functional.apply_spec`` / ``apply_add_spec``), which raises the errors.  A launch
+never holds the table or its address (read per call), so in-place updates and ``.data`` swaps need no
+invalidation.  The ``torch`` reference has no launch: its entry points keep a stand-in that serves no call
+(``_ServesNoCall``).  Why it is built so: docs/design.md.
 """
 
 from __future__ import annotations
