@@ -8,6 +8,7 @@ of threads and of whether positions are shared (position-major) or per token (to
 """
 
 import os
+import re
 import subprocess
 
 import pytest
@@ -395,6 +396,30 @@ def test_avx2_angle_conversion_rounds_once(tmp_path):
     refused = [line for line in messages if "couldn't vectorize loop" in line]
     # 36 instantiations: element type (3) x math (2) x id type (2) x sin_cos_row's three call sites.
     assert len(vectorised) >= 36 and not refused, (len(vectorised), refused[:3])
+
+
+# A direct call of a binding's weight_grad with one bad argument, and the ValueError it must raise.
+_BAD_WEIGHT_GRAD_ARGUMENTS = [
+    (dict(ids_code="FLOAT32"), "sorted_ids: dtype code 0 is not INT32 or INT64"),
+    (dict(grad_code="INT64"), "grad_out: dtype code 4 is not FLOAT32, FLOAT16 or BFLOAT16"),
+    (dict(weight_code=99), "grad_weight: dtype code 99 is not FLOAT32, FLOAT16 or BFLOAT16"),
+    (dict(grad_code="FLOAT16", weight_code="BFLOAT16"), "grad_out must have the weight's dtype or FLOAT32"),
+]
+
+
+@pytest.mark.parametrize("bad,message", _BAD_WEIGHT_GRAD_ARGUMENTS, ids=[m.split(":")[0] for _, m in
+                                                                         _BAD_WEIGHT_GRAD_ARGUMENTS])
+def test_weight_gradient_binding_refuses_bad_arguments_before_reading_memory(bad, message):
+    """``_cpu.weight_grad`` called directly checks its dtype codes and that the gradient is in the table's dtype
+    or fp32, with a ValueError naming the argument, before any memory is read: the addresses below are never
+    dereferenced."""
+    module = cpu_backend.extension()
+    codes = dict(dict(ids_code="INT64", grad_code="FLOAT32", weight_code="FLOAT32"), **bad)
+    ids_code, grad_code, weight_code = (getattr(module, c) if isinstance(c, str) else c for c in codes.values())
+    address = 256
+    with pytest.raises(ValueError, match=re.escape(message)):
+        module.weight_grad(address, ids_code, address, address, 8, grad_code, address, weight_code, 4, 10, 8, -1,
+                           1.0, 0, 0, 1.0, 1)
 
 
 @pytest.fixture(params=["openmp", "pool"])

@@ -83,6 +83,15 @@ _PROBE = """
             0, C.INT64, 0, 6, 0, 0, 0, 0, 1, 1, 0, 0, 1.0, 0)
     except ValueError as error:
         report["null_pointer"] = str(error)
+    # weight_grad's checks, before any memory is read (the addresses are never dereferenced).
+    report["weight_grad_errors"] = []
+    for codes, chunk in (((C.FLOAT32, C.FLOAT32, C.FLOAT32), 32), ((C.INT64, C.INT64, C.FLOAT32), 32),
+                         ((C.INT64, C.FLOAT16, C.BFLOAT16), 32), ((C.INT64, C.FLOAT32, C.FLOAT32), 0)):
+        try:
+            C.weight_grad(256, codes[0], 256, 256, 8, codes[1], 256, codes[2], 4, 10, 8, -1, 1.0, 0, 0, 1.0, 256,
+                          chunk, 0, 0)
+        except ValueError as error:
+            report["weight_grad_errors"].append(str(error))
     if count == 0:
         # One token on a machine without a GPU: a clean RuntimeError before anything touches memory
         # (the addresses are never dereferenced; nonzero, as null ones are refused first).
@@ -120,6 +129,9 @@ def test_extension_imports_and_reports_devices(installed):
         assert installed["why"] == ""
     assert "dtype code 99" in installed["bad_code"]
     assert "null data pointer" in installed["null_pointer"]
+    assert installed["weight_grad_errors"] == [
+        "sorted_ids: dtype code 0 is not INT32 or INT64", "grad_out: dtype code 4 is not FLOAT32, FLOAT16 or BFLOAT16",
+        "grad_out must have the weight's dtype or FLOAT32", "chunk must be >= 1, got 0"]
 
 
 def test_extension_without_gpu_raises_cleanly(installed):
