@@ -115,12 +115,10 @@ class PreparedForward(_Bound):
         self.dtype, self.shape, self.device = weight.dtype, weight.shape, weight.device
 
     @staticmethod
-    def build(spec, backend: str, name: str, dropout, weight: torch.Tensor) -> Optional["PreparedForward"]:
+    def build(spec, backend: str, name: str, dropout: float, weight: torch.Tensor) -> "PreparedForward":
         """The prepared launch for calls with these (valid) settings on backend ``name``, resolved from
         ``backend``.  Where that backend has none, a stand-in that serves no call, so that an entry point
-        does not ask again on every call; None for a dropout that is not a float."""
-        if type(dropout) is not float:
-            return None
+        does not ask again on every call."""
         launch = _bind(spec, name, weight.dtype, weight.shape[0], weight.device, spec.zero_pe_at_padding)
         if launch is None:
             return _NoForward(spec, backend, dropout, weight)
@@ -294,6 +292,12 @@ class _NoAddition(_ServesNoCall, PreparedAddition):
     __slots__ = ()
 
 
+def _no_launch_serves(offset, training: bool, dropout) -> bool:
+    """Whether no prepared launch could serve the call: a tensor offset, or a dropout to apply (or one that is not a
+    float).  Such a call takes the general path without preparing a launch, so its backend is resolved once, there."""
+    return type(offset) is not int or type(dropout) is not float or (training and dropout != 0.0)
+
+
 def run_embedding(owner, spec, backend: str, dropout, training: bool, sparse, weight, ids, offset, positions):
     """A ``SinusoidalEmbedding`` call (plain eager, ``owner`` the module) through the module's prepared launch,
     prepared first where it has none for these settings and this kind of table; None where the call needs the
@@ -303,6 +307,8 @@ def run_embedding(owner, spec, backend: str, dropout, training: bool, sparse, we
         out = prepared.run(spec, backend, dropout, training, sparse, weight, ids, offset, positions)
         if out is not None or prepared.prepared_for(spec, backend, dropout, weight):
             return out
+    if _no_launch_serves(offset, training, dropout):
+        return None
     prepared = owner._prepared = PreparedForward.prepare(spec, backend, dropout, weight)
     return None if prepared is None else prepared.run(spec, backend, dropout, training, sparse, weight, ids, offset,
                                                       positions)
@@ -315,6 +321,8 @@ def run_addition(owner, spec, backend: str, x, offset, positions):
         out = prepared.run(spec, backend, x, offset, positions)
         if out is not None or prepared.prepared_for(spec, backend, x):
             return out
+    if _no_launch_serves(offset, False, 0.0):
+        return None
     prepared = owner._prepared = PreparedAddition.prepare(spec, backend, x)
     return None if prepared is None else prepared.run(spec, backend, x, offset, positions)
 
@@ -377,6 +385,8 @@ def functional_embedding(spec, backend: str, dropout, training: bool, sparse, we
         out = prepared.run(spec, backend, dropout, training, sparse, weight, ids, offset, positions)
         if out is not None:
             return out
+    if _no_launch_serves(offset, training, dropout):
+        return None
     return _functional_miss(kept, slot, prepared, (backend, weight.dtype, weight.shape, weight.device, dropout),
                             (spec, backend, dropout, training, sparse, weight, ids, offset, positions),
                             PreparedForward.prepare, (spec, backend, dropout, weight))
@@ -392,6 +402,8 @@ def functional_addition(spec, backend: str, x, offset, positions):
         out = prepared.run(spec, backend, x, offset, positions)
         if out is not None:
             return out
+    if _no_launch_serves(offset, False, 0.0):
+        return None
     return _functional_miss(kept, slot, prepared, ("add", backend, x.dtype, x.device), (spec, backend, x, offset,
                             positions), PreparedAddition.prepare, (spec, backend, x))
 

@@ -7,6 +7,7 @@ grad mode, the backend's extension) either keeps it valid or sends the call back
 """
 
 import copy
+import functools
 import itertools
 import pickle
 import sys
@@ -937,3 +938,66 @@ def test_a_first_module_call_prepares_its_launch_on_the_way_down(entry, autograd
     layer_of = {path: LAYER_OF[path.split("/")[0].removesuffix(".py")] for path in files}
     upward = [(a, b) for a, b in crossings if layer_of[b] > layer_of[a]]
     assert not upward, (upward, files)
+
+
+def _resolutions(call) -> int:
+    """How many times ``call()`` resolves a backend (enters ``_dispatch.resolve_backend``)."""
+    from posenc_fast._dispatch import resolve_backend
+
+    code, entered = resolve_backend.__code__, []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code is code:
+            entered.append(frame)
+
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    return len(entered)
+
+
+def _module_with(backend, device, **settings):
+    layer = _basic_layer(backend, device).train()
+    for name, value in settings.items():
+        setattr(layer, name, value)
+    return layer
+
+
+# Three calls of each entry point; the first call of a kind that a launch serves resolves its backend to
+# prepare the launch and its repeats never do; a call that no launch can serve takes the general path each
+# time, resolving once there and preparing nothing.
+RESOLUTION_CALLS = {
+    "embedding module at an int offset": ([1, 0, 0], lambda b, d: functools.partial(
+        _module_with(b, d), _ids(d), offset=3)),
+    "embedding module at a tensor offset": ([1, 1, 1], lambda b, d: functools.partial(
+        _module_with(b, d), _ids(d), offset=torch.tensor(3, device=d))),
+    "embedding module with dropout in training": ([1, 1, 1], lambda b, d: functools.partial(
+        _module_with(b, d, dropout=0.25), _ids(d))),
+    "embedding module with an int dropout": ([1, 1, 1], lambda b, d: functools.partial(
+        _module_with(b, d, dropout=0), _ids(d))),
+    "sinusoidal_embedding at a tensor offset": ([1, 1, 1], lambda b, d: functools.partial(
+        pf.sinusoidal_embedding, _ids(d), torch.randn(50, 16, device=d), pe_scale=_new_pe_scale(), backend=b,
+        offset=torch.tensor(3, device=d))),
+    "sinusoidal_embedding with dropout in training": ([1, 1, 1], lambda b, d: functools.partial(
+        pf.sinusoidal_embedding, _ids(d), torch.randn(50, 16, device=d), pe_scale=_new_pe_scale(), backend=b,
+        dropout_p=0.25, training=True)),
+    "add_sinusoidal at an int offset": ([1, 0, 0], lambda b, d: functools.partial(
+        pf.add_sinusoidal, _addition_input(d, 1), pe_scale=_new_pe_scale(), backend=b, offset=3)),
+    "add_sinusoidal at a tensor offset": ([1, 1, 1], lambda b, d: functools.partial(
+        pf.add_sinusoidal, _addition_input(d, 1), pe_scale=_new_pe_scale(), backend=b,
+        offset=torch.tensor(3, device=d))),
+    "addition module at a tensor offset": ([1, 1, 1], lambda b, d: functools.partial(
+        pf.SinusoidalPositionalEncoding(16, backend=b), _addition_input(d, 1), offset=torch.tensor(3, device=d))),
+}
+
+
+@pytest.mark.parametrize("backend,device", [t for t in TARGETS if t.values[0] in PREPARED_BACKENDS])
+@pytest.mark.parametrize("kind", RESOLUTION_CALLS)
+def test_a_call_resolves_its_backend_once_at_most(kind, backend, device):
+    """Whether or not a prepared launch can serve it, no call resolves its backend twice (RESOLUTION_CALLS)."""
+    expected, make_call = RESOLUTION_CALLS[kind]
+    call = make_call(backend, device)
+    with torch.no_grad():
+        assert [_resolutions(call) for _ in expected] == expected
