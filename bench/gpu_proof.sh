@@ -2,9 +2,12 @@
 # The GPU proof of posenc_fast: everything that needs a GPU, in one script.  On a machine with an NVIDIA GPU,
 # torch (CUDA), Triton, nvcc, pybind11, ninja, pytest and pytest-benchmark installed, from the repository root:
 #
-#   bash bench/gpu_proof.sh [STEP...]       (default: install tests sanitizer bench host-time sparse dropout)
+#   bash bench/gpu_proof.sh [STEP...]       (default: install backward tests sanitizer bench host-time sparse
+#                                            dropout)
 #
 #   install     pip install --no-build-isolation --no-deps -e .  (the CUDA extension for this GPU's arch)
+#   backward    bench/backward_cost.py: the weight gradient's parts and chunk lengths,
+#               bench/results/backward-cost-<gpu>.json (about a minute)
 #   tests       the whole suite, slow tests included, on the GPU (spread over the cores with pytest-xdist
 #               where it is installed)
 #   sanitizer   compute-sanitizer on bench/sanitizer_driver.py, limited to this package's kernels: memcheck
@@ -84,7 +87,12 @@ run_host_time() {
         --json "bench/results/host-overhead-$(gpu_slug).json"
 }
 
-# The two cost scripts write a fixed file name into --out: a folder of their own, then renamed per GPU.
+# The cost scripts write a fixed file name into --out: a folder of their own, then renamed per GPU.
+run_backward() {
+    step backward "$PY" bench/backward_cost.py --out "$OUT/backward" \
+        && cp "$OUT/backward/backward_cost.json" "bench/results/backward-cost-$(gpu_slug).json"
+}
+
 run_sparse() {
     step sparse "$PY" bench/sparse_gradient_cost.py --device cuda --tokens 4096,16384,65536 --out "$OUT/sparse" \
         && cp "$OUT/sparse/sparse_gradient_cost.json" "bench/results/sparse-gradient-$(gpu_slug).json"
@@ -98,17 +106,18 @@ run_dropout() {
 { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
   "$PY" -c "import sys, torch, triton; print(f'python {sys.version.split()[0]}; torch {torch.__version__}; \
 triton {triton.__version__}')"; } 2>&1 | tee "$OUT/env.txt"
-for name in "${@:-install tests sanitizer bench host-time sparse dropout}"; do
+for name in "${@:-install backward tests sanitizer bench host-time sparse dropout}"; do
     for one in $name; do
         case "$one" in
             install) run_install ;;
+            backward) run_backward ;;
             tests) run_tests ;;
             sanitizer) run_sanitizer ;;
             bench) run_bench ;;
             host-time) run_host_time ;;
             sparse) run_sparse ;;
             dropout) run_dropout ;;
-            *) echo "unknown step '$one'; expected install tests sanitizer bench host-time sparse dropout" >&2; exit 2 ;;
+            *) echo "unknown step '$one'; expected install backward tests sanitizer bench host-time sparse dropout" >&2; exit 2 ;;
         esac
     done
 done

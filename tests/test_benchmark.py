@@ -370,6 +370,49 @@ def test_sparse_gradient_cost_script_smoke(tmp_path):
     assert all(row["backward_ms"] > 0 for row in doc["rows"]) and doc["device"].startswith("CPU")
 
 
+def test_backward_cost_script_smoke(tmp_path):
+    """bench/backward_cost.py (the GPU stage 'backward') runs end to end on a tiny case: every (backend,
+    chunk) timed and checked against the float64 sum, its parts beside it (a run of the script, not a
+    timing)."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    result = subprocess.run([sys.executable, os.path.join(root, "bench", "backward_cost.py"), "--smoke",
+                             "--dtypes", "float32", "--chunks", "3,32", "--out", str(tmp_path)],
+                            capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    doc = json.loads((tmp_path / "backward_cost.json").read_text())
+    assert {row["chunk"] for row in doc["results"]} == {3, 32} and {row["backend"] for row in doc["results"]} >= {
+        "triton"}
+    assert all(row["backward_ms"] > 0 and row["sort_ms"] > 0 and row["partial_rows"] > 0 for row in doc["results"])
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 5, 32])
+@pytest.mark.parametrize("vocab,tokens", [(3, 97), (40, 300), (500, 300)])
+def test_backward_cost_counts_the_partial_rows_the_kernel_writes(vocab, tokens, chunk, monkeypatch):
+    """backward_cost.partial_rows, the byte model's partials, is the number of rows the Triton weight
+    gradient's first kernel writes into its NaN-poisoned partials buffer (runs of many lengths crossing
+    chunks of 1 to 32 tokens)."""
+    import sys
+
+    from posenc_fast.backends import sort_ids_for_gradient, triton_backend
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    from backward_cost import partial_rows
+
+    buffers = []
+    new_buffer = triton_backend.new_buffer
+    monkeypatch.setattr(triton_backend, "new_buffer", lambda *args: buffers.append(new_buffer(*args)) or buffers[-1])
+    monkeypatch.setattr(triton_backend, "GRAD_CHUNK", chunk)
+    g = torch.Generator().manual_seed(vocab + tokens)
+    ids = torch.randint(0, vocab, (tokens,), generator=g)
+    triton_backend.backward(torch.randn(tokens, 16, generator=g), ids, vocab, 16, 1.0, -1, torch.float32, None)
+    written = int((~buffers[-1].reshape(-1, 16).isnan().all(dim=1)).sum())
+    assert written == partial_rows(sort_ids_for_gradient(ids, vocab)[0], chunk)
+
+
 def test_host_overhead_script_smoke(tmp_path):
     """bench/host_overhead.py (the host-time table) runs end to end on small tables: every backend and
     entry point, inference and training, and eager's row (a run of the harness, not a timing)."""

@@ -53,3 +53,25 @@ def test_a_tiny_results_file(tmp_path):
     with open(out, "a", encoding="utf-8") as f:
         f.write("hand edit\n")
     assert _run("--check", "--results", results, "--out", out).returncode == 1
+
+
+def test_a_backward_cost_file(tmp_path):
+    """bench/backward_cost.py's file: per token count and dtype, a row per backend and chunk with the floor's
+    and the kernels' share of the copy bandwidth."""
+    results, out = str(tmp_path / "results"), str(tmp_path / "performance.md")
+    _tiny_results(results)
+    row = dict(tokens=524288, touched_rows=32768, dtype="bfloat16", backend="cuda", chunk=256, partial_rows=3848,
+               floor_bytes=1_000_000_000, kernel_bytes=1_200_000_000, backward_ms=1.25, sort_ms=0.05,
+               zero_fill_ms=0.2, kernels_ms=1.0)
+    document = dict(what="dense weight-gradient backward by part and chunk length (bench/backward_cost.py)",
+                    device="Test GPU 9000", torch="9.9.9", date="2030-01-02", width=1024, vocab=32768,
+                    copy_GBps=1000.0, timed_region="backend.backward alone", results=[row])
+    with open(os.path.join(results, "backward-cost-test-gpu-9000.json"), "w", encoding="utf-8") as f:
+        json.dump(document, f)
+    assert _run("--results", results, "--out", out).returncode == 0
+    with open(out, encoding="utf-8") as f:
+        text = f.read()
+    assert "`bench/backward_cost.py`" in text
+    assert "524288 tokens (32768 rows touched), bfloat16: floor 1.000 GB; the sort alone 0.050 ms" in text
+    # 1 GB in 1.25 ms at 1000 GB/s: 80% of the floor; 1.2 GB in the kernels' 1.0 ms: 120% of copy.
+    assert "| cuda | 256 | 3848 | 1.200 | 1.25 | 80% | 1.00 | 120% |" in text
