@@ -5,7 +5,7 @@ gradient's zero fill) and the byte floor.
 
     python bench/backward_cost.py [--out DIR] [--tokens 65536,524288] [--dtypes bfloat16,float32]
         [--chunks 32,64,128,256,512] [--reps 20]
-    python bench/backward_cost.py --smoke       # a tiny run of the script (not a timing)
+    TRITON_INTERPRET=1 python bench/backward_cost.py --smoke   # a tiny run of the script on CPU (not a timing)
 
 Bytes first (docs/performance.md, "The byte model"): the floor is N*T*e (grad_out) + 8N (ids) + V*T*e (the
 gradient, written once).  Beyond it, the backward moves:
@@ -16,7 +16,9 @@ gradient, written once).  Beyond it, the backward moves:
   that cross a chunk boundary, written by the first kernel and read by the second (counted here exactly from
   the sorted ids: ``partial_rows``); a longer chunk crosses fewer boundaries but gives fewer programs.
 Each row's ``kernel_bytes`` is that prediction for the kernels (grad_out, order and ids, the touched rows, the
-partials); ``kernels_ms`` is the backward less the sort and the zero fill timed alone.  Timed: the backward
+partials); ``kernels_ms`` is the backward less the sort and the zero fill timed alone (each sample is one
+call on an idle GPU, so it holds the host's time to issue the launches too: at small token counts that is a
+share of it).  Timed: the backward
 alone (``backend.backward``: sort, zero fill and both kernels), CUDA events, the settings alternated rep by
 rep, random ids and gradients.  Each setting's gradient is checked against the float64 sum first.  Prints a
 table and writes backward_cost.json (device, versions, date) under ``--out``.

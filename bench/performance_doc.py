@@ -411,8 +411,8 @@ def render_backward_cost(name: str, doc, results: Results) -> List[str]:
         lines += [f"{tokens} tokens ({first['touched_rows']} rows touched), {dtype}: floor {first['floor_bytes'] / 1e9:.3f} "
                   f"GB; the sort alone {ms(first['sort_ms'])} ms, the zero fill alone {ms(first['zero_fill_ms'])} ms.",
                   ""]
-        lines += table(["backend", "chunk", "partial rows", "kernel GB", "backward", "% of floor", "kernels",
-                        "kernels % of copy"],
+        lines += table(["backend", "chunk", "partial rows", "kernel GB", "backward", "floor / measured", "kernels",
+                        "kernels' GB/s, % of copy"],
                        [[row["backend"], str(row["chunk"]), str(row["partial_rows"]), f"{row['kernel_bytes'] / 1e9:.3f}",
                          ms(row["backward_ms"]), pct(100 * row["floor_bytes"] / (copy * 1e6) / row["backward_ms"]),
                          ms(row["kernels_ms"]), pct(100 * row["kernel_bytes"] / (copy * 1e6) / row["kernels_ms"])
@@ -576,9 +576,9 @@ def known_gaps(results: Results) -> List[str]:
             "the rows of `grad_out` are read in sorted order (a random gather, one row per token), and runs of equal "
             "ids that cross a 32-token chunk leave fp32 partials that a second kernel adds (up to two rows per "
             "chunk, written and read). By the byte model, at the headline in bf16 the partials are 0.25 GB and the "
-            "zero fill 0.07 GB beside a 1.15 GB floor: the kernels and the fill move 1.28x the floor at chunks of "
-            "32 tokens, 1.09x at 256. The levers: longer chunks (fewer partials, fewer programs), then every "
-            "gradient row written once by the kernels (zero rows included, as the CPU backend does); "
+            "zero fill 0.07 GB beside a 1.15 GB floor: the sort aside, the kernels and the fill move 1.28x the floor "
+            "at chunks of 32 tokens, 1.09x at 256. The levers: longer chunks (fewer partials, but fewer programs), "
+            "then every gradient row written once by the kernels (zero rows included, as the CPU backend does); "
             "`bench/backward_cost.py` times each part and chunk length.")
     # The CUDA concat forward behind Triton's.
     concat = []

@@ -14,6 +14,8 @@ import torch
 from posenc_fast import benchmark as bench
 from posenc_fast import cli
 
+from cases import backend_targets
+
 # The results schema, written out independently of the module under test.
 DOCUMENT_TYPES = {"device": str, "torch": str, "triton": str, "cuda": str, "date": str, "copy_GBps": float,
                   "cases": list}
@@ -391,24 +393,26 @@ def test_backward_cost_script_smoke(tmp_path):
 
 @pytest.mark.parametrize("chunk", [1, 3, 5, 32])
 @pytest.mark.parametrize("vocab,tokens", [(3, 97), (40, 300), (500, 300)])
-def test_backward_cost_counts_the_partial_rows_the_kernel_writes(vocab, tokens, chunk, monkeypatch):
-    """backward_cost.partial_rows, the byte model's partials, is the number of rows the Triton weight
-    gradient's first kernel writes into its NaN-poisoned partials buffer (runs of many lengths crossing
-    chunks of 1 to 32 tokens)."""
+@pytest.mark.parametrize("backend,device", [t for t in backend_targets() if t.values[0] in ("cuda", "triton")])
+def test_backward_cost_counts_the_partial_rows_the_kernel_writes(backend, device, vocab, tokens, chunk, monkeypatch):
+    """backward_cost.partial_rows, the byte model's partials, is the number of rows the weight gradient's first
+    kernel writes into its NaN-poisoned partials buffer (runs of many lengths crossing chunks of 1 to 32
+    tokens), on both GPU backends."""
     import sys
 
-    from posenc_fast.backends import sort_ids_for_gradient, triton_backend
+    from posenc_fast import _dispatch
+    from posenc_fast.backends import sort_ids_for_gradient
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
     from backward_cost import partial_rows
 
-    buffers = []
-    new_buffer = triton_backend.new_buffer
-    monkeypatch.setattr(triton_backend, "new_buffer", lambda *args: buffers.append(new_buffer(*args)) or buffers[-1])
-    monkeypatch.setattr(triton_backend, "GRAD_CHUNK", chunk)
+    module, buffers = _dispatch.BACKENDS[backend], []
+    new_buffer = module.new_buffer
+    monkeypatch.setattr(module, "new_buffer", lambda *args: buffers.append(new_buffer(*args)) or buffers[-1])
+    monkeypatch.setattr(module, "GRAD_CHUNK", chunk)
     g = torch.Generator().manual_seed(vocab + tokens)
-    ids = torch.randint(0, vocab, (tokens,), generator=g)
-    triton_backend.backward(torch.randn(tokens, 16, generator=g), ids, vocab, 16, 1.0, -1, torch.float32, None)
+    ids = torch.randint(0, vocab, (tokens,), generator=g).to(device)
+    module.backward(torch.randn(tokens, 16, generator=g).to(device), ids, vocab, 16, 1.0, -1, torch.float32, None)
     written = int((~buffers[-1].reshape(-1, 16).isnan().all(dim=1)).sum())
     assert written == partial_rows(sort_ids_for_gradient(ids, vocab)[0], chunk)
 

@@ -359,8 +359,8 @@ def test_dropout_in_training_takes_the_general_path(backend, device, prepared_ru
     out = layer(ids)  # with autograd too
     torch.manual_seed(7)
     assert torch.equal(out, _fresh(layer)(ids)) and out.grad_fn is not None
-    # Of these calls only the two in eval mode run prepared (prepared again for dropout 0.5 at the first
-    # training call); the training calls need dropout.
+    # Of these calls only the two in eval mode run prepared (prepared again for dropout 0.5 at the first eval
+    # call: a training call with dropout prepares nothing); the training calls need dropout.
     assert served == (2 if backend in PREPARED_BACKENDS else 0)
     assert len(prepared_runs) == 2 * served
 
@@ -966,8 +966,9 @@ def _module_with(backend, device, **settings):
 
 
 # Three calls of each entry point; the first call of a kind that a launch serves resolves its backend to
-# prepare the launch and its repeats never do; a call that no launch can serve takes the general path each
-# time, resolving once there and preparing nothing.
+# prepare the launch and its repeats never do; a call that no launch can serve (a tensor offset, dropout to
+# apply, a dropout that is not a float) takes the general path each time, resolving once there and preparing
+# nothing.
 RESOLUTION_CALLS = {
     "embedding module at an int offset": ([1, 0, 0], lambda b, d: functools.partial(
         _module_with(b, d), _ids(d), offset=3)),
@@ -975,6 +976,8 @@ RESOLUTION_CALLS = {
         _module_with(b, d), _ids(d), offset=torch.tensor(3, device=d))),
     "embedding module with dropout in training": ([1, 1, 1], lambda b, d: functools.partial(
         _module_with(b, d, dropout=0.25), _ids(d))),
+    "embedding module with dropout in eval": ([1, 0, 0], lambda b, d: functools.partial(
+        _module_with(b, d, dropout=0.25, training=False), _ids(d))),
     "embedding module with an int dropout": ([1, 1, 1], lambda b, d: functools.partial(
         _module_with(b, d, dropout=0), _ids(d))),
     "sinusoidal_embedding at a tensor offset": ([1, 1, 1], lambda b, d: functools.partial(
