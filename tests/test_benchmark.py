@@ -339,17 +339,22 @@ def test_a_failing_implementation_keeps_what_was_measured(tmp_path, monkeypatch)
         assert len(json.load(f)["cases"]) == 2
 
 
-def test_dropout_cost_script_smoke(tmp_path):
-    """bench/dropout_cost.py (the GPU stage 'dropout') runs end to end on tiny CPU shapes."""
+def _cost_script(tmp_path, script: str, *args) -> dict:
+    """Run bench/<script>.py --smoke with ``args`` and ``--out tmp_path``; its JSON (<script>.json there)."""
     import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    result = subprocess.run([sys.executable, os.path.join(root, "bench", "dropout_cost.py"), "--smoke",
+    result = subprocess.run([sys.executable, os.path.join(root, "bench", script + ".py"), "--smoke", *args,
                              "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
-    doc = json.loads((tmp_path / "dropout_cost.json").read_text())
+    return json.loads((tmp_path / (script + ".json")).read_text())
+
+
+def test_dropout_cost_script_smoke(tmp_path):
+    """bench/dropout_cost.py (the GPU stage 'dropout') runs end to end on tiny CPU shapes."""
+    doc = _cost_script(tmp_path, "dropout_cost")
     impls = {row["impl"] for row in doc["rows"]}
     assert impls == {"torch p=0", "torch p=0.1", "eager p=0.1"}
     assert all(row["median_ms"] > 0 and row["bytes"] > 0 for row in doc["rows"])
@@ -357,16 +362,7 @@ def test_dropout_cost_script_smoke(tmp_path):
 
 def test_sparse_gradient_cost_script_smoke(tmp_path):
     """bench/sparse_gradient_cost.py runs end to end on a tiny table (a run of the script, not a timing)."""
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    result = subprocess.run([sys.executable, os.path.join(root, "bench", "sparse_gradient_cost.py"), "--smoke",
-                             "--device", "cpu", "--tokens", "64,256", "--out", str(tmp_path)],
-                            capture_output=True, text=True, timeout=300, env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
-    doc = json.loads((tmp_path / "sparse_gradient_cost.json").read_text())
+    doc = _cost_script(tmp_path, "sparse_gradient_cost", "--device", "cpu", "--tokens", "64,256")
     assert {(row["impl"], row["sparse"], row["tokens"]) for row in doc["rows"]} == {("zero-fill", False, 0)} | {
         (impl, sparse, tokens) for impl in ("fused", "nn.Embedding") for sparse in (False, True) for tokens in (64, 256)}
     assert all(row["backward_ms"] > 0 for row in doc["rows"]) and doc["device"].startswith("CPU")
@@ -376,16 +372,7 @@ def test_backward_cost_script_smoke(tmp_path):
     """bench/backward_cost.py (the GPU stage 'backward') runs end to end on a tiny case: every (backend,
     chunk) timed and checked against the float64 sum, its parts beside it (a run of the script, not a
     timing)."""
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    result = subprocess.run([sys.executable, os.path.join(root, "bench", "backward_cost.py"), "--smoke",
-                             "--dtypes", "float32", "--chunks", "3,32", "--out", str(tmp_path)],
-                            capture_output=True, text=True, timeout=300, env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
-    doc = json.loads((tmp_path / "backward_cost.json").read_text())
+    doc = _cost_script(tmp_path, "backward_cost", "--dtypes", "float32", "--chunks", "3,32")
     assert {row["chunk"] for row in doc["results"]} == {3, 32} and {row["backend"] for row in doc["results"]} >= {
         "triton"}
     assert all(row["backward_ms"] > 0 and row["sort_ms"] > 0 and row["partial_rows"] > 0 for row in doc["results"])
