@@ -67,7 +67,7 @@ struct DropoutMask {
   uint32_t threshold;
 
   // The seed stays in device memory: no host synchronisation, and a replayed CUDA graph reads the
-  // seed drawn for that replay.
+  // seed drawn for that replay.  (The CPU kernels load it the same way, from host memory.)
   __device__ __forceinline__ static DropoutMask load(const int64_t* seed, uint32_t threshold) {
     const uint64_t s = static_cast<uint64_t>(__ldg(seed));
     return DropoutMask{{static_cast<uint32_t>(s), static_cast<uint32_t>(s >> 32)}, threshold};

@@ -613,11 +613,7 @@ const char* forward_typed(const ForwardArgs& a, int num_threads) {
   p.embed_scale = static_cast<Math>(a.embed_scale);  // fp32 math: the scales rounded to fp32, as on the GPU
   p.pe_scale = static_cast<Math>(a.pe_scale);
   p.dropout_scale = static_cast<Math>(a.dropout_scale);
-  p.mask = DropoutMask{};
-  if (a.dropout_seed != nullptr) {
-    const uint64_t seed = static_cast<uint64_t>(*a.dropout_seed);
-    p.mask = DropoutMask{{static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)}, a.dropout_threshold};
-  }
+  p.mask = a.dropout_seed != nullptr ? DropoutMask::load(a.dropout_seed, a.dropout_threshold) : DropoutMask{};
   int scratch_failed = 0;
   p.scratch_failed = &scratch_failed;
   // Position-major where a column's tokens are likely to share a position (ForwardPositions); otherwise
@@ -795,11 +791,7 @@ const char* weight_grad_typed(const CpuWeightGradArgs& a) {
   p.column_blocks = (a.token_width + kGradColumns - 1) / kGradColumns;
   const bool dropout = a.dropout_seed != nullptr;
   p.scale = static_cast<float>(dropout ? a.embed_scale * a.dropout_scale : a.embed_scale);
-  p.mask = DropoutMask{};
-  if (dropout) {
-    const uint64_t seed = static_cast<uint64_t>(*a.dropout_seed);
-    p.mask = DropoutMask{{static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)}, a.dropout_threshold};
-  }
+  p.mask = dropout ? DropoutMask::load(a.dropout_seed, a.dropout_threshold) : DropoutMask{};
   const int64_t zero_grain = max_of(1, (int64_t(1) << 18) / max_of(1, a.token_width));
   if (keys64) {
     parallel_for(a.num_embeddings, zero_grain, a.num_threads, &ZeroUnwrittenRows<W, int64_t>::run, &p);
