@@ -18,10 +18,10 @@ gradient, written once).  Beyond it, the backward moves:
 Each row's ``kernel_bytes`` is that prediction for the kernels (grad_out, order and ids, the touched rows, the
 partials); ``kernels_ms`` is the backward less the sort and the zero fill timed alone (each sample is one
 call on an idle GPU, so it holds the host's time to issue the launches too: at small token counts that is a
-share of it).  Timed: the backward
-alone (``backend.backward``: sort, zero fill and both kernels), CUDA events, the settings alternated rep by
-rep, random ids and gradients.  Each setting's gradient is checked against the float64 sum first.  Prints a
-table and writes backward_cost.json (device, versions, date) under ``--out``.
+share of it).  Timed: the backward alone (``backend.backward``: sort, zero fill and both kernels), CUDA
+events, the settings alternated rep by rep, random ids and gradients.  Each setting's gradient is checked
+against the float64 sum first.  Prints a table and writes backward_cost.json (device, versions, date) under
+``--out``.
 """
 
 from __future__ import annotations
