@@ -35,9 +35,12 @@ VOCAB = 40
 PAD = 1
 EOS = 2
 D = 16
+INIT_STD = 0.5  # the tiny models' weight and embedding std, whatever each config calls it
 # The patched PE is the float64 sinusoid rounded once; the models' own fp32 tables are off by ~1e-7 at
-# the few positions used here.  Logits of the tiny models then agree to a few 1e-6 (measured ~5e-8
-# to 3e-6); gradients (larger values) are compared relatively.
+# the few positions used here.  The tiny models amplify that into the logits by a factor that depends on
+# the draw: over 5,000 seeds per family (transformers 4.57.6 and 5.24.0) the inputs_embeds test's largest
+# difference was 3% of this bound at the median and 47% at the worst (FSMT).  Gradients (larger values)
+# are compared relatively.
 LOGITS_ATOL = 2e-5
 GRAD_RTOL = 1e-4
 
@@ -46,7 +49,8 @@ def _small(**extra):
     return dict(d_model=D, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
                 encoder_ffn_dim=32, decoder_ffn_dim=32, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
                 encoder_layerdrop=0.0, decoder_layerdrop=0.0,  # (M2M100's default 0.05 makes training steps random)
-                pad_token_id=PAD, bos_token_id=0, eos_token_id=EOS, decoder_start_token_id=EOS, init_std=0.5, **extra)
+                pad_token_id=PAD, bos_token_id=0, eos_token_id=EOS, decoder_start_token_id=EOS, init_std=INIT_STD,
+                **extra)
 
 
 def m2m100(scale_embedding=True):
@@ -83,7 +87,7 @@ def fsmt():
     extra = _small()
     del extra["init_std"]
     config = transformers.FSMTConfig(langs=["en", "de"], src_vocab_size=VOCAB, tgt_vocab_size=VOCAB + 3,
-                                     max_position_embeddings=64, scale_embedding=True, init_std=0.5,
+                                     max_position_embeddings=64, scale_embedding=True, init_std=INIT_STD,
                                      tie_word_embeddings=False, **extra)
     return transformers.FSMTForConditionalGeneration(config)
 
@@ -107,14 +111,14 @@ def xlm():
     config = transformers.XLMConfig(vocab_size=VOCAB, emb_dim=D, n_layers=1, n_heads=2, dropout=0.0,
                                     attention_dropout=0.0, sinusoidal_embeddings=True, causal=True, pad_index=PAD,
                                     pad_token_id=PAD, eos_index=EOS, eos_token_id=EOS, bos_index=0,
-                                    max_position_embeddings=64, embed_init_std=0.5, use_lang_emb=False)
+                                    max_position_embeddings=64, embed_init_std=INIT_STD, use_lang_emb=False)
     return transformers.XLMWithLMHeadModel(config)
 
 
 def distilbert():
     config = transformers.DistilBertConfig(vocab_size=VOCAB, dim=D, n_layers=1, n_heads=2, hidden_dim=32,
                                            dropout=0.0, attention_dropout=0.0, sinusoidal_pos_embds=True,
-                                           max_position_embeddings=64, pad_token_id=PAD, initializer_range=0.5)
+                                           max_position_embeddings=64, pad_token_id=PAD, initializer_range=INIT_STD)
     return transformers.DistilBertForMaskedLM(config)
 
 
@@ -133,7 +137,7 @@ def musicgen():
                                                 attention_dropout=0.0, activation_dropout=0.0,
                                                 max_position_embeddings=64, pad_token_id=VOCAB,
                                                 bos_token_id=VOCAB, eos_token_id=None, decoder_start_token_id=VOCAB,
-                                                initializer_factor=0.5, scale_embedding=True)
+                                                initializer_factor=INIT_STD, scale_embedding=True)
     return transformers.MusicgenForCausalLM(config)
 
 
@@ -149,7 +153,7 @@ def musicgen_text_to_audio():
                                                  num_attention_heads=2, ffn_dim=32, num_codebooks=2, dropout=0.0,
                                                  attention_dropout=0.0, activation_dropout=0.0, max_position_embeddings=64,
                                                  pad_token_id=codes, bos_token_id=codes, decoder_start_token_id=codes,
-                                                 initializer_factor=0.5)
+                                                 initializer_factor=INIT_STD)
     config = transformers.MusicgenConfig(text_encoder=text.to_dict(), audio_encoder=audio.to_dict(),
                                          decoder=decoder.to_dict())
     return transformers.MusicgenForConditionalGeneration(config)
@@ -161,7 +165,7 @@ def kosmos2_text():
     config = transformers.Kosmos2Config(
         text_config=dict(vocab_size=VOCAB, embed_dim=D, layers=1, attention_heads=2, ffn_dim=32, dropout=0.0,
                          attention_dropout=0.0, activation_dropout=0.0, max_position_embeddings=64,
-                         pad_token_id=PAD, bos_token_id=0, eos_token_id=EOS, scale_embedding=True, init_std=0.5),
+                         pad_token_id=PAD, bos_token_id=0, eos_token_id=EOS, scale_embedding=True, init_std=INIT_STD),
     ).text_config
     return modeling_kosmos2.Kosmos2TextForCausalLM(config)
 
@@ -170,7 +174,7 @@ def kosmos2():
     config = transformers.Kosmos2Config(
         text_config=dict(vocab_size=VOCAB, embed_dim=D, layers=1, attention_heads=2, ffn_dim=32, dropout=0.0,
                          attention_dropout=0.0, activation_dropout=0.0, max_position_embeddings=64,
-                         pad_token_id=PAD, bos_token_id=0, eos_token_id=EOS, scale_embedding=True, init_std=0.5),
+                         pad_token_id=PAD, bos_token_id=0, eos_token_id=EOS, scale_embedding=True, init_std=INIT_STD),
         vision_config=dict(hidden_size=D, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                            image_size=16, patch_size=8, dropout=0.0, attention_dropout=0.0),
         latent_query_num=3)
@@ -181,7 +185,7 @@ def xglm():
     config = transformers.XGLMConfig(vocab_size=VOCAB, d_model=D, num_layers=1, attention_heads=2, ffn_dim=32,
                                      dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, layerdrop=0.0,
                                      max_position_embeddings=64, pad_token_id=PAD, bos_token_id=0, eos_token_id=EOS,
-                                     scale_embedding=True, init_std=0.5)
+                                     scale_embedding=True, init_std=INIT_STD)
     return transformers.XGLMForCausalLM(config)
 
 
@@ -197,7 +201,7 @@ def _seamless(config_class, model_class):
                           dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, max_position_embeddings=64,
                           encoder_layerdrop=0.0, decoder_layerdrop=0.0,
                           pad_token_id=PAD, bos_token_id=0, eos_token_id=EOS, decoder_start_token_id=EOS,
-                          scale_embedding=True, initializer_range=0.5)
+                          scale_embedding=True, initializer_range=INIT_STD)
     return model_class(config)
 
 
@@ -629,7 +633,11 @@ def test_user_inputs_embeds_get_the_pe_as_in_the_model(family, seed):
     for key in ("input_ids", "decoder_input_ids"):
         if key in inputs and family.kind != "kosmos2":
             ids = inputs.pop(key)
-            inputs[key.replace("input_ids", "inputs_embeds")] = torch.randn(*ids.shape, D, generator=generator)
+            # Rows at the scale of the model's own.  At twice that, FSMT on transformers 4.57.6 amplified the
+            # PE's fp32 rounding past LOGITS_ATOL in 2 of 30,000 seeds (5x at worst); at this scale, in none
+            # of 60,000 (0.58x at worst).
+            inputs[key.replace("input_ids", "inputs_embeds")] = INIT_STD * torch.randn(*ids.shape, D,
+                                                                                       generator=generator)
     pf.patch_model(model)
     _assert_same(lambda: _logits(model, inputs), lambda: _logits(original, inputs), _close)
 
