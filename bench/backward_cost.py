@@ -27,7 +27,6 @@ against the float64 sum first.  Prints a table and writes backward_cost.json (de
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 from datetime import date
@@ -37,7 +36,7 @@ import torch
 from posenc_fast import _dispatch
 from posenc_fast._timing import median_ms
 from posenc_fast.backends import sort_ids_for_gradient
-from posenc_fast.benchmark.results import device_name
+from posenc_fast.benchmark.results import device_name, write_document
 from posenc_fast.benchmark.timing import copy_bandwidth_GBps
 
 HEADLINE = dict(width=1024, vocab=32768)
@@ -145,10 +144,8 @@ def main(argv=None):
         for dtype in (getattr(torch, name) for name in args.dtypes.split(",")):
             _time_case(report, device, n, width, vocab, dtype, backends, [int(c) for c in args.chunks.split(",")],
                        copy_GBps, reps)
-    os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "backward_cost.json")
-    with open(path, "w") as f:
-        json.dump(report, f, indent=1)
+    write_document(path, report)
     print(f"wrote {path}")
 
 

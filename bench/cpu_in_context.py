@@ -25,7 +25,6 @@ gather (``index_select``) and, for the step, a fresh V x d gradient filled by ``
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import resource
 import statistics
@@ -35,7 +34,7 @@ import torch
 
 import posenc_fast as pf
 from posenc_fast.baselines import EagerSinusoidalEmbedding
-from posenc_fast.benchmark.results import cpu_model, device_slug
+from posenc_fast.benchmark.results import cpu_model, device_slug, write_document
 
 V, D, BATCH, LENGTH = 32000, 512, 8, 512
 # Back to back, per repetition and implementation: calls that restore its own cache state after the others
@@ -152,8 +151,7 @@ def main() -> None:
                     "median_ms": median, "mean_minor_page_faults_per_call": mean_faults,
                     "fused_vs_eager_max_abs_diff": difference}
         path = args.json.replace("<cpu>", device_slug(cpu_model()))
-        with open(path, "w") as handle:
-            json.dump(document, handle, indent=1)
+        write_document(path, document)
         print(f"wrote {path}")
 
 

@@ -225,8 +225,8 @@ def main(argv=None) -> int:
 
 def write_report(path, report) -> None:
     if path:
-        with open(path, "w") as f:
-            json.dump(report, f, indent=1)
+        from posenc_fast.benchmark.results import write_document
+        write_document(path, report)
 
 
 if __name__ == "__main__":

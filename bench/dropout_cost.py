@@ -15,7 +15,6 @@ table is not served from L2.  Random inputs, never zeros.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -125,9 +124,7 @@ def main(argv=None) -> int:
         rows += measure(shape, args.p, device, dtype, smoke=args.smoke)
     doc = {"device": benchmark.device_name(device), "torch": torch.__version__, "date": date.today().isoformat(),
            "copy_GBps": copy, "p": args.p, "dtype": str(dtype).replace("torch.", ""), "rows": rows}
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "dropout_cost.json"), "w") as f:
-        json.dump(doc, f, indent=1)
+    benchmark.write_document(os.path.join(args.out, "dropout_cost.json"), doc)
     return 0
 
 

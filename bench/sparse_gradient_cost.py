@@ -17,7 +17,6 @@ sparse_gradient_cost.json (device, versions, date) under ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 from datetime import date
@@ -26,7 +25,7 @@ import torch
 
 import posenc_fast as pf
 from posenc_fast._timing import median_ms
-from posenc_fast.benchmark.results import device_name
+from posenc_fast.benchmark.results import device_name, write_document
 
 WIDE = dict(vocab=262144, d_model=4096)
 SMOKE = dict(vocab=1000, d_model=64)
@@ -110,10 +109,8 @@ def main(argv=None):
         torch=torch.__version__, date=date.today().isoformat(), vocab=vocab, d_model=width, dtype=args.dtype,
         dense_gradient_bytes=vocab * width * dtype.itemsize, timed_region="the backward alone",
         sparse_format="one entry per token, uncoalesced (nn.Embedding's)", rows=rows)
-    os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "sparse_gradient_cost.json")
-    with open(path, "w") as f:
-        json.dump(report, f, indent=1)
+    write_document(path, report)
     print(f"wrote {path}")
 
 
