@@ -292,7 +292,7 @@ class _NoAddition(_ServesNoCall, PreparedAddition):
     __slots__ = ()
 
 
-def _no_launch_serves(offset, training: bool, dropout) -> bool:
+def _no_launch_serves(offset, training: bool = False, dropout=0.0) -> bool:
     """Whether no prepared launch could serve the call: a tensor offset, or a dropout to apply (or one that is not a
     float).  Such a call takes the general path without preparing a launch, so its backend is resolved once, there."""
     return type(offset) is not int or type(dropout) is not float or (training and dropout != 0.0)
@@ -321,7 +321,7 @@ def run_addition(owner, spec, backend: str, x, offset, positions):
         out = prepared.run(spec, backend, x, offset, positions)
         if out is not None or prepared.prepared_for(spec, backend, x):
             return out
-    if _no_launch_serves(offset, False, 0.0):
+    if _no_launch_serves(offset):
         return None
     prepared = owner._prepared = PreparedAddition.prepare(spec, backend, x)
     return None if prepared is None else prepared.run(spec, backend, x, offset, positions)
@@ -402,7 +402,7 @@ def functional_addition(spec, backend: str, x, offset, positions):
         out = prepared.run(spec, backend, x, offset, positions)
         if out is not None:
             return out
-    if _no_launch_serves(offset, False, 0.0):
+    if _no_launch_serves(offset):
         return None
     return _functional_miss(kept, slot, prepared, ("add", backend, x.dtype, x.device), (spec, backend, x, offset,
                             positions), PreparedAddition.prepare, (spec, backend, x))

@@ -882,12 +882,17 @@ def _files_entered(call):
         if caller.startswith(root) and caller[len(root):] != callee:
             crossings.append((caller[len(root):], callee))
 
+    _run_profiled(call, profile)
+    return files, crossings
+
+
+def _run_profiled(call, profile) -> None:
+    """``call()`` with ``profile`` as the interpreter's profile function (sys.setprofile)."""
     sys.setprofile(profile)
     try:
         call()
     finally:
         sys.setprofile(None)
-    return files, crossings
 
 
 @pytest.mark.parametrize("backend,device", [t for t in TARGETS if t.values[0] in PREPARED_BACKENDS])
@@ -950,11 +955,7 @@ def _resolutions(call) -> int:
         if event == "call" and frame.f_code is code:
             entered.append(frame)
 
-    sys.setprofile(profile)
-    try:
-        call()
-    finally:
-        sys.setprofile(None)
+    _run_profiled(call, profile)
     return len(entered)
 
 
