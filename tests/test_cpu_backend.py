@@ -10,6 +10,7 @@ of threads and of whether positions are shared (position-major) or per token (to
 import os
 import re
 import subprocess
+import time
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ import posenc_fast as pf
 from posenc_fast import _build, reference
 from posenc_fast._dispatch import resolve_backend
 from posenc_fast._spec import PEColumns
+from posenc_fast import backends
 from posenc_fast.backends import KernelParams, _extension, cpu_backend
 from posenc_fast.backends._extension import Extension
 from posenc_fast.positions import make_positions
@@ -466,6 +468,44 @@ def test_results_do_not_depend_on_where_threads_come_from(threading, threads, se
     torch.mm(torch.randn(256, 256), torch.randn(256, 256))
     many = _run(ids, weight, grad_out, threads, offset=offset, embed_scale=2.0)
     assert torch.equal(many[0], one[0]) and torch.equal(many[1], one[1])
+
+
+def test_a_forked_child_runs_the_kernels_on_threads_of_its_own(seed):
+    """A child forked after the parent ran threaded (a DataLoader worker, a multiprocessing fork) has no OpenMP
+    team: libgomp's would hang it, as torch's own threaded ops hang there.  The kernels then run on the pool
+    (``threading()`` says so) with the thread count torch reports, and give the parent's bits."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 64, (4, 257), generator=g)
+    weight = torch.randn(64, 200, generator=g)
+    grad_out = torch.randn(4, 257, 200, generator=g)
+    torch.mm(torch.randn(256, 256), torch.randn(256, 256))
+    expected = _run(ids, weight, grad_out, 2, embed_scale=2.0)  # the parent's team and pool are running now
+    module = cpu_backend.extension()
+    pid = os.fork()
+    if pid == 0:  # the child: only os._exit leaves it, with 0 (same bits on the pool), 1 or 2
+        code = 2
+        # torch's own ops stay small or single-threaded here: its threaded ones would hang the child.  So no
+        # NaN fill of the outputs; every element is still compared with the parent's poisoned run.
+        backends.POISON_OUTPUTS = False
+        try:
+            got = _run(ids, weight, grad_out, 2, embed_scale=2.0)
+            torch.set_num_threads(1)
+            same = torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+            code = 0 if same and module.threading() == "pool" else 1
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 120
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child's forward and backward did not finish within 120 s")
+        time.sleep(0.05)
+    assert os.waitstatus_to_exitcode(status) == 0, "the child's results differ, or it did not run on the pool"
+    assert module.threading().startswith("openmp:") or module.threading() == "pool"  # the parent's is unchanged
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64], ids=str)

@@ -140,7 +140,7 @@ class ThreadPool {
   std::atomic<int> finished_{0};
 };
 
-// The pool of this process.  A forked child (a DataLoader worker) has none of the parent's
+// The pool of this process.  A forked child has none of the parent's
 // threads: it makes its own, and abandons the parent's copy (never destroyed: its mutexes may be
 // held by threads that do not exist here).
 ThreadPool& pool() {
@@ -213,7 +213,7 @@ OpenMPRuntime find_loaded_openmp() {
 struct Threading {
   OpenMPRuntime openmp;
   bool use_openmp = false;
-  pid_t owner = 0;  // a forked child (a DataLoader worker) uses the pool: libgomp's team does not survive fork
+  pid_t owner = 0;  // a forked child uses the pool: libgomp's team does not survive fork
 };
 
 Threading& threading() {
