@@ -3,7 +3,7 @@
 # torch (CUDA), Triton, nvcc, pybind11, ninja, pytest and pytest-benchmark installed, from the repository root:
 #
 #   bash bench/gpu_proof.sh [STEP...]       (default: install backward tests sanitizer bench host-time sparse
-#                                            dropout)
+#                                            dropout concat)
 #
 #   install     pip install --no-build-isolation --no-deps -e .  (the CUDA extension for this GPU's arch)
 #   backward    bench/backward_cost.py: the weight gradient's parts and chunk lengths,
@@ -16,6 +16,9 @@
 #   host-time   bench/host_overhead.py --real cuda --entry-points: bench/results/host-overhead-<gpu>.json
 #   sparse      bench/sparse_gradient_cost.py at 4K, 16K and 64K tokens: bench/results/sparse-gradient-<gpu>.json
 #   dropout     bench/dropout_cost.py: bench/results/dropout-cost-<gpu>.json
+#   concat      bench/cuda_forward_ab.py: the CUDA concat forward with one warp of units per block
+#               (-DPOSENC_CONCAT_UNITS_X=32) against the installed build and Triton's,
+#               bench/results/cuda-forward-ab-concat-<gpu>.json
 #
 # Logs go to $OUT (default: a new temporary folder), one per step; the summary comes last.  A step that fails
 # is reported and the next one runs.  Each step runs under `timeout` for the seconds in TIMEOUT_<STEP>
@@ -98,6 +101,11 @@ run_sparse() {
         && cp "$OUT/sparse/sparse_gradient_cost.json" "bench/results/sparse-gradient-$(gpu_slug).json"
 }
 
+run_concat() {
+    step concat "$PY" bench/cuda_forward_ab.py --define POSENC_CONCAT_UNITS_X=32 \
+        --cases headline-concat,headline-fp32-concat --json "bench/results/cuda-forward-ab-concat-$(gpu_slug).json"
+}
+
 run_dropout() {
     step dropout "$PY" bench/dropout_cost.py --out "$OUT/dropout" \
         && cp "$OUT/dropout/dropout_cost.json" "bench/results/dropout-cost-$(gpu_slug).json"
@@ -106,7 +114,7 @@ run_dropout() {
 { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
   "$PY" -c "import sys, torch, triton; print(f'python {sys.version.split()[0]}; torch {torch.__version__}; \
 triton {triton.__version__}')"; } 2>&1 | tee "$OUT/env.txt"
-for name in "${@:-install backward tests sanitizer bench host-time sparse dropout}"; do
+for name in "${@:-install backward tests sanitizer bench host-time sparse dropout concat}"; do
     for one in $name; do
         case "$one" in
             install) run_install ;;
@@ -117,7 +125,8 @@ for name in "${@:-install backward tests sanitizer bench host-time sparse dropou
             host-time) run_host_time ;;
             sparse) run_sparse ;;
             dropout) run_dropout ;;
-            *) echo "unknown step '$one'; expected install backward tests sanitizer bench host-time sparse dropout" >&2; exit 2 ;;
+            concat) run_concat ;;
+            *) echo "unknown step '$one'; expected install backward tests sanitizer bench host-time sparse dropout concat" >&2; exit 2 ;;
         esac
     done
 done

@@ -590,11 +590,16 @@ def known_gaps(results: Results) -> List[str]:
                           f"({ratio(cuda['median_ms'] / triton['median_ms'])}) on the {doc['device']}")
     if concat:
         items.append("**The CUDA concat forward is behind Triton's.** Headline-concat, bf16: " + "; ".join(concat)
-                     + ". The cause is not found yet. The two tile concat differently: Triton's kernel takes 8 tokens x 64 "
-                     "pairs per program, its first column blocks copying the scaled token columns; the CUDA kernel "
-                     "gives each thread one 16-byte unit of a row for several tokens, as in add mode. `auto` still "
-                     "takes the CUDA backend first (ahead on the backward and on host time); "
-                     "`backend=\"triton\"` is the faster concat forward.")
+                     + ". The cause is not measured yet. The two tile concat differently: Triton's kernel takes 8 tokens "
+                     "x 64 pairs per program, each program one kind of column (copied token columns or PE); the CUDA "
+                     "kernel gives each thread one 16-byte unit of a row for several tokens, as in add mode, with the "
+                     "whole row of units across a block. By the SASS report a PE unit issues about three times a copy "
+                     "unit's instructions, so at d_pos 64 the one warp that holds a row's PE units (beside copy units) "
+                     "runs several times as long as the block's other warps, which hold their slot until it ends. "
+                     "`bash bench/gpu_proof.sh concat` times blocks of one warp of units (`-DPOSENC_CONCAT_UNITS_X=32`: "
+                     "a block's warps then take alike) against the installed build. `auto` still takes the CUDA "
+                     "backend first (ahead on the backward and on host time); `backend=\"triton\"` is the faster "
+                     "concat forward.")
     # The sparse gradient against nn.Embedding's: files without ``sparse_format`` measured the coalesced gradient
     # that sparse=True gave before it took nn.Embedding's format.
     sparse, coalesced = [], []

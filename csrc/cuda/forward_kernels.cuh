@@ -28,6 +28,14 @@ namespace forward_detail {
 
 constexpr int kThreads = 256;
 
+// Units across x of a concat block (tokens fill y).  A concat row has units of two kinds, and a PE unit
+// issues about three times a copy unit's instructions: with the whole row across x, each block waits on
+// the warp that holds its PE units.  -DPOSENC_CONCAT_UNITS_X=32 (one warp of units, so that the warps of
+// a block take alike) is the variant bench/cuda_forward_ab.py times against this default.
+#ifndef POSENC_CONCAT_UNITS_X
+#define POSENC_CONCAT_UNITS_X kThreads
+#endif
+
 // __launch_bounds__'s minimum blocks per multiprocessor, which caps the registers per thread at
 // 65536 / (kThreads * blocks).  The 2-byte kernels with fp32 math and no dropout run faster capped
 // at 64 registers (4 blocks); the others would spill under that cap.  -DPOSENC_FORWARD_MIN_BLOCKS=N
@@ -554,9 +562,10 @@ cudaError_t launch_kernel(const ForwardArgs& args, cudaStream_t stream) {
   a.dropout_threshold = args.dropout_threshold;
   a.dropout_scale = static_cast<Math>(args.dropout_scale);  // fp32 math: rounded to fp32, like the other scales
 
-  // All units of a row across x (up to the block size; no idle lanes for widths like 768), as many
-  // tokens across y as fill the block.
-  const int64_t units_x = a.num_units < kThreads ? a.num_units : kThreads;
+  // All units of a row across x (up to the block size, or POSENC_CONCAT_UNITS_X; no idle lanes for
+  // widths like 768), as many tokens across y as fill the block.
+  const int64_t units_cap = args.concat ? POSENC_CONCAT_UNITS_X : kThreads;
+  const int64_t units_x = a.num_units < units_cap ? a.num_units : units_cap;
   const int64_t tokens_y = kThreads / units_x;
   const int64_t grid_x = ceil_div(args.num_tokens, tokens_y * K);
   const int64_t grid_y = ceil_div(a.num_units, units_x);
