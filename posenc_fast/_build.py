@@ -552,7 +552,7 @@ def build_host_emulation(env: Mapping[str, str] = os.environ, log=sys.stderr) ->
 
     def build(output: str, build_dir: str) -> None:
         _say(f"posenc_fast: compiling the host emulation of the CUDA kernels into {os.path.dirname(output)} "
-             "(a few minutes on a few cores, once per source change)", log)
+             "(about 20 s on two cores, once per source change)", log)
         units = [CompileUnit(source, os.path.basename(source), flags) for source in SOURCES]
         plan = _plan([compiler, "-x", "c++"], units, HEADERS + EMULATION_HEADERS, source_dir, build_dir, output, link,
                      ["-l:libcudart_static.a", "-ldl", "-lpthread", "-lrt"])

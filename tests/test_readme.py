@@ -6,7 +6,6 @@ import os
 import re
 
 import pytest
-import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
@@ -68,6 +67,11 @@ def gpu_ms(tokens, op, impl):
                             if (r["tokens"], r["op"], r["impl"]) == (tokens, op, impl))
 
 
+def copy_pct(tokens, op, impl):
+    return lambda doc: 100 * next(r["GBps"] for r in doc["cases"]
+                                  if (r["tokens"], r["op"], r["impl"]) == (tokens, op, impl)) / doc["copy_GBps"]
+
+
 def ab_ms(case, variant):
     return lambda doc: next(r["median_ms"] for r in doc["rows"] if (r["case"], r["variant"]) == (case, variant))
 
@@ -94,8 +98,13 @@ QUOTED = [
     ("README.md", "the training step (forward + backward) {:.2f} ms with `triton` and {:.2f} ms with `cuda` against "
      "{:.2f} ms eager and {:.2f} ms compiled", GPU_RUN,
      [gpu_ms(HEADLINE, "step", impl) for impl in ("triton", "cuda", "eager", "compile")]),
-    ("README.md", "which an A/B in one process put at {:.3f} ms against {:.3f} ms", CUDA_FORWARD_AB,
+    ("README.md", "an A/B in one process put the capped build at {:.3f} ms against {:.3f} ms", CUDA_FORWARD_AB,
      [ab_ms("headline", "POSENC_FORWARD_MIN_BLOCKS=4"), ab_ms("headline", "installed")]),
+    ("docs/cuda_backend.md", "| headline, 524288 tokens x 1024 | forward | {:.3f} ms ({:.0f}% of copy) | {:.3f} ms ({:.0f}%) |",
+     GPU_RUN, [gpu_ms(HEADLINE, "forward", "cuda"), copy_pct(HEADLINE, "forward", "cuda"),
+               gpu_ms(HEADLINE, "forward", "triton"), copy_pct(HEADLINE, "forward", "triton")]),
+    ("docs/cuda_backend.md", "| | backward | {:.3f} ms | {:.3f} ms | | | step | {:.3f} ms | {:.3f} ms |", GPU_RUN,
+     [gpu_ms(HEADLINE, op, impl) for op in ("backward", "step") for impl in ("cuda", "triton")]),
     ("docs/cuda_backend.md", "{:.1f} MB after stripping, of which the `.nv_fatbin` section is {:.1f} MB; "
      "zip-compressed as a wheel stores it, {:.1f} MB", BUILD,
      [megabytes("module_bytes"), megabytes("nv_fatbin_section_bytes"), megabytes("module_zip_deflated_bytes")]),
