@@ -16,10 +16,9 @@ import pytest
 import torch
 
 import posenc_fast as pf
-from posenc_fast import _build, reference
+from posenc_fast import _build, backends, reference
 from posenc_fast._dispatch import resolve_backend
 from posenc_fast._spec import PEColumns
-from posenc_fast import backends
 from posenc_fast.backends import KernelParams, _extension, cpu_backend
 from posenc_fast.backends._extension import Extension
 from posenc_fast.positions import make_positions
@@ -471,9 +470,9 @@ def test_results_do_not_depend_on_where_threads_come_from(threading, threads, se
 
 
 def test_a_forked_child_runs_the_kernels_on_threads_of_its_own(seed):
-    """A child forked after the parent ran threaded (a DataLoader worker, a multiprocessing fork) has no OpenMP
-    team: libgomp's would hang it, as torch's own threaded ops hang there.  The kernels then run on the pool
-    (``threading()`` says so) with the thread count torch reports, and give the parent's bits."""
+    """A child forked after the parent ran threaded (a multiprocessing fork) has no OpenMP team: libgomp's would
+    hang it, as torch's own threaded ops hang there.  The kernels then run on the pool (``threading()`` says so)
+    with the thread count torch reports, and give the parent's bits."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 64, (4, 257), generator=g)
     weight = torch.randn(64, 200, generator=g)
