@@ -33,6 +33,7 @@ from datetime import date
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from posenc_fast import _build  # noqa: E402
+from posenc_fast.benchmark.results import write_document  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -225,7 +226,6 @@ def main(argv=None) -> int:
 
 def write_report(path, report) -> None:
     if path:
-        from posenc_fast.benchmark.results import write_document
         write_document(path, report)
 
 
