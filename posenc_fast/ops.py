@@ -331,9 +331,11 @@ def sparse_weight_gradient(grad_out, ids, num_embeddings, token_width, embed_sca
             token_rows = token_rows.contiguous()
         values = get_backend(backend).forward(rows, token_rows, turns, None, None, 0, max(ids.shape[0], 1), params,
                                               dropout)
-    # (each conversion only where needed: a small batch's backward is mostly host time)
-    if values.dtype != weight_dtype or not values.is_contiguous():
-        values = values.to(weight_dtype).contiguous()
+    # (each conversion only where needed: a small batch's backward is mostly host time).  Strides, not
+    # is_contiguous(): torch's sparse kernels step by stride(0) even for one row, whose stride is_contiguous()
+    # ignores (one token's row sliced from a concat output would carry its PE gradient into the next row).
+    if values.dtype != weight_dtype or values.stride() != (token_width, 1):
+        values = values.to(weight_dtype, memory_format=torch.contiguous_format, copy=True)
     indices = ids if ids.dtype == torch.int64 else ids.to(torch.int64)
     left_out = _padding_mask(ids, padding_idx)
     if not ids_in_range:

@@ -236,6 +236,9 @@ def _edge_case(name, device, backend, sparse):
         with torch.no_grad():
             layer.weight.copy_(weight[20:])
         return ids, layer
+    if name == "one_token_concat":  # one row of a concat output's gradient, sliced: its stride is the output's width
+        layer = pf.SinusoidalEmbedding.from_pretrained(weight, mode="concat", d_pos=5, sparse=sparse, backend=backend)
+        return torch.tensor([6], device=device), layer
     ids = {"empty": ids[:, :0], "all_padding": torch.full((2, 5), 4, device=device),
            "int32": ids.to(torch.int32), "zero_dim": ids[0, 0]}[name]
     padding_idx = 4 if name == "all_padding" else None
@@ -243,11 +246,12 @@ def _edge_case(name, device, backend, sparse):
 
 
 @pytest.mark.parametrize("backend,device", TARGETS)
-@pytest.mark.parametrize("name", ["empty", "all_padding", "int32", "zero_dim", "vocab_shard"])
+@pytest.mark.parametrize("name", ["empty", "all_padding", "int32", "zero_dim", "vocab_shard", "one_token_concat"])
 def test_sparse_gradient_edge_cases_equal_the_dense_one(name, backend, device):
-    """Empty and 0-d ids, every token padding, int32 ids and a vocabulary shard (other shards' ids and the
-    padding row get nothing): the sparse gradient equals the dense one, holds no row outside the table,
-    and a double backward through it equals the dense one's."""
+    """Empty and 0-d ids, every token padding, int32 ids, a vocabulary shard (other shards' ids and the
+    padding row get nothing) and one token in concat mode (no scale: the values are grad_out's token columns):
+    the sparse gradient equals the dense one, holds no row outside the table, and a double backward through
+    it equals the dense one's."""
 
     def gradients(sparse):
         ids, layer = _edge_case(name, device, backend, sparse)
