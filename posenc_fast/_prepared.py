@@ -153,7 +153,8 @@ class PreparedForward(_Bound):
         # prepared_for's checks and the call's own, inline: a decoding step pays for each Python call.
         if (type(offset) is not int or not _INT64_MIN <= offset < _INT64_END
                 or spec is not self.spec or backend != self.backend or type(dropout) is not float
-                or dropout != self.dropout or (training and dropout) or (sparse is not False and sparse is not True)):
+                or dropout != self.dropout or (training and dropout) or (sparse is not False and sparse is not True)
+                or (training is not False and training is not True)):
             return None
         try:
             # (and _dense of ids and weight, inline for the same reason)

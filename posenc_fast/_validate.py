@@ -280,16 +280,22 @@ def refuse_nested(name: str, t, shape_hint: str = "") -> None:
 
 
 def check_weight(weight) -> None:
-    if not isinstance(weight, torch.Tensor):
-        raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
-    refuse_nested("weight", weight, " [num_embeddings, width]")
+    check_float_rows("weight", weight, " [num_embeddings, width]")
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D [num_embeddings, width], got shape {list(weight.shape)}")
-    if not weight.is_floating_point():
-        raise TypeError(f"weight must be a floating-point tensor, got dtype {weight.dtype}")
-    if weight.layout != torch.strided:
-        raise TypeError(f"weight must be a dense (strided) tensor, got layout {weight.layout}")
-    _check_memory_backed("weight", weight)
+
+
+def check_float_rows(name: str, t, shape_hint: str) -> None:
+    """``t`` is memory the kernels may read as rows of floats: a floating-point, dense (strided) tensor that
+    is not nested, lazily negated or a zero tensor (the table, or ``add_sinusoidal``'s ``x``)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    refuse_nested(name, t, shape_hint)
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+    if t.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
+    _check_memory_backed(name, t)
 
 
 def check_weight_for_spec(weight, spec: PESpec) -> None:
@@ -309,6 +315,7 @@ def check_weight_for_spec(weight, spec: PESpec) -> None:
 
 
 def _check_integer_tensor(name: str, value: torch.Tensor, device: torch.device) -> None:
+    refuse_nested(name, value)
     if value.dtype not in _INTEGER_DTYPES:
         raise TypeError(f"{name} must be an integer tensor, got dtype {value.dtype}")
     if value.layout != torch.strided:

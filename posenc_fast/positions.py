@@ -11,7 +11,7 @@ from typing import Union
 import torch
 
 from . import config
-from ._validate import check_cu_seqlens, check_offset, id_value_fits
+from ._validate import check_cu_seqlens, check_offset, id_value_fits, refuse_nested
 
 
 def make_positions(ids: torch.Tensor, padding_idx: int, past_length: Union[int, torch.Tensor] = 0,
@@ -35,6 +35,8 @@ def make_positions(ids: torch.Tensor, padding_idx: int, past_length: Union[int, 
     if isinstance(past_length, torch.Tensor):
         if past_length.is_floating_point() or past_length.dtype == torch.bool:
             raise TypeError(f"past_length must be integer, got dtype {past_length.dtype}")
+        if past_length.is_meta and not ids.is_meta:
+            raise ValueError(f"past_length is a meta tensor (no values) but ids are on {ids.device}")
         if past_length.dim() and tuple(past_length.shape) != tuple(ids.shape[:-1]):
             raise ValueError(f"past_length of shape {list(past_length.shape)} must be 0-d or ids.shape[:-1] "
                              f"= {list(ids.shape[:-1])}")
@@ -64,6 +66,7 @@ def packed_positions(cu_seqlens: torch.Tensor, total_tokens: int) -> torch.Tenso
     ``torch.compile``, ``torch.vmap`` and CUDA graph capture; invalid contents then give wrong
     positions, never an out-of-bounds access.
     """
+    refuse_nested("cu_seqlens", cu_seqlens)
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1:
         raise ValueError(f"cu_seqlens must be a 1-D integer tensor, got {getattr(cu_seqlens, 'shape', cu_seqlens)!r}")
     if cu_seqlens.is_floating_point() or cu_seqlens.is_complex() or cu_seqlens.dtype == torch.bool:

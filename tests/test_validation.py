@@ -185,6 +185,22 @@ def backward_op(grad_out_shape):
     return call
 
 
+def addition(make_x, through_layer=False):
+    """``add_sinusoidal`` (or its module, of width 8) on ``x = make_x(device)``."""
+
+    def call(backend, device):
+        if through_layer:
+            return pf.SinusoidalPositionalEncoding(8, backend=backend)(make_x(device))
+        return pf.add_sinusoidal(make_x(device), backend=backend)
+
+    return call
+
+
+def _negated(*shape, device):
+    """A lazily negated view (``is_neg()``): the kernels would read its memory unnegated."""
+    return torch.randn(*shape, dtype=torch.complex64, device=device).conj().imag
+
+
 def _i64(*shape, device):
     return torch.zeros(*shape, dtype=torch.int64, device=device)
 
@@ -247,6 +263,16 @@ BAD_CALLS = [
         positions=torch.arange(5, device=ids.device), offset=7))),
     ("positions_with_offset_tensor", ValueError, "offset", functional(lambda ids, w: dict(
         positions=torch.arange(5, device=ids.device), offset=torch.ones(2, dtype=torch.int64, device=ids.device)))),
+    ("positions_nested", TypeError, ("positions", "nested"), functional(lambda ids, w: dict(
+        positions=_nested_rows(torch.zeros_like(ids))))),
+    ("offset_nested", TypeError, ("offset", "nested"), functional(lambda ids, w: dict(
+        offset=_nested_rows(torch.zeros(2, 1, dtype=torch.int64, device=ids.device))))),
+    ("cu_seqlens_nested", TypeError, ("cu_seqlens", "nested"), functional_only(lambda ids, w: dict(
+        ids=ids.reshape(-1), cu_seqlens=_nested_rows(torch.tensor([[0, 4], [8, 10]], device=ids.device))))),
+    ("training_not_bool", TypeError, ("training", "'no'"), functional_only(lambda ids, w: dict(
+        dropout_p=0.5, training="no"))),
+    ("training_not_bool_without_dropout", TypeError, ("training", "1"), functional_only(lambda ids, w: dict(
+        training=1))),
     ("cu_seqlens_float", TypeError, ("cu_seqlens", "float32"), functional_only(lambda ids, w: dict(
         ids=ids.reshape(-1), cu_seqlens=torch.tensor([0.0, 4.0, 10.0], device=ids.device)))),
     *_cu_seqlens_calls(),
@@ -331,6 +357,19 @@ BAD_CALLS = [
     ("make_positions_past_length_beyond_int64", ValueError, "past_length=9223372036854775808",
      lambda backend, device: pf.make_positions(torch.ones(2, 3, dtype=torch.int64, device=device), 1,
                                                past_length=2**63)),
+    ("make_positions_past_length_meta", ValueError, ("past_length", "meta"),
+     lambda backend, device: pf.make_positions(torch.ones(2, 3, dtype=torch.int64, device=device), 1,
+                                               past_length=torch.tensor(3, device="meta"))),
+    # -- add_sinusoidal and its module
+    ("add_x_int", TypeError, ("x", "int64"), addition(lambda d: torch.ones(2, 3, 8, dtype=torch.int64, device=d))),
+    ("add_x_0d", ValueError, ("x", "0-d"), addition(lambda d: torch.tensor(1.0, device=d))),
+    ("add_x_nested", TypeError, ("x", "nested"), addition(lambda d: _nested_rows(torch.randn(2, 3, 8, device=d)))),
+    *[(f"add_x_{what}{'_layer' if through_layer else ''}", error, ("x",) + fragments,
+       addition(make_x, through_layer=through_layer))
+      for what, error, fragments, make_x in [
+          ("sparse", TypeError, ("sparse_coo",), lambda d: torch.randn(2, 3, 8, device=d).to_sparse()),
+          ("negated", ValueError, ("x.is_neg()",), lambda d: _negated(2, 3, 8, device=d))]
+      for through_layer in (False, True)],
     # -- the torch.library ops called directly
     ("op_pe_columns_beyond_the_row", ValueError, "pe_width", op(lambda d: dict(pe_width=16))),
     ("op_table_narrower_than_pe", ValueError, "pe_width", op(lambda d: dict(weight=torch.randn(20, 4, device=d)))),
