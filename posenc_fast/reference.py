@@ -40,6 +40,13 @@ from . import config
 _RADIANS_PER_UNIT = 2.0 * math.pi / 2.0**64
 
 
+def _times(t: torch.Tensor, factor: float) -> torch.Tensor:
+    """``t * factor`` with the factor as a float64 tensor (0-d, on the CPU, as a scalar is): torch.onnx.export
+    makes a Python float, or a torch.full of it, a float32 constant, whose rounding (of 2 pi / 2**64, of
+    sqrt(d)) would leave fp32 outputs an ulp off."""
+    return t * torch.tensor(factor, dtype=torch.float64)
+
+
 def _assign(table: torch.Tensor, columns: range, values: torch.Tensor) -> None:
     if len(columns):
         table[..., columns.start : columns.stop : columns.step] = values[..., : len(columns)]
@@ -58,7 +65,7 @@ def exact_sinusoid(positions: torch.Tensor, turns: torch.Tensor, pe_width: int, 
         # whole into a buffer of its own dtype (pytorch/pytorch#178868).
         turns = torch.cat([turns, turns.new_zeros(slots - turns.numel())])
     frac = positions.unsqueeze(-1) * turns  # wraps mod 2**64: the exact fractional turn
-    angle = frac.to(torch.float64) * _RADIANS_PER_UNIT  # in [-pi, pi)
+    angle = _times(frac.to(torch.float64), _RADIANS_PER_UNIT)  # in [-pi, pi)
     table = torch.zeros(positions.shape + (pe_width,), dtype=torch.float64, device=positions.device)
     _assign(table, sin_columns, torch.sin(angle))
     _assign(table, cos_columns, torch.cos(angle))
@@ -122,14 +129,14 @@ def embed_flat(
     else:  # an empty table: every id is out of range (nothing to gather from, even row 0)
         rows = weight.new_zeros((ids.shape[0], weight.shape[1])) + weight.sum()  # keeps the autograd link
     # Selected, not multiplied by the mask: row 0 stands in for out-of-range ids and may hold inf.
-    tokens = torch.where(in_range.unsqueeze(-1), rows.to(torch.float64) * embed_scale, 0.0)
-    pe = exact_sinusoid(positions, turns, pe_width, columns) * pe_scale
+    tokens = torch.where(in_range.unsqueeze(-1), _times(rows.to(torch.float64), embed_scale), 0.0)
+    pe = _times(exact_sinusoid(positions, turns, pe_width, columns), pe_scale)
     if zero_pe_at_padding:
         pe = pe * (ids != padding_idx).unsqueeze(-1)
     out = torch.cat([tokens, pe], dim=-1) if concat else tokens + pe
     if dropout is not None:
         keep = dropout_keep(dropout.seed, out.shape[0], out.shape[1], dropout.threshold)
-        out = torch.where(keep, out * dropout.scale, 0.0)
+        out = torch.where(keep, _times(out, dropout.scale), 0.0)
     return out.to(weight.dtype)
 
 
