@@ -728,6 +728,46 @@ def test_deepcopy_and_pickle_keep_a_working_patch(tmp_path):
         _close(_logits(twin, dict(input_ids=ids, decoder_input_ids=ids)), expected)
 
 
+def _data_parallel_replica(module, dtype):
+    """What nn.DataParallel's replicate() makes of ``module`` for another GPU (it needs GPUs; this runs
+    anywhere): ``module._replicate_for_data_parallel()``, given its own copies of the parameters and
+    buffers, here in ``dtype`` standing in for another device's."""
+    replica = module._replicate_for_data_parallel()
+    for name, parameter in module._parameters.items():
+        if parameter is not None:
+            setattr(replica, name, parameter.detach().to(dtype))
+    for name, buffer in module._buffers.items():
+        if buffer is not None:
+            replica._buffers[name] = buffer.to(dtype) if buffer.is_floating_point() else buffer
+    return replica
+
+
+def test_data_parallel_replicas_compute_from_their_own_tables(family, seed):
+    """nn.DataParallel copies each module's __dict__ into a replica that holds its own device's parameters and
+    buffers.  A patched position module's replica computes from the replica's table (its device and dtype:
+    float64 here), as the unpatched module's replica reads its own, not from the module it was copied from."""
+    model, original, inputs = _patched_pair(family, seed)
+    _skip_where_the_model_itself_fails(original, inputs)
+    modules, unpatched = dict(model.named_modules()), dict(original.named_modules())
+    names = {module: name for name, module in modules.items()}
+    calls = {}  # name -> (args, kwargs) of the patched module's call in the model's forward
+    handles = [m.register_forward_pre_hook(lambda m, args, kwargs: calls.setdefault(names[m], (args, kwargs)),
+                                           with_kwargs=True) for m in _patched_modules(model)]
+    _logits(model, inputs)
+    for handle in handles:
+        handle.remove()
+    # (PegasusX's position module has no table: its PE takes the embeddings' dtype)
+    with_tables = [name for name in calls if any(hasattr(modules[name], t) for t in ("weight", "weights"))]
+    assert with_tables or family.name == "pegasus_x", calls.keys()
+    for name in with_tables:
+        args, kwargs = calls[name]
+        with torch.no_grad():
+            got = _data_parallel_replica(modules[name], torch.float64)(*args, **kwargs)
+            expected = _data_parallel_replica(unpatched[name], torch.float64)(*args, **kwargs)
+        assert got.dtype == expected.dtype == torch.float64, (name, got.dtype)
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+
+
 # ------------------------------------------------------------------ what users attach to the embeddings
 
 TOKEN_FAMILIES = [f for f in FAMILIES if f.tokens]

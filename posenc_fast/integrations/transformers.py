@@ -446,13 +446,11 @@ def _prepare(patch: _PositionPatch, table_name: str, table_readable: bool) -> _S
     return state
 
 
-def _apply(patch: _PositionPatch, state: _State) -> bool:
-    """Patch the module; whether its table was trainable and is now frozen."""
-    module = patch.module
-    module._posenc_fast = state
-    setattr(module, _READS_TABLE, False)
-    # A partial of a module-level function and the instance: deepcopy binds it to the copy, pickle
-    # (torch.save of the whole model) stores the function by name.
+def _bind_forward(module: nn.Module) -> None:
+    """Give ``module`` the patched forward, bound to it.  A partial of a module-level function and the
+    instance: deepcopy binds it to the copy, pickle (torch.save of the whole model) stores the function by
+    name.  nn.DataParallel's replicas copy the module's ``__dict__``, forward included, so the module's
+    ``_replicate_for_data_parallel`` binds it again to each replica (which holds its own device's table)."""
     forward = functools.partial(_position_forward, module)
     if getattr(module, "_hf_hook", None) is not None and hasattr(module, "_old_forward"):
         # accelerate's hook (device_map, offloading) wraps the forward and calls ``_old_forward`` after
@@ -460,6 +458,21 @@ def _apply(patch: _PositionPatch, state: _State) -> bool:
         module._old_forward = forward
     else:
         module.forward = forward
+    module._replicate_for_data_parallel = functools.partial(_replica, module)
+
+
+def _replica(module: nn.Module) -> nn.Module:
+    replica = type(module)._replicate_for_data_parallel(module)
+    _bind_forward(replica)
+    return replica
+
+
+def _apply(patch: _PositionPatch, state: _State) -> bool:
+    """Patch the module; whether its table was trainable and is now frozen."""
+    module = patch.module
+    module._posenc_fast = state
+    setattr(module, _READS_TABLE, False)
+    _bind_forward(module)
     table = _table_of(module)
     if isinstance(table, nn.Parameter) and table.requires_grad:
         table.requires_grad_(False)
