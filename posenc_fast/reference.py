@@ -16,7 +16,8 @@ keep mask is a pure function of a 64-bit seed and the element's place, so every
 backend draws the same mask and backward regenerates it (see
 :func:`dropout_keep`); the seed comes from torch's generator (``_dropout``).
 
-Everything is computed in float64 and rounded once to the output dtype.  The
+Everything is computed in float64, then rounded to the output dtype: once to fp32; to bf16 and
+fp16 through fp32, as torch converts (two roundings, which the CUDA and CPU kernels avoid).  The
 angle is never formed as a product ``p * w`` in floating point: the pair's
 phase is the exact fractional turn ``p * R_i mod 2**64`` (see ``_spec``), so the
 reference stays exact for every int64 position, where an fp32 (or even fp64)
@@ -120,7 +121,7 @@ def embed_flat(
 ) -> torch.Tensor:
     """The layer on flat inputs (ids [N], int64 positions [N]); differentiable w.r.t. ``weight``.
 
-    Returns ``[N, width]`` in ``weight.dtype``, computed in float64 and rounded once.
+    Returns ``[N, width]`` in ``weight.dtype``, computed in float64 and rounded (as the module docstring says).
     """
     ids = ids.to(torch.int64)
     in_range = (ids >= 0) & (ids < weight.shape[0])

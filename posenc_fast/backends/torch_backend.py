@@ -1,4 +1,4 @@
-"""Torch backend: the reference definition run as an op (float64 inside, rounded once).
+"""Torch backend: the reference definition run as an op (float64 inside, rounded as the reference rounds).
 
 The CPU path of the library and the fallback when no GPU kernel applies.  It
 materialises a float64 PE for the batch, so it is exact but not fast.
