@@ -141,21 +141,21 @@ def _positions_by_rule(ids, spec: PESpec, positions, offset, cu_seqlens, positio
     return positions, offset
 
 
-def _refuse_jit_trace(positions, offset, cu_seqlens, position_rule: str = "offset") -> None:
-    """Under jit.trace, refuse a call whose positions derive from its length, an offset, ``cu_seqlens`` or
-    a position rule: the tracer records Python values as constants and would bake them in.  With explicit
-    ``positions``, the standard-ops form (``_dispatch.route``) reads only tensors and their sizes, which the
-    tracer records, so the trace is right at every shape; patch_model's position modules pass positions, so
-    TorchScript's ONNX exporter, and optimum's, take a patched model.  Runs before the call's validation."""
+def _refuse_jit_trace(positions, offset, cu_seqlens) -> None:
+    """Under jit.trace, refuse a call whose positions derive from its length, an offset or ``cu_seqlens``:
+    the tracer records Python values as constants and would bake them in.  With explicit ``positions`` (a
+    position rule then passes them through), the standard-ops form (``_dispatch.route``) reads only tensors
+    and their sizes, which the tracer records, so the trace is right at every shape; patch_model's position
+    modules pass positions, so TorchScript's ONNX exporter, and optimum's, take a patched model.  Runs
+    before the call's validation."""
     if not _jit_tracing():
         return
-    if (isinstance(positions, torch.Tensor) and cu_seqlens is None and position_rule == "offset"
-            and isinstance(offset, int) and offset == 0):
+    if isinstance(positions, torch.Tensor) and cu_seqlens is None and isinstance(offset, int) and offset == 0:
         return
     raise RuntimeError(
         "posenc_fast supports torch.jit.trace (and torch.onnx.export's TorchScript exporter, which traces) only "
-        "for calls with explicit positions (and no offset, cu_seqlens or position_rule): a trace would bake in "
-        "this call's sequence length or offset. Pass positions=..., or use torch.export.export, or "
+        "for calls with explicit positions (and no offset or cu_seqlens): a trace would bake in this call's "
+        "sequence length or offset. Pass positions=..., or use torch.export.export, or "
         "torch.onnx.export(..., dynamo=True), which keep the lengths symbolic")
 
 
@@ -174,7 +174,7 @@ def apply_spec(ids, weight, spec: PESpec, turns: torch.Tensor, positions, offset
     ``standard_ops_under_export``: under torch.export, the definition in standard ops instead of the fused
     op (patch_model's position modules: an exported model then runs without posenc_fast).
     """
-    _refuse_jit_trace(positions, offset, cu_seqlens, position_rule)
+    _refuse_jit_trace(positions, offset, cu_seqlens)
     refuse_nested("ids", ids)  # (before a position rule or cu_seqlens reads its shape)
     for name, value in (("sparse", sparse), ("training", training)):
         if value is not False and value is not True:  # (as F.dropout's training: a bool, nothing else)

@@ -268,6 +268,13 @@ _POSITIONED = {
                    lambda g, shape: torch.randn(*shape, WIDTH, generator=g),
                    lambda x, positions, base: SCALE * x.double() + reference.sinusoidal_table(
                        positions, WIDTH, base=base)),
+    # A position rule passes explicit positions through, so a module with one traces as any other.
+    "module, fairseq rule": (lambda backend, base, device: _module_with_table(
+                                 _TRACE_TABLE, preset="fairseq", padding_idx=3, backend=backend, device=device),
+                             lambda g, shape: torch.randint(0, VOCAB, shape, generator=g),
+                             lambda ids, positions, base: reference.sinusoidal_embedding(
+                                 ids, _TRACE_TABLE.double(), positions=positions, padding_idx=3,
+                                 **pf.presets.get("fairseq").kwargs(WIDTH))),
     # Frequencies given as a tensor: read as floats when the trace is made (constants of the layer).
     "functional, tensor frequencies": (
         lambda backend, base, device: lambda ids, positions: pf.sinusoidal_embedding(
@@ -287,8 +294,11 @@ _TRACE_FREQUENCIES = [1.0, 0.5, 0.25, 0.125, 2.0**-10]
 _TRACE_FREQUENCY_TENSOR = torch.tensor(_TRACE_FREQUENCIES, dtype=torch.float64)
 
 
-def _module_with_table(table, device="cpu", **kwargs):
-    layer = pf.SinusoidalEmbedding(*table.shape, device=device, **kwargs)
+def _module_with_table(table, device="cpu", preset=None, **kwargs):
+    if preset is not None:
+        layer = pf.SinusoidalEmbedding.from_preset(preset, *table.shape, **kwargs).to(device)
+    else:
+        layer = pf.SinusoidalEmbedding(*table.shape, device=device, **kwargs)
     with torch.no_grad():
         layer.weight.copy_(table)
     return layer
