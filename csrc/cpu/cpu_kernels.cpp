@@ -671,9 +671,13 @@ POSENC_INLINE void zero_rows(const CpuWeightGradArgs& a, int64_t begin, int64_t 
 }
 
 // One work item's sum: the run's tokens' gradient columns [col0, col0 + count) in sorted order, in fp32,
-// started from its first token (no zeroed accumulator), scaled once and stored.  kColumns is kGradColumns
+// started from its first token (no zeroed accumulator), scaled once and stored.  A run longer than
+// kRunBlock tokens sums blocks of kRunBlock in fp32 and their sums in float64: its error is bounded by a
+// block's length, not the run's (a frequent id's run can be thousands of tokens long).  kColumns is kGradColumns
 // for a full block (constant loop bounds) or 0 for a row's narrower last block.  The next token's columns
 // are prefetched: a run's tokens are rows far apart in grad_out, which no hardware prefetcher predicts.
+constexpr int64_t kRunBlock = 32;
+
 template <typename G, typename W, int64_t kColumns>
 POSENC_INLINE void sum_run(const GradPlan& p, int64_t first, int64_t last, int64_t col0, int64_t count,
                            W* __restrict__ out) {
@@ -682,24 +686,39 @@ POSENC_INLINE void sum_run(const GradPlan& p, int64_t first, int64_t last, int64
   const G* __restrict__ grad_out = static_cast<const G*>(a.grad_out) + col0;
   float sum[kGradColumns];
   float row[kGradColumns];
-  for (int64_t i = first; i < last; ++i) {
-    const int64_t token = a.order[i];
-    const G* __restrict__ g = grad_out + token * a.grad_out_row_stride;
-    if (i + 1 < last) prefetch_lines(grad_out + a.order[i + 1] * a.grad_out_row_stride, n * sizeof(G));
-    if (a.dropout_seed != nullptr) {
-      for (int64_t k = 0; k < n; ++k) row[k] = Element<G>::widen(g[k]);
-      // A dropped element adds 0, even if its gradient is not finite (a select, as in the reference).
-      apply_dropout(p.mask, token, col0, n, 1.0f, row);
-      if (i == first) {
-        for (int64_t k = 0; k < n; ++k) sum[k] = row[k];
+  double total[kGradColumns];  // a long run's block sums
+  const bool blocked = last - first > kRunBlock;
+  for (int64_t block = first; block < last; block += kRunBlock) {
+    const int64_t block_end = min_of(block + kRunBlock, last);
+    for (int64_t i = block; i < block_end; ++i) {
+      const int64_t token = a.order[i];
+      const G* __restrict__ g = grad_out + token * a.grad_out_row_stride;
+      if (i + 1 < last) prefetch_lines(grad_out + a.order[i + 1] * a.grad_out_row_stride, n * sizeof(G));
+      if (a.dropout_seed != nullptr) {
+        for (int64_t k = 0; k < n; ++k) row[k] = Element<G>::widen(g[k]);
+        // A dropped element adds 0, even if its gradient is not finite (a select, as in the reference).
+        apply_dropout(p.mask, token, col0, n, 1.0f, row);
+        if (i == block) {
+          for (int64_t k = 0; k < n; ++k) sum[k] = row[k];
+        } else {
+          for (int64_t k = 0; k < n; ++k) sum[k] += row[k];
+        }
+      } else if (i == block) {
+        for (int64_t k = 0; k < n; ++k) sum[k] = Element<G>::widen(g[k]);
       } else {
-        for (int64_t k = 0; k < n; ++k) sum[k] += row[k];
+        for (int64_t k = 0; k < n; ++k) sum[k] += Element<G>::widen(g[k]);
       }
-    } else if (i == first) {
-      for (int64_t k = 0; k < n; ++k) sum[k] = Element<G>::widen(g[k]);
-    } else {
-      for (int64_t k = 0; k < n; ++k) sum[k] += Element<G>::widen(g[k]);
     }
+    if (blocked) {
+      if (block == first) {
+        for (int64_t k = 0; k < n; ++k) total[k] = sum[k];
+      } else {
+        for (int64_t k = 0; k < n; ++k) total[k] += sum[k];
+      }
+    }
+  }
+  if (blocked) {
+    for (int64_t k = 0; k < n; ++k) sum[k] = static_cast<float>(total[k]);
   }
   for (int64_t k = 0; k < n; ++k) out[k] = Element<W>::narrow(sum[k] * p.scale);
 }
