@@ -44,8 +44,8 @@ class Batch(NamedTuple):
             return self.positions
         n = torch.arange(self.ids.numel(), device=self.ids.device, dtype=torch.int64)
         within = n % max(self.seq_len, 1)
-        if self.offsets is not None:
-            return self.offsets.repeat_interleave(self.seq_len) + within
+        if self.offsets is not None:  # (token n's sequence: a direct op call's last one may be short)
+            return self.offsets[n // max(self.seq_len, 1)] + within
         return within + self.offset
 
 

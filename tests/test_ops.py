@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from posenc_fast import ops
+from posenc_fast import ops, reference
 from posenc_fast._validate import make_spec
 
-from cases import backend_targets
+from cases import assert_within, backend_targets, output_bound
 
 TARGETS = backend_targets()
 
@@ -81,3 +81,18 @@ def test_weight_gradient_skips_the_op_only_where_nothing_records_or_transforms(m
     # forward may call the implementation there, as the op would after unwrapping (test_transforms has the rest).
     functorch_grad = torch.func.grad(lambda w: (embed(w) * grad_out).sum())(weight.detach())
     torch.testing.assert_close(functorch_grad, expected)
+
+
+@pytest.mark.parametrize("backend,device", TARGETS)
+def test_a_direct_call_whose_length_does_not_divide_the_tokens(backend, device):
+    """The op takes per-sequence offsets for ceil(N / seq_len) sequences, the last one short: token n is at
+    offsets[n // seq_len] + n % seq_len on every backend (the reference's materialised positions included)."""
+    spec = make_spec(20, 8, "add", None, 10000.0, "interleaved", 1.0, 1.0, None)
+    ids, weight = torch.randint(0, 20, (11,)), torch.randn(20, 8)
+    offsets = torch.tensor([10, -20, 2**40])
+    out = ops.sinusoidal_embedding_op(ids.to(device), weight.to(device), spec.turns_tensor(device), None,
+                                      offsets.to(device), 0, 4, False, 8, spec.columns.as_list(), 1.0, 1.0, -1, False,
+                                      False, 0, 20, None, 0.0, backend)
+    n = torch.arange(11)
+    exact = reference.sinusoidal_embedding(ids, weight.double(), positions=offsets[n // 4] + n % 4)
+    assert_within(out, exact, output_bound(exact, torch.float32), f"{backend}: 11 tokens, sequences of 4")
