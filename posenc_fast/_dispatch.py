@@ -51,8 +51,9 @@ _legacy_batched = torch._C._functorch.is_legacy_batchedtensor
 
 def plain(t) -> bool:
     """Whether ``t`` is None or a tensor whose memory a kernel can read: not a functorch wrapper
-    (``grad``'s or ``vmap``'s, including one kept from a finished transform: see ``eager_call``)."""
-    return t is None or not _functorch_wrapped(t)
+    (``grad``'s or ``vmap``'s, including one kept from a finished transform: see ``eager_call``) nor a
+    legacy-vmap batched tensor (``torch.autograd.functional``'s vectorized forward-mode tangents)."""
+    return t is None or not (_functorch_wrapped(t) or _legacy_batched(t))
 
 
 def in_onnx_export() -> bool:

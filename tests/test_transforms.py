@@ -163,6 +163,9 @@ def test_jacfwd_equals_jacrev_and_hessian(entry, backend, device, seed):
     forward = torch.func.jacfwd(lambda p: f(ids, p))(primal)
     backward = torch.func.jacrev(lambda p: f(ids, p))(primal)
     torch.testing.assert_close(forward, backward, atol=0, rtol=0)
+    # torch.autograd.functional's vectorized forward mode: its tangents are legacy-vmap batched tensors.
+    legacy = torch.autograd.functional.jacobian(lambda p: f(ids, p), primal, vectorize=True, strategy="forward-mode")
+    torch.testing.assert_close(legacy, forward, atol=0, rtol=0)
     # The exact Jacobian: the tangent map applied to every basis tangent.
     basis = torch.eye(primal.numel(), dtype=torch.float64, device=device).reshape(primal.numel(), *primal.shape)
     exact = torch.stack([entry.tangent_of(ids, b) for b in basis], dim=-1).reshape(forward.shape)
