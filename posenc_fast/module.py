@@ -207,11 +207,14 @@ class SinusoidalEmbedding(nn.Module):
 
     @classmethod
     def from_pretrained(cls, weight: torch.Tensor, *, preset: Optional[str] = None, freeze: bool = False,
-                        padding_idx: Optional[int] = None, **kwargs) -> "SinusoidalEmbedding":
+                        padding_idx: Optional[int] = None, num_embeddings: Optional[int] = None,
+                        **kwargs) -> "SinusoidalEmbedding":
         """Wrap an existing token table, used, not copied (like ``nn.Embedding.from_pretrained``).
 
         ``weight`` is ``[num_embeddings, token_width]``; ``d_model`` is its width (plus ``d_pos`` in
         concat mode).  ``preset`` names a library convention; other keyword arguments as the constructor.
+        A vocabulary-parallel shard (``vocab_range=(start, end)``) takes its ``end - start`` rows and
+        ``num_embeddings``, the whole vocabulary's size.
 
         An ``nn.Parameter`` becomes the layer's ``weight`` itself, so a table tied to an output
         projection stays one Parameter: its gradient lands where the model's optimizer looks, and
@@ -225,15 +228,22 @@ class SinusoidalEmbedding(nn.Module):
             raise ValueError("freeze=True with a trainable nn.Parameter: the layer keeps the Parameter it is given, "
                              "so freezing would freeze it for its other users; call weight.requires_grad_(False) "
                              "yourself, or pass weight.detach()")
+        if kwargs.get("vocab_range") is not None and num_embeddings is None:
+            raise ValueError("from_pretrained with vocab_range needs num_embeddings, the whole vocabulary's size "
+                             "(the table holds the shard's rows only)")
         concat_width = kwargs.get("d_pos") or 0 if kwargs.get("mode") == "concat" else 0
         d_model = weight.shape[1] + concat_width
+        num_embeddings = weight.shape[0] if num_embeddings is None else num_embeddings
         # Build on the meta device: no table is allocated or randomly initialised only to be replaced.
         kwargs["device"] = "meta"
         kwargs.setdefault("dtype", weight.dtype)
         if preset is not None:
-            module = cls.from_preset(preset, weight.shape[0], d_model, padding_idx=padding_idx, **kwargs)
+            module = cls.from_preset(preset, num_embeddings, d_model, padding_idx=padding_idx, **kwargs)
         else:
-            module = cls(weight.shape[0], d_model, padding_idx=padding_idx, **kwargs)
+            module = cls(num_embeddings, d_model, padding_idx=padding_idx, **kwargs)
+        if module.weight.shape[0] != weight.shape[0]:
+            raise ValueError(f"num_embeddings={num_embeddings} and vocab_range={kwargs.get('vocab_range')!r} make a "
+                             f"table of {module.weight.shape[0]} rows, but weight has {weight.shape[0]}")
         module.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=not freeze)
         module._prepare_turns()
         return module

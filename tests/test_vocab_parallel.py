@@ -59,6 +59,24 @@ def test_shards_sum_to_the_unsharded_layer(backend, device, kwargs):
         assert shards[1].padding_idx == 5 and shards[0].padding_idx is None
 
 
+def test_from_pretrained_loads_a_shard_from_its_rows():
+    """A shard loaded from its rows of a checkpoint (from_pretrained with vocab_range and the whole
+    vocabulary's size) is the shard the constructor makes; without that size, or with rows that do not
+    fit the range, it is refused."""
+    full, shards = _full_and_shards("torch", "cpu")
+    ids = torch.randint(0, VOCAB, (2, 9))
+    for shard, (start, end) in zip(shards, zip(BOUNDS[:-1], BOUNDS[1:])):
+        loaded = pf.SinusoidalEmbedding.from_pretrained(full.weight.detach()[start:end], vocab_range=(start, end),
+                                                        num_embeddings=VOCAB, backend="torch")
+        assert torch.equal(loaded(ids), shard(ids))
+    with pytest.raises(ValueError, match="num_embeddings"):
+        pf.SinusoidalEmbedding.from_pretrained(full.weight.detach()[:20], vocab_range=(0, 20))
+    with pytest.raises(ValueError, match="table of 17 rows, but weight has 20"):
+        pf.SinusoidalEmbedding.from_pretrained(full.weight.detach()[:20], vocab_range=(20, 37), num_embeddings=VOCAB)
+    with pytest.raises(ValueError, match="table of 50 rows, but weight has 20"):
+        pf.SinusoidalEmbedding.from_pretrained(full.weight.detach()[:20], num_embeddings=VOCAB)
+
+
 def test_shard_checks_global_ids_and_arguments():
     _, shards = _full_and_shards("torch", "cpu")
     shards[1](torch.tensor([[0, 49, 21]]))  # ids of other shards are valid
