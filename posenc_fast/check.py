@@ -17,7 +17,7 @@ from ._dispatch import BACKENDS
 from ._timing import median_ms
 from .backends import cuda_backend
 from .baselines import EagerSinusoidalEmbedding
-from .cli import device_from_arg
+from .cli import device_from_arg, positive_int, usage_error
 from .functional import sinusoidal_embedding
 
 
@@ -25,10 +25,11 @@ def add_subcommand(subparsers) -> None:
     parser = subparsers.add_parser("check", help="check accuracy against float64 and time against eager PyTorch",
                                    description=__doc__)
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
-    parser.add_argument("--batch", type=int, default=None, help="sequences (default: 16 on GPU, 4 on CPU)")
-    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: 4096 GPU, 128 CPU)")
-    parser.add_argument("--d-model", type=int, default=None, help="width (default: 1024 GPU, 128 CPU)")
-    parser.add_argument("--vocab", type=int, default=32768)
+    parser.add_argument("--batch", type=positive_int, default=None, help="sequences (default: 16 on GPU, 4 on CPU)")
+    parser.add_argument("--seq-len", type=positive_int, default=None,
+                        help="tokens per sequence, at most 2^24 (default: 4096 GPU, 128 CPU)")
+    parser.add_argument("--d-model", type=positive_int, default=None, help="width (default: 1024 GPU, 128 CPU)")
+    parser.add_argument("--vocab", type=positive_int, default=32768)
     parser.add_argument("--seed", type=int, default=0)
     parser.set_defaults(func=run)
 
@@ -79,10 +80,12 @@ def _triton_version() -> str:
 def run(args: argparse.Namespace) -> int:
     device = device_from_arg(args.device)
     gpu = device.type == "cuda"
-    batch = args.batch or (16 if gpu else 4)
-    seq_len = args.seq_len or (4096 if gpu else 128)
-    d_model = args.d_model or (1024 if gpu else 128)
+    batch = args.batch if args.batch is not None else (16 if gpu else 4)
+    seq_len = args.seq_len if args.seq_len is not None else (4096 if gpu else 128)
+    d_model = args.d_model if args.d_model is not None else (1024 if gpu else 128)
     vocab = args.vocab
+    if seq_len > 2**24:  # the offsets are drawn from [-2^24, 2^24 - seq_len)
+        raise usage_error(f"--seq-len {seq_len}: at most 2^24")
     name = torch.cuda.get_device_name(device) if gpu else "CPU"
     print(f"posenc_fast check on {name}: {batch} x {seq_len} tokens, d_model {d_model}, vocab {vocab}")
     print("positions: per-sequence offsets spread over [-2^24, 2^24]; reference: float64 with exact angles\n")

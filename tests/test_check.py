@@ -2,6 +2,9 @@
 backends it could not run."""
 
 import importlib.util
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -35,9 +38,43 @@ def test_unrunnable_device_is_one_line_naming_the_one_that_runs(device, capsys):
                     ["experiment", "add-vs-concat", "--device", device]):
         with pytest.raises(SystemExit) as raised:
             cli.main(command)
-        message = str(raised.value.code)
-        assert "\n" not in message and f"--device {device} but torch sees no CUDA device" in message
+        message = capsys.readouterr().err
+        assert raised.value.code == 2  # (1 is check's "an accuracy bar missed")
+        assert message.count("\n") == 1 and f"--device {device} but torch sees no CUDA device" in message
         assert "use --device cpu, where backend 'cpu'" in message
+
+
+@pytest.mark.parametrize("command", [["check", "--batch", "0"], ["check", "--vocab", "-3"],
+                                     ["check", "--seq-len", str(2**24 + 1)],
+                                     ["bench", "--device", "cpu", "--out", "{file}"],
+                                     ["plot", "--out", "{file}/figures"],
+                                     ["experiment", "add-vs-concat", "--device", "cpu", "--out", "{file}"],
+                                     ["experiment", "subspace", "--out", "{file}"]], ids=" ".join)
+def test_arguments_a_command_cannot_run_with_exit_2_before_any_work(command, tmp_path, capsys, monkeypatch):
+    """Sizes below 1, and an --out that is a file (nothing can be written there): a one-line error and exit 2,
+    before any measurement or training (which would otherwise run to the end and lose its results)."""
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    for work in ("posenc_fast.check.sinusoidal_embedding", "posenc_fast.benchmark.cli.run_benchmark",
+                 "posenc_fast.explore.experiment.run_add_vs_concat", "posenc_fast.explore.subspace.random_tokens_vs_pe"):
+        monkeypatch.setattr(work, lambda *args, **kwargs: pytest.fail("the command started its work"))
+    with pytest.raises(SystemExit) as raised:
+        cli.main([part.format(file=a_file) for part in command])
+    assert raised.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_the_console_script_runs_triton_through_the_interpreter(tmp_path):
+    """``posenc-fast`` (pyproject's script, posenc_fast.cli:main) without TRITON_INTERPRET set: cli.main sets it
+    where there is no GPU, as ``python -m posenc_fast`` does, so check runs triton too."""
+    if torch.cuda.is_available() or importlib.util.find_spec("triton") is None:
+        pytest.skip("needs Triton and no GPU")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = "import sys; from posenc_fast.cli import main; sys.exit(main(sys.argv[1:]))"
+    done = subprocess.run([sys.executable, "-c", script, *TINY], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "triton (interpreter)" in done.stdout and "skipped backend 'triton'" not in done.stdout
 
 
 def test_check_without_triton_says_so(monkeypatch, capsys):

@@ -11,11 +11,11 @@ from typing import Callable, List, Optional
 
 import torch
 
+from ..cli import device_from_arg, output_folder
 from .cases import OPS, IMPLS, GPU_DEFAULT_IMPLS, CPU_DEFAULT_IMPLS, CASE_BY_NAME, HEADLINE, select_cases, for_device
 from .results import MergeError, validate_document
 from .report import target_report, format_table, plot_results
 from .run import run_benchmark
-from ..cli import device_from_arg
 
 # Relative to the current directory, not this repository's layout: bench/results/ holds the committed
 # results, copied there by hand.
@@ -104,7 +104,7 @@ def run_command(args: argparse.Namespace) -> int:
     def log(line: str) -> None:
         print(line, flush=True)
 
-    log(f"results go to {os.path.abspath(args.out)}")
+    log(f"results go to {os.path.abspath(output_folder(args.out))}")
 
     try:
         report = run_benchmark(cases, impls, device, args.out, ops=ops, time_budget_s=args.time_budget,

@@ -14,7 +14,7 @@ from typing import List
 
 from . import experiment as experiment_module
 from . import subspace
-from ..cli import device_from_arg
+from ..cli import device_from_arg, output_folder
 
 
 def add_subcommand(subparsers) -> None:
@@ -60,6 +60,7 @@ def _run_plot(args: argparse.Namespace) -> int:
     if args.positions < 2:
         print("error: --positions must be >= 2", file=sys.stderr)
         return 2
+    output_folder(args.out)
     for path in plots.write_pe_plots(args.out, dim=args.d_model, num_positions=args.positions, base=args.base,
                                      layout=args.layout):
         print(f"wrote {path} ({os.path.getsize(path) / 1024:.0f} KB)")
@@ -132,6 +133,8 @@ def _run_add_vs_concat(args: argparse.Namespace) -> int:
     if args.seeds < 1:
         print("error: --seeds must be >= 1", file=sys.stderr)
         return 2
+    if args.out:
+        output_folder(args.out)
     try:
         config.validate()
     except ValueError as exc:
@@ -174,6 +177,8 @@ def _run_add_vs_concat(args: argparse.Namespace) -> int:
 
 
 def _run_subspace(args: argparse.Namespace) -> int:
+    if args.out:
+        output_folder(args.out)
     try:
         token_stds = [float(part) for part in args.token_stds.split(",") if part.strip()]
         angle_rows = subspace.random_tokens_vs_pe(
