@@ -24,6 +24,7 @@ sources, the Python ABI, the nvcc version and the archs: installing again (``pip
 import importlib.util
 import os
 import sys
+import sysconfig
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
@@ -117,6 +118,13 @@ class BuildPyWithSources(build_py):
         super().run()
         if self.editable_mode:
             return  # an editable install finds <repo>/csrc directly
+        # A module an earlier build left in the build folder, of an extension not built now (BUILD_CUDA=0 or
+        # BUILD_CPU=0 in a checkout installed before), would be packed into the wheel again.
+        built_now = {ext.name.rsplit(".", 1)[1] for ext in ext_modules}
+        for name in ("_C", "_cpu"):
+            stale = os.path.join(self.build_lib, "posenc_fast", name + sysconfig.get_config_var("EXT_SUFFIX"))
+            if name not in built_now and os.path.exists(stale):
+                os.remove(stale)
         target = os.path.join(self.build_lib, "posenc_fast", "_csrc")
         self.mkpath(target)
         for name in sorted(set(_build.SOURCES + _build.HEADERS + _build.EMULATION_HEADERS + _build.CPU_SOURCES

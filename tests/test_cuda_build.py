@@ -338,6 +338,34 @@ def test_build_cache_is_reused_and_found_whatever_the_arch_list(tmp_path, monkey
     assert _build.cached_extension(dict(env, POSENC_FAST_CUDA_ARCHS="80")) == for_80
 
 
+@pytest.mark.slow
+def test_a_wheel_without_the_cuda_extension_holds_none_from_an_earlier_build(tmp_path):
+    """POSENC_FAST_BUILD_CUDA=0 in a checkout built before: the module the earlier build left in setuptools'
+    build folder is not packed into the new wheel (the CPU extension, built now, is)."""
+    import sysconfig
+    import zipfile
+
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ("setup.py", "pyproject.toml", "MANIFEST.in", "README.md", "LICENSE"):
+        shutil.copy(os.path.join(REPO, name), source / name)
+    for folder in ("posenc_fast", "csrc"):
+        shutil.copytree(os.path.join(REPO, folder), source / folder,
+                        ignore=shutil.ignore_patterns("*.so", "__pycache__", "_csrc"))
+    # setuptools' build folder for a wheel with extensions: build/lib.<platform>-<cache tag>
+    build_lib = source / "build" / f"lib.{sysconfig.get_platform()}-{sys.implementation.cache_tag}"
+    (build_lib / "posenc_fast").mkdir(parents=True)
+    (build_lib / "posenc_fast" / _build.extension_filename()).write_text("an earlier build's module")
+    env = {**os.environ, "POSENC_FAST_BUILD_CUDA": "0", "POSENC_FAST_BUILD_PROGRESS": "0"}
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", ".",
+                           "-w", str(tmp_path / "dist")], cwd=source, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (wheel,) = (tmp_path / "dist").glob("*.whl")
+    modules = [n for n in zipfile.ZipFile(wheel).namelist() if n.endswith(".so")]
+    assert modules == [f"posenc_fast/{_build.cpu_extension_filename()}"], modules
+
+
 def test_a_failed_on_demand_build_is_not_tried_again():
     """An on-demand build that failed is tried once per process: each later call gets its error at once
     instead of waiting for another build."""
