@@ -324,6 +324,9 @@ def test_merge_keeps_rows_not_measured_again(tmp_path):
     bench.write_document(str(path), earlier)
     with pytest.raises(bench.MergeError, match="measured on"):
         bench.rows_to_merge(str(path), cpu)
+    path.write_text("{ not json")  # a file cut short: named, not json's traceback
+    with pytest.raises(bench.MergeError, match="cannot read"):
+        bench.rows_to_merge(str(path), cpu)
 
 
 def test_a_failing_implementation_keeps_what_was_measured(tmp_path, monkeypatch):

@@ -47,20 +47,28 @@ def test_unrunnable_device_is_one_line_naming_the_one_that_runs(device, capsys):
 @pytest.mark.parametrize("command", [["check", "--batch", "0"], ["check", "--vocab", "-3"],
                                      ["check", "--seq-len", str(2**24 + 1)],
                                      ["bench", "--device", "cpu", "--out", "{file}"],
-                                     ["plot", "--out", "{file}/figures"],
+                                     ["bench", "--summarize", "{file}"], ["bench", "--quick", "--full"],
+                                     ["bench", "--device", "cpu", "--time-budget", "0"],
+                                     ["plot", "--out", "{file}/figures"], ["plot", "--base", "0"],
                                      ["experiment", "add-vs-concat", "--device", "cpu", "--out", "{file}"],
-                                     ["experiment", "subspace", "--out", "{file}"]], ids=" ".join)
+                                     ["experiment", "add-vs-concat", "--device", "cpu", "--lr", "-1"],
+                                     ["experiment", "subspace", "--out", "{file}"],
+                                     ["experiment", "subspace", "--tokens", "0"], ["experiment", "subspace", "--dims", "0"],
+                                     ["experiment", "subspace", "--token-stds", ""]], ids=" ".join)
 def test_arguments_a_command_cannot_run_with_exit_2_before_any_work(command, tmp_path, capsys, monkeypatch):
-    """Sizes below 1, and an --out that is a file (nothing can be written there): a one-line error and exit 2,
-    before any measurement or training (which would otherwise run to the end and lose its results)."""
+    """Sizes below 1, a rate or base that is not positive, an --out that is a file (nothing can be written
+    there), a results file that is not one: an error naming it and exit 2, before any measurement or training
+    (which would otherwise run to the end and lose its results, or end in a traceback)."""
     a_file = tmp_path / "a_file"
     a_file.write_text("")
     for work in ("posenc_fast.check.sinusoidal_embedding", "posenc_fast.benchmark.cli.run_benchmark",
                  "posenc_fast.explore.experiment.run_add_vs_concat", "posenc_fast.explore.subspace.random_tokens_vs_pe"):
         monkeypatch.setattr(work, lambda *args, **kwargs: pytest.fail("the command started its work"))
-    with pytest.raises(SystemExit) as raised:
-        cli.main([part.format(file=a_file) for part in command])
-    assert raised.value.code == 2
+    try:
+        code = cli.main([part.format(file=a_file) for part in command])
+    except SystemExit as exit:  # (argparse's errors and usage_error raise; a command's own checks return 2)
+        code = exit.code
+    assert code == 2
     assert "error:" in capsys.readouterr().err
 
 

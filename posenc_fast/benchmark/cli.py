@@ -11,7 +11,7 @@ from typing import Callable, List, Optional
 
 import torch
 
-from ..cli import device_from_arg, output_folder
+from ..cli import device_from_arg, output_folder, usage_error
 from .cases import OPS, IMPLS, GPU_DEFAULT_IMPLS, CPU_DEFAULT_IMPLS, CASE_BY_NAME, HEADLINE, select_cases, for_device
 from .results import MergeError, validate_document
 from .report import target_report, format_table, plot_results
@@ -29,9 +29,10 @@ def add_subcommand(subparsers) -> None:
                     "fused backends; print a table, write <out>/<device-slug>.json and a PNG plot.")
     parser.add_argument("--out", default=DEFAULT_OUT,
                         help="folder for the JSON and the plot, created if needed (default: ./%(default)s)")
-    parser.add_argument("--quick", action="store_true", help="only the headline and decode cases (CPU: cpu-headline)")
-    parser.add_argument("--full", action="store_true",
-                        help="every case, every op, compile-max-autotune everywhere (longer than one 10-minute call)")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="only the headline and decode cases (CPU: cpu-headline)")
+    size.add_argument("--full", action="store_true",
+                      help="every case, every op, compile-max-autotune everywhere (longer than one 10-minute call)")
     parser.add_argument("--cases", default=None,
                         help=f"comma-separated case names, groups or patterns (cases: {', '.join(CASE_BY_NAME)})")
     parser.add_argument("--impls", default=None,
@@ -58,8 +59,11 @@ def _split(text: Optional[str]) -> List[str]:
 def summarize(path: str, log: Callable[[str], None] = print) -> int:
     """Print a results file's schema check and targets, and (re)draw its PNG (a run stopped by a
     time limit has its JSON but no plot)."""
-    with open(path, encoding="utf-8") as f:
-        doc = json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as error:  # (json.JSONDecodeError is a ValueError)
+        raise usage_error(f"--summarize {path}: {error}") from None
     problems = validate_document(doc)
     for p in problems:
         log(f"schema: {p}")
@@ -94,7 +98,9 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     impls = _split(args.impls) or list(GPU_DEFAULT_IMPLS if device.type == "cuda" else CPU_DEFAULT_IMPLS)
-    ops = _split(args.ops)
+    ops = _split(args.ops) or list(OPS)  # (an empty list, as an empty --cases or --impls: the default)
+    if args.time_budget is not None and not args.time_budget > 0:
+        raise usage_error(f"--time-budget {args.time_budget}: must be > 0 seconds")
     for name, values, allowed in (("implementation", impls, IMPLS), ("op", ops, OPS)):
         unknown = [v for v in values if v not in allowed]
         if unknown:

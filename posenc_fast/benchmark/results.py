@@ -104,8 +104,11 @@ def rows_to_merge(path: str, device: torch.device) -> Tuple[List[dict], Optional
     """The rows of an earlier results file for the same device, and a note saying what was kept."""
     if not os.path.exists(path):
         return [], None
-    with open(path, encoding="utf-8") as f:
-        doc = json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as error:  # (json.JSONDecodeError is a ValueError)
+        raise MergeError(f"--merge: cannot read {path}: {error}") from None
     problems = validate_document(doc)
     if problems:
         raise MergeError(f"--merge: {path} does not follow the schema: {problems[0]}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -14,7 +15,7 @@ from typing import List
 
 from . import experiment as experiment_module
 from . import subspace
-from ..cli import device_from_arg, output_folder
+from ..cli import device_from_arg, output_folder, positive_int
 
 
 def add_subcommand(subparsers) -> None:
@@ -23,14 +24,17 @@ def add_subcommand(subparsers) -> None:
     _add_experiment(subparsers)
 
 
-def _int_list(text: str) -> List[int]:
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values:
-        raise argparse.ArgumentTypeError("expected at least one integer")
-    return values
+def _number_list(kind):
+    """An argparse type: comma-separated numbers of ``kind`` (int or float), at least one, each > 0."""
+    def parse(text: str) -> List:
+        try:
+            values = [kind(part) for part in text.split(",") if part.strip()]
+        except ValueError:
+            values = []
+        if not values or not all(0 < value < math.inf for value in values):
+            raise argparse.ArgumentTypeError(f"expected comma-separated {kind.__name__}s > 0, got {text!r}")
+        return values
+    return parse
 
 
 def _add_plot(subparsers) -> None:
@@ -59,6 +63,9 @@ def _run_plot(args: argparse.Namespace) -> int:
         return 2
     if args.positions < 2:
         print("error: --positions must be >= 2", file=sys.stderr)
+        return 2
+    if not 0 < args.base < math.inf:
+        print(f"error: --base must be a finite number > 0, got {args.base}", file=sys.stderr)
         return 2
     output_folder(args.out)
     for path in plots.write_pe_plots(args.out, dim=args.d_model, num_positions=args.positions, base=args.base,
@@ -104,15 +111,15 @@ def _add_experiment(subparsers) -> None:
         description="Random N(0,1) token vectors vs the span of PE(0..L-1): principal angles and the share of "
                     "token energy inside the PE span, per d; plus nearest-token recovery after adding the PE.",
     )
-    subspace_parser.add_argument("--dims", type=_int_list, default=[64, 128, 256, 512, 1024, 2048, 4096],
+    subspace_parser.add_argument("--dims", type=_number_list(int), default=[64, 128, 256, 512, 1024, 2048, 4096],
                                  help="comma-separated widths (default: 64,...,4096)")
-    subspace_parser.add_argument("--tokens", type=int, default=32, help="token vectors (default: %(default)s)")
-    subspace_parser.add_argument("--positions", type=int, default=64, help="PE positions 0..L-1 (default: %(default)s)")
+    subspace_parser.add_argument("--tokens", type=positive_int, default=32, help="token vectors (default: %(default)s)")
+    subspace_parser.add_argument("--positions", type=positive_int, default=64, help="PE positions 0..L-1 (default: %(default)s)")
     subspace_parser.add_argument("--energy", type=float, default=subspace.DEFAULT_ENERGY,
                                  help="share of PE energy kept when choosing its span (default: %(default)s)")
-    subspace_parser.add_argument("--recovery-vocab", type=int, default=256,
+    subspace_parser.add_argument("--recovery-vocab", type=positive_int, default=256,
                                  help="table rows for the nearest-token recovery check (default: %(default)s)")
-    subspace_parser.add_argument("--token-stds", type=str, default="1,0.1",
+    subspace_parser.add_argument("--token-stds", type=_number_list(float), default=[1.0, 0.1],
                                  help="comma-separated init std of the token table for recovery (default: %(default)s)")
     subspace_parser.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
     subspace_parser.add_argument("--out", default=None, help="folder for subspace.json and a PNG")
@@ -180,11 +187,10 @@ def _run_subspace(args: argparse.Namespace) -> int:
     if args.out:
         output_folder(args.out)
     try:
-        token_stds = [float(part) for part in args.token_stds.split(",") if part.strip()]
         angle_rows = subspace.random_tokens_vs_pe(
             args.dims, num_tokens=args.tokens, num_positions=args.positions, energy=args.energy, seed=args.seed)
         recovery_rows = subspace.recovery_by_dim(
-            args.dims, token_stds, vocab_size=args.recovery_vocab, num_positions=args.positions, seed=args.seed)
+            args.dims, args.token_stds, vocab_size=args.recovery_vocab, num_positions=args.positions, seed=args.seed)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -199,9 +205,9 @@ def _run_subspace(args: argparse.Namespace) -> int:
     print()
     print(f"Nearest-token recovery: share of (token, position) pairs whose nearest row of a "
           f"{args.recovery_vocab}-row N(0, std^2) table to E[u] + PE(p), p < {args.positions}, is still E[u]:")
-    print(f"{'d':>5} " + " ".join(f"{'std ' + format(s, 'g'):>10}" for s in token_stds))
+    print(f"{'d':>5} " + " ".join(f"{'std ' + format(s, 'g'):>10}" for s in args.token_stds))
     for r in recovery_rows:
-        print(f"{r['d']:>5} " + " ".join(f"{r[f'recovery_std_{s:g}']:>10.4f}" for s in token_stds))
+        print(f"{r['d']:>5} " + " ".join(f"{r[f'recovery_std_{s:g}']:>10.4f}" for s in args.token_stds))
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         json_path = os.path.join(args.out, "subspace.json")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import statistics
 from typing import Dict, Iterator, List, Optional, Sequence
@@ -65,6 +66,8 @@ class ExperimentConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if not (isinstance(self.learning_rate, (int, float)) and 0 < self.learning_rate < math.inf):
+            raise ValueError(f"learning_rate must be a finite number > 0, got {self.learning_rate!r}")
         if self.seq_len < 2:
             raise ValueError("seq_len must be >= 2 (the normalised index divides by seq_len - 1)")
         if not 1 <= self.concat_pe_width < self.d_model:
