@@ -167,8 +167,7 @@ def _run_add_vs_concat(args: argparse.Namespace) -> int:
         print(f"Token table vs span of PE(0..{config.seq_len - 1}) ('add', equal width), at init and after training:")
         print(experiment_module.format_subspace_rows(subspace_rows))
     print(f"\ntotal time {elapsed:.1f} s")
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
+    if args.out:  # (made at the start: output_folder)
         json_path = os.path.join(args.out, "add_vs_concat.json")
         with open(json_path, "w") as handle:
             json.dump({**experiment_module.json_ready(result), "trained_subspace": subspace_rows,
@@ -208,8 +207,7 @@ def _run_subspace(args: argparse.Namespace) -> int:
     print(f"{'d':>5} " + " ".join(f"{'std ' + format(s, 'g'):>10}" for s in args.token_stds))
     for r in recovery_rows:
         print(f"{r['d']:>5} " + " ".join(f"{r[f'recovery_std_{s:g}']:>10.4f}" for s in args.token_stds))
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
+    if args.out:  # (made at the start: output_folder)
         json_path = os.path.join(args.out, "subspace.json")
         with open(json_path, "w") as handle:
             json.dump({"angles": angle_rows, "recovery": recovery_rows}, handle, indent=1)
