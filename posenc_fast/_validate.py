@@ -298,6 +298,13 @@ def check_float_rows(name: str, t, shape_hint: str) -> None:
     _check_memory_backed(name, t)
 
 
+def check_add_input(x) -> None:
+    """``add_sinusoidal``'s ``x``: float rows ``[..., D]`` (checked before its shape is read)."""
+    check_float_rows("x", x, " [..., D]")
+    if x.dim() < 1:
+        raise ValueError("x must be a tensor [..., D], got a 0-d tensor")
+
+
 def check_weight_for_spec(weight, spec: PESpec) -> None:
     """``weight`` is a table the layer ``spec`` was built for (a module's weight may have been replaced)."""
     if isinstance(weight, torch.Tensor) and not weight.is_nested:  # (a nested tensor's shape raises)

@@ -14,7 +14,7 @@ from ._dispatch import eager_call as _eager_call, jit_tracing as _jit_tracing  #
 from ._dropout import draw_seed
 from ._prepared import functional_addition, functional_embedding
 from ._spec import PESpec
-from ._validate import (check_dropout_p, check_float_rows, check_offset, check_weight, check_weight_for_spec,
+from ._validate import (check_dropout_p, check_add_input, check_offset, check_weight, check_weight_for_spec,
                         make_batch, make_spec, refuse_nested)
 from .ops import (AddSinusoidalFunction, EmbeddingFunction, add_sinusoidal_forward, add_sinusoidal_op,
                   add_sinusoidal_standard_ops, run_forward, sinusoidal_embedding_op, standard_ops_forward)
@@ -272,9 +272,7 @@ def add_sinusoidal(
             out = functional_addition(spec, backend, x, offset, positions)
             if out is not None:
                 return out
-    check_float_rows("x", x, " [..., D]")  # (before its shape is read)
-    if x.dim() < 1:
-        raise ValueError("x must be a tensor [..., D], got a 0-d tensor")
+    check_add_input(x)
     if spec is None:
         spec = make_spec(1, x.shape[-1], "add", None, base, layout, x_scale, pe_scale, None, frequencies, False,
                          precision)
@@ -289,7 +287,7 @@ def add_sinusoidal(
 def apply_add_spec(x, spec: PESpec, turns: torch.Tensor, positions, offset, cu_seqlens, backend: str) -> torch.Tensor:
     """Run :func:`add_sinusoidal` as ``spec`` describes it (``spec.embed_scale`` is ``x_scale``)."""
     _refuse_jit_trace(positions, offset, cu_seqlens)
-    check_float_rows("x", x, " [..., D]")  # (the modules' calls come here first)
+    check_add_input(x)  # (the module's calls come here first)
     if x.shape[-1] != spec.pe_width:
         raise ValueError(f"x has width {x.shape[-1]} but the PE has width {spec.pe_width}")
     rows = x.reshape(-1, x.shape[-1]).contiguous()  # the kernels read rows of x as rows of a dense table

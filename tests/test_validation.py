@@ -361,12 +361,12 @@ BAD_CALLS = [
      lambda backend, device: pf.make_positions(torch.ones(2, 3, dtype=torch.int64, device=device), 1,
                                                past_length=torch.tensor(3, device="meta"))),
     # -- add_sinusoidal and its module
-    ("add_x_int", TypeError, ("x", "int64"), addition(lambda d: torch.ones(2, 3, 8, dtype=torch.int64, device=d))),
-    ("add_x_0d", ValueError, ("x", "0-d"), addition(lambda d: torch.tensor(1.0, device=d))),
     ("add_x_nested", TypeError, ("x", "nested"), addition(lambda d: _nested_rows(torch.randn(2, 3, 8, device=d)))),
     *[(f"add_x_{what}{'_layer' if through_layer else ''}", error, ("x",) + fragments,
        addition(make_x, through_layer=through_layer))
       for what, error, fragments, make_x in [
+          ("int", TypeError, ("int64",), lambda d: torch.ones(2, 3, 8, dtype=torch.int64, device=d)),
+          ("0d", ValueError, ("0-d",), lambda d: torch.tensor(1.0, device=d)),
           ("sparse", TypeError, ("sparse_coo",), lambda d: torch.randn(2, 3, 8, device=d).to_sparse()),
           ("negated", ValueError, ("x.is_neg()",), lambda d: _negated(2, 3, 8, device=d))]
       for through_layer in (False, True)],
