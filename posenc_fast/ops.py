@@ -167,19 +167,9 @@ def _backward(ctx, grad_out):
 sinusoidal_embedding_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _by_slices(function, info, in_dims, *args):
-    """A vmap rule for these Functions: one call per slice of the batched arguments, stacked.  PyTorch's
-    fallback for ops without a batching rule does the same but warns; an error inside is raised as is."""
-    calls = []
-    for b in range(info.batch_size):
-        # A tensor's in_dim is an int or None; a non-tensor argument's (KernelParams, a list) is a tree of Nones.
-        sliced = [arg.select(dim, b).contiguous() if isinstance(dim, int) else arg for arg, dim in zip(args, in_dims)]
-        calls.append(function.apply(*sliced))
-    return torch.stack(calls), 0
-
-
 class _DirectApply:
-    """``apply`` without ``torch.autograd.Function.apply``'s argument binding, outside torch.func.
+    """What the Functions below share: ``apply`` without ``torch.autograd.Function.apply``'s argument binding,
+    outside torch.func, and the vmap rule.
 
     For a Function with a separate ``setup_context`` (which torch.func requires), torch's ``apply`` binds
     the arguments to ``forward``'s signature on every call only to fill in defaults, more host time than
@@ -193,6 +183,18 @@ class _DirectApply:
         if torch._C._are_functorch_transforms_active():
             return super().apply(*args)
         return super(torch.autograd.Function, cls).apply(*args)
+
+    @classmethod
+    def vmap(cls, info, in_dims, *args):
+        """The vmap rule: one call per slice of the batched arguments, stacked.  PyTorch's fallback for ops
+        without a batching rule does the same but warns; an error inside is raised as is."""
+        calls = []
+        for b in range(info.batch_size):
+            # A tensor's in_dim is an int or None; a non-tensor argument's (KernelParams, a list) is a tree of Nones.
+            sliced = [arg.select(dim, b).contiguous() if isinstance(dim, int) else arg
+                      for arg, dim in zip(args, in_dims)]
+            calls.append(cls.apply(*sliced))
+        return torch.stack(calls), 0
 
 
 class EmbeddingFunction(_DirectApply, torch.autograd.Function):
@@ -210,10 +212,6 @@ class EmbeddingFunction(_DirectApply, torch.autograd.Function):
     - ``torch.func.grad``/``vjp``/``jacrev``: ``setup_context`` is separate from ``forward``, as
       functorch requires.  ``vmap`` (per-sample gradients, ``jacfwd``): one call per slice.
     """
-
-    @staticmethod
-    def vmap(info, in_dims, *args):
-        return _by_slices(EmbeddingFunction, info, in_dims, *args)
 
     @staticmethod
     def forward(weight, ids, turns, positions, offsets, offset, seq_len, params: KernelParams, padding_idx,
@@ -362,10 +360,6 @@ class WeightGradient(_DirectApply, torch.autograd.Function):
     linear in ``grad_out``: its tangent is the gradient of ``grad_out``'s tangent)."""
 
     @staticmethod
-    def vmap(info, in_dims, *args):
-        return _by_slices(WeightGradient, info, in_dims, *args)
-
-    @staticmethod
     def forward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype, dropout_seed,
                 dropout_p, backend):
         # Eager on plain tensors: the implementation directly, since torch.library's wrapper is a large share of
@@ -460,10 +454,6 @@ class AddSinusoidalFunction(_DirectApply, torch.autograd.Function):
     """``add_sinusoidal``'s op without the custom-op wrapper, for eager training, forward-mode AD and
     torch.func (as ``EmbeddingFunction``): linear in ``x``, so the tangent and the gradient are both
     ``x_scale`` times the incoming one."""
-
-    @staticmethod
-    def vmap(info, in_dims, *args):
-        return _by_slices(AddSinusoidalFunction, info, in_dims, *args)
 
     @staticmethod
     def forward(x, turns, positions, offsets, offset, seq_len, pe_columns, x_scale, pe_scale, float64_math, backend):
