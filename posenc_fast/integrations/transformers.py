@@ -247,20 +247,15 @@ def _position_forward(self, *args, **kwargs) -> torch.Tensor:
         rows = torch.zeros(positions.shape, dtype=torch.int64, device=positions.device)
     else:
         rows = positions.eq(state.zero_position).to(torch.int64)
+    pe = None
     if eager_call(rows, zero_table):  # (a decoding step: the launch kept for the spec, as sinusoidal_embedding's)
         pe = functional_embedding(state.spec, "auto", 0.0, False, False, zero_table, rows, 0, positions.contiguous())
-        if pe is not None:
-            return _batched(state, pe, args, kwargs)
-    # Under torch.export the rows are the float64 definition in standard ops, so an exported patched model
-    # runs without posenc_fast.
-    pe = apply_spec(rows, zero_table, state.spec, state.spec.turns_tensor(positions.device), positions, 0, "auto",
-                    standard_ops_under_export=True)
-    return _batched(state, pe, args, kwargs)
-
-
-def _batched(state: _State, pe: torch.Tensor, args, kwargs) -> torch.Tensor:
-    """The PE rows as the module returns them: PegasusX's decoder (offset_batched) repeats them per sequence."""
-    if state.kind == "offset_batched":
+    if pe is None:
+        # Under torch.export the rows are the float64 definition in standard ops, so an exported patched model
+        # runs without posenc_fast.
+        pe = apply_spec(rows, zero_table, state.spec, state.spec.turns_tensor(positions.device), positions, 0, "auto",
+                        standard_ops_under_export=True)
+    if state.kind == "offset_batched":  # PegasusX's decoder repeats the rows per sequence
         pe = pe.unsqueeze(0).expand(_argument(state, "embeds", args, kwargs).shape[0], -1, -1)
     return pe
 
@@ -482,54 +477,33 @@ def _apply(patch: _PositionPatch, state: _State) -> bool:
 
 # ------------------------------------------------------------------------------------------- families
 
-def _fairseq_side(side, family, kind="fairseq") -> _PositionPatch:
-    module = side.embed_positions
-    return _PositionPatch(side, module, family, "fsmt" if kind == "fsmt" else "fairseq", kind, module.padding_idx)
+def _fairseq(family: str, kind: str = "fairseq"):
+    """Sides whose ``embed_positions`` is a fairseq table: positions from the ids, padding has no PE (``kind``:
+    the rule, fairseq's or FSMT's, which is also the preset's name)."""
+    return lambda side: _PositionPatch(side, side.embed_positions, family, kind, kind, side.embed_positions.padding_idx)
 
 
-def _m2m100(side) -> _PositionPatch:
-    return _fairseq_side(side, "m2m_100")
+def _embed_positions(family: str, preset: str, kind: str):
+    """Sides whose ``embed_positions`` takes ``kind`` ("offset": the past length; "positions": position ids)."""
+    return lambda side: _PositionPatch(side, side.embed_positions, family, preset, kind)
+
+
+_m2m100 = _fairseq("m2m_100")
+_marian = _embed_positions("marian", "marian", "offset")
+_pegasus_x = _embed_positions("pegasus_x", "whisper", "offset_batched")
 
 
 def _seamless_m4t(side) -> Optional[_PositionPatch]:
     """SeamlessM4T (v1, v2) text encoder and decoder; the text-to-unit encoder adds no PE of its own."""
     if getattr(side, "embed_positions", None) is None:
         return None
-    return _fairseq_side(side, "seamless_m4t")
+    return _fairseq("seamless_m4t")(side)
 
 
 def _xglm(side) -> _PositionPatch:
     """XGLM: position_ids (past included) + 2 index a fairseq table whose padding row is zero."""
     module = side.embed_positions
     return _PositionPatch(side, module, "xglm", "fairseq", "positions", module.padding_idx, shift=module.offset)
-
-
-def _kosmos2(side) -> _PositionPatch:
-    return _fairseq_side(side, "kosmos-2")
-
-
-def _speech2text(side) -> _PositionPatch:
-    return _fairseq_side(side, "speech_to_text")
-
-
-def _fsmt(side) -> _PositionPatch:
-    return _fairseq_side(side, "fsmt", kind="fsmt")
-
-
-def _marian(side) -> _PositionPatch:
-    return _PositionPatch(side, side.embed_positions, "marian", "marian", "offset")
-
-
-def _musicgen(side) -> _PositionPatch:
-    return _PositionPatch(side, side.embed_positions, "musicgen", "musicgen", "offset")
-
-
-def _pegasus_x(side) -> _PositionPatch:
-    return _PositionPatch(side, side.embed_positions, "pegasus_x", "whisper", "offset_batched")
-
-
-def _whisper_encoder(side) -> _PositionPatch:
-    return _PositionPatch(side, side.embed_positions, "whisper", "whisper", "positions")
 
 
 def _xlm(side) -> _PositionPatch:
@@ -555,14 +529,14 @@ _FAMILIES: Dict[Tuple[str, str], Callable[[nn.Module], Optional[_PositionPatch]]
     ("marian", "MarianDecoder"): _marian,
     ("pegasus", "PegasusEncoder"): _marian,
     ("pegasus", "PegasusDecoder"): _marian,
-    ("fsmt", "FSMTEncoder"): _fsmt,
-    ("fsmt", "FSMTDecoder"): _fsmt,
-    ("speech_to_text", "Speech2TextEncoder"): _speech2text,
-    ("speech_to_text", "Speech2TextDecoder"): _speech2text,
+    ("fsmt", "FSMTEncoder"): _fairseq("fsmt", "fsmt"),
+    ("fsmt", "FSMTDecoder"): _fairseq("fsmt", "fsmt"),
+    ("speech_to_text", "Speech2TextEncoder"): _fairseq("speech_to_text"),
+    ("speech_to_text", "Speech2TextDecoder"): _fairseq("speech_to_text"),
     ("xlm", "XLMModel"): _xlm,
     ("distilbert", "DistilBertModel"): _distilbert,
-    ("kosmos2", "Kosmos2TextTransformer"): _kosmos2,
-    ("musicgen", "MusicgenDecoder"): _musicgen,
+    ("kosmos2", "Kosmos2TextTransformer"): _fairseq("kosmos-2"),
+    ("musicgen", "MusicgenDecoder"): _embed_positions("musicgen", "musicgen", "offset"),
     ("xglm", "XGLMModel"): _xglm,
     ("pegasus_x", "PegasusXEncoder"): _pegasus_x,
     ("pegasus_x", "PegasusXDecoder"): _pegasus_x,
@@ -570,7 +544,7 @@ _FAMILIES: Dict[Tuple[str, str], Callable[[nn.Module], Optional[_PositionPatch]]
     ("seamless_m4t", "SeamlessM4TDecoder"): _seamless_m4t,
     ("seamless_m4t_v2", "SeamlessM4Tv2Encoder"): _seamless_m4t,
     ("seamless_m4t_v2", "SeamlessM4Tv2Decoder"): _seamless_m4t,
-    ("whisper", "WhisperEncoder"): _whisper_encoder,
+    ("whisper", "WhisperEncoder"): _embed_positions("whisper", "whisper", "positions"),
 }
 
 
