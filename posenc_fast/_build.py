@@ -73,7 +73,7 @@ def parse_cuda_archs(spec: Optional[str]) -> List[CudaArch]:
     """
     if spec is None or not spec.strip():
         spec = DEFAULT_CUDA_ARCHS
-    archs: List[CudaArch] = []
+    ptx_by_name = {}  # (in the list's order; a repeated entry adds its +PTX)
     for entry in re.split(r"[;,\s]+", spec.strip()):
         if not entry:
             continue
@@ -87,12 +87,8 @@ def parse_cuda_archs(spec: Optional[str]) -> List[CudaArch]:
         name = (major_or_all + minor if minor is not None else major_or_all) + suffix.lower()
         if int(re.match(r"\d+", name).group()) < 50:
             raise ValueError(f"POSENC_FAST_CUDA_ARCHS: {entry!r} is not a CUDA compute capability (too small)")
-        existing = next((a for a in archs if a.name == name), None)
-        if existing is not None:
-            archs[archs.index(existing)] = CudaArch(name, existing.ptx or bool(ptx))
-        else:
-            archs.append(CudaArch(name, bool(ptx)))
-    return archs
+        ptx_by_name[name] = ptx_by_name.get(name, False) or bool(ptx)
+    return [CudaArch(name, ptx) for name, ptx in ptx_by_name.items()]
 
 
 def archs_cover(archs: Sequence[CudaArch], capability: Tuple[int, int]) -> bool:
@@ -199,8 +195,7 @@ def _plan(compiler: List[str], units: Sequence[CompileUnit], headers: Sequence[s
                      [os.path.join(source_dir, h) for h in headers])
 
 
-def plan_build(source_dir: str, build_dir: str, output: str, nvcc: str, archs: Sequence[CudaArch],
-               debug: bool = False) -> BuildPlan:
+def plan_build(source_dir: str, build_dir: str, output: str, nvcc: str, archs: Sequence[CudaArch]) -> BuildPlan:
     """Commands to compile ``SOURCES`` from ``source_dir`` in ``build_dir`` and link ``output``."""
     arch_list = ";".join(a.name + ("+PTX" if a.ptx else "") for a in archs)
     common = [
@@ -208,8 +203,6 @@ def plan_build(source_dir: str, build_dir: str, output: str, nvcc: str, archs: S
         f"-DPOSENC_FAST_CUDA_ARCHS=\"{arch_list}\"", f"-I{source_dir}",
     ] + [f"-I{d}" for d in _include_dirs()]
     device = gencode_flags(archs) + ["-lineinfo"]  # line tables for profilers and compute-sanitizer; no speed cost
-    if debug:
-        common += ["-g"]
     # nvcc links the CUDA runtime statically by default (-cudart static): the module needs only
     # the driver at run time, and does not depend on which libcudart torch ships.
     units = [CompileUnit(source, os.path.basename(source), common + (device if source.endswith(".cu") else []))
@@ -294,24 +287,15 @@ def _run(command: List[str], what: str, log, progress=None) -> None:
         output.append(line)
         print(line, end="", file=log, flush=True)
         if progress is not None and _NINJA_STEP.match(line):
-            try:
-                progress.write("\r" + line)
-                progress.flush()
-            except OSError:
-                pass
+            _say(line.rstrip("\n"), None, progress)
     if process.wait() != 0:
         raise RuntimeError(f"building {what} failed ({os.path.basename(command[0])} exited with "
                            f"{process.returncode}):\n" + "".join(output[-60:]))
 
 
-def build_extension(source_dir: str, build_dir: str, output: str, nvcc: Optional[str] = None,
-                    archs: Optional[Sequence[CudaArch]] = None, env: Mapping[str, str] = os.environ,
+def build_extension(source_dir: str, build_dir: str, output: str, nvcc: str, archs: Sequence[CudaArch],
                     log=sys.stderr, progress=None) -> str:
-    """Compile csrc/ into the extension file ``output``; returns it.  nvcc and archs default to the environment's."""
-    nvcc = nvcc or find_nvcc(env)
-    if nvcc is None:
-        raise RuntimeError(no_nvcc_message())
-    archs = list(archs) if archs is not None else parse_cuda_archs(env.get("POSENC_FAST_CUDA_ARCHS"))
+    """Compile csrc/ into the extension file ``output`` with ``nvcc`` for ``archs``; returns it."""
     plan = plan_build(os.path.abspath(source_dir), os.path.abspath(build_dir), os.path.abspath(output), nvcc, archs)
     _say(f"posenc_fast: building the CUDA extension with {nvcc} ({nvcc_version(nvcc)}) for "
          f"{', '.join(a.name + ('+PTX' if a.ptx else '') for a in archs)}", log, progress)
@@ -430,7 +414,7 @@ def build_cached(source_dir: str, nvcc: str, archs: Sequence[CudaArch], env: Map
         _say(f"posenc_fast: compiling the CUDA extension into {directory} (1-3 minutes on a few cores; "
              f"POSENC_FAST_CUDA_ARCHS=<your GPU, e.g. 90> makes it faster, POSENC_FAST_BUILD_CUDA=0 skips it)",
              log, progress)
-        build_extension(source_dir, build_dir, output, nvcc, archs, env, log, progress)
+        build_extension(source_dir, build_dir, output, nvcc, archs, log, progress)
     return _build_once(directory, extension_filename(), "the CUDA extension", build, log, progress)
 
 
@@ -586,8 +570,7 @@ def find_cxx(env: Mapping[str, str] = os.environ) -> Optional[str]:
     """The C++ compiler: ``$CXX``, else c++, g++ or clang++ on PATH; None if there is none."""
     explicit = env.get("CXX")
     if explicit:
-        found = shutil.which(shlex.split(explicit)[0], path=env.get("PATH"))
-        return found
+        return shutil.which(shlex.split(explicit)[0], path=env.get("PATH"))
     for name in ("c++", "g++", "clang++"):
         found = shutil.which(name, path=env.get("PATH"))
         if found:
@@ -621,12 +604,8 @@ def plan_cpu_build(source_dir: str, build_dir: str, output: str, cxx: str) -> Bu
     return _plan([cxx], units, CPU_HEADERS, source_dir, build_dir, output, [cxx, "-shared", "-pthread"], libraries)
 
 
-def build_cpu_extension(source_dir: str, build_dir: str, output: str, cxx: Optional[str] = None,
-                        env: Mapping[str, str] = os.environ, log=sys.stderr) -> str:
-    """Compile the CPU extension into ``output``; returns it."""
-    cxx = cxx or find_cxx(env)
-    if cxx is None:
-        raise RuntimeError("no C++ compiler found (c++, g++ or clang++ on PATH, or $CXX)")
+def build_cpu_extension(source_dir: str, build_dir: str, output: str, cxx: str, log=sys.stderr) -> str:
+    """Compile the CPU extension into ``output`` with ``cxx``; returns it."""
     plan = plan_cpu_build(os.path.abspath(source_dir), os.path.abspath(build_dir), os.path.abspath(output), cxx)
     print(f"posenc_fast: building the CPU extension with {cxx} ({len(plan.compiles)} compiles)", file=log, flush=True)
     run_build(plan, os.path.abspath(build_dir), log)
@@ -664,4 +643,4 @@ def build_cpu_in_cache(env: Mapping[str, str] = os.environ, log=sys.stderr, sour
     if cxx is None:
         raise RuntimeError("no C++ compiler found (c++, g++ or clang++ on PATH, or $CXX)")
     return _build_once(_cpu_cache_dir(source_dir, cxx, env), cpu_extension_filename(), "the CPU extension",
-                       lambda output, build_dir: build_cpu_extension(source_dir, build_dir, output, cxx, env, log), log)
+                       lambda output, build_dir: build_cpu_extension(source_dir, build_dir, output, cxx, log), log)

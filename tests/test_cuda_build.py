@@ -316,7 +316,7 @@ def test_build_cache_is_reused_and_found_whatever_the_arch_list(tmp_path, monkey
     nvcc, env = _fake_toolkit(tmp_path)
     compiled = []
 
-    def fake_compile(source_dir, build_dir, output, nvcc, archs, env, log, progress=None):
+    def fake_compile(source_dir, build_dir, output, nvcc, archs, log, progress=None):
         compiled.append([a.name for a in archs])
         with open(output, "w") as f:
             f.write(f"module for {compiled[-1]}")
