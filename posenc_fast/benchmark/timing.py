@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -23,20 +23,7 @@ def sync(device: torch.device) -> None:
 @dataclasses.dataclass
 class Timing:
     median_ms: float
-    spread_pct: Optional[float]  # (p80 - p20) / median, in %; None where not measured (CPU)
-
-
-def _do_bench_times(fn: Callable, warmup_ms: int = 25, rep_ms: int = 200) -> List[float]:
-    from triton.testing import do_bench
-
-    times = do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="all")
-    return list(times) if isinstance(times, (list, tuple)) else [float(times)]
-
-
-def _latency_times(fn: Callable, device: torch.device, reps: int = 200) -> List[float]:
-    """One call per pair of events, the GPU idle before each: host overhead counts, as in a decoding
-    loop without CUDA graphs."""
-    return cuda_event_times(fn, device, reps)
+    spread_pct: Optional[float]  # (p80 - p20) / median, in %; None for a zero median
 
 
 def _quantile(sorted_values: Sequence[float], q: float) -> float:
@@ -45,12 +32,22 @@ def _quantile(sorted_values: Sequence[float], q: float) -> float:
 
 def time_op(fn: Callable, device: torch.device, *, latency: bool = False, warmup_calls: int = 3,
             cpu_seconds: float = 0.5) -> Timing:
-    """Median time of ``fn`` in ms after ``warmup_calls`` untimed calls (compile, autotune, JIT).
-    On CPU: perf_counter around each call, as many calls as fit in about ``cpu_seconds`` (5 to 200),
-    and the spread as on GPU."""
-    if device.type != "cuda":
-        for _ in range(warmup_calls):
-            fn()
+    """Median time of ``fn`` in ms after ``warmup_calls`` untimed calls (compile, autotune, JIT), and the
+    spread.  GPU: do_bench, or with ``latency`` one call per pair of CUDA events, the GPU idle before each
+    (host overhead counts, as in a decoding loop without CUDA graphs).  CPU: perf_counter around each
+    call, as many calls as fit in about ``cpu_seconds`` (5 to 200)."""
+    for _ in range(warmup_calls):
+        fn()
+    if device.type == "cuda":
+        sync(device)
+        if latency:
+            times = cuda_event_times(fn, device, 200)
+        else:
+            from triton.testing import do_bench
+
+            times = do_bench(fn, warmup=25, rep=200, return_mode="all")
+            times = list(times) if isinstance(times, (list, tuple)) else [float(times)]
+    else:
         t0 = time.perf_counter()
         fn()
         one = max(time.perf_counter() - t0, 1e-6)
@@ -59,16 +56,9 @@ def time_op(fn: Callable, device: torch.device, *, latency: bool = False, warmup
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
-        times.sort()
-        median = statistics.median(times)
-        return Timing(median, 100.0 * (_quantile(times, 0.8) - _quantile(times, 0.2)) / median if median > 0 else None)
-    for _ in range(warmup_calls):
-        fn()
-    sync(device)
-    times = sorted(_latency_times(fn, device) if latency else _do_bench_times(fn))
+    times = sorted(times)
     median = statistics.median(times)
-    spread = 100.0 * (_quantile(times, 0.8) - _quantile(times, 0.2)) / median if median > 0 else None
-    return Timing(median, spread)
+    return Timing(median, 100.0 * (_quantile(times, 0.8) - _quantile(times, 0.2)) / median if median > 0 else None)
 
 
 def copy_bandwidth_GBps(device: torch.device, nbytes: Optional[int] = None) -> float:
