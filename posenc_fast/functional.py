@@ -97,21 +97,16 @@ def sinusoidal_embedding(
     simple_call = cu_seqlens is None and _eager_call(ids, weight)
     spec = None
     if simple_call and weight.dim() == 2 and not weight.is_nested:
-        shape = weight.shape
-        spec = make_spec(shape[0], shape[1], mode, d_pos, base, layout, embed_scale, pe_scale, padding_idx,
-                         frequencies, zero_pe_at_padding, precision, only_cached=True)
-        if spec is not None:
-            out = functional_embedding(spec, backend, dropout_p, training, sparse, weight, ids, offset, positions)
-            if out is not None:
-                return out
-    check_weight(weight)
+        spec = make_spec(*weight.shape, mode, d_pos, base, layout, embed_scale, pe_scale, padding_idx, frequencies,
+                         zero_pe_at_padding, precision, only_cached=True)
     if spec is None:
-        spec = make_spec(weight.shape[0], weight.shape[1], mode, d_pos, base, layout, embed_scale, pe_scale,
-                         padding_idx, frequencies, zero_pe_at_padding, precision)
-        if simple_call:
-            out = functional_embedding(spec, backend, dropout_p, training, sparse, weight, ids, offset, positions)
-            if out is not None:
-                return out
+        check_weight(weight)  # (before its shape is read)
+        spec = make_spec(*weight.shape, mode, d_pos, base, layout, embed_scale, pe_scale, padding_idx, frequencies,
+                         zero_pe_at_padding, precision)
+    if simple_call:
+        out = functional_embedding(spec, backend, dropout_p, training, sparse, weight, ids, offset, positions)
+        if out is not None:
+            return out
     return apply_spec(ids, weight, spec, spec.turns_tensor(weight.device), positions, offset, backend,
                       cu_seqlens=cu_seqlens, dropout_p=dropout_p, training=training, sparse=sparse)
 
@@ -129,15 +124,12 @@ def _positions_by_rule(ids, spec: PESpec, positions, offset, cu_seqlens, positio
             raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but ids are on {ids.device}")
         length = ids.shape[-1] if isinstance(ids, torch.Tensor) and ids.dim() else 1
         return packed_positions(cu_seqlens, length), 0
-    if position_rule == "fairseq" and positions is None and isinstance(ids, torch.Tensor):
-        check_offset(offset, ids)  # make_positions would name it past_length
-        return make_positions(ids, spec.padding_idx, past_length=offset), 0
-    if position_rule == "fsmt" and positions is None and isinstance(ids, torch.Tensor):
-        if isinstance(offset, torch.Tensor):
+    if position_rule in ("fairseq", "fsmt") and positions is None and isinstance(ids, torch.Tensor):
+        if position_rule == "fsmt" and isinstance(offset, torch.Tensor):
             raise ValueError("position_rule='fsmt' takes the past length as an int (as FSMT passes it): whether "
                              "padding has a PE depends on it")
-        check_offset(offset, ids)
-        return make_positions(ids, spec.padding_idx, past_length=offset, shift_padding=True), 0
+        check_offset(offset, ids)  # make_positions would name it past_length
+        return make_positions(ids, spec.padding_idx, past_length=offset, shift_padding=position_rule == "fsmt"), 0
     return positions, offset
 
 
@@ -268,18 +260,14 @@ def add_sinusoidal(
     if simple_call and x.dim() >= 2 and not x.is_nested:
         spec = make_spec(1, x.shape[-1], "add", None, base, layout, x_scale, pe_scale, None, frequencies, False,
                          precision, only_cached=True)
-        if spec is not None:
-            out = functional_addition(spec, backend, x, offset, positions)
-            if out is not None:
-                return out
-    check_add_input(x)
     if spec is None:
+        check_add_input(x)  # (before its shape is read)
         spec = make_spec(1, x.shape[-1], "add", None, base, layout, x_scale, pe_scale, None, frequencies, False,
                          precision)
-        if simple_call:
-            out = functional_addition(spec, backend, x, offset, positions)
-            if out is not None:
-                return out
+    if simple_call:
+        out = functional_addition(spec, backend, x, offset, positions)
+        if out is not None:
+            return out
     return apply_add_spec(x, spec, spec.turns_tensor(x.device), positions, offset, cu_seqlens, backend)
 
 
