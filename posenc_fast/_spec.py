@@ -262,6 +262,4 @@ def is_finite_number(value) -> bool:
     ``torch.compile(dynamic=True)`` a float may be symbolic, and only comparisons trace (NaN fails it)."""
     if isinstance(value, bool) or not isinstance(value, (int, float, torch.SymInt, torch.SymFloat)):
         return False
-    if isinstance(value, int) and abs(value) > _FLOAT64_MAX:  # a huge int: float() would overflow
-        return False
-    return abs(value) <= _FLOAT64_MAX
+    return abs(value) <= _FLOAT64_MAX  # (Python compares a huge int with a float exactly)

@@ -13,7 +13,6 @@ kernel source compiled for the CPU, so that backend="cuda" runs on CPU tensors t
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from typing import Optional
 
@@ -144,9 +143,7 @@ def use_host_emulation(path: Optional[str]) -> None:
     if path is None:
         _lookup.state, _host_emulation = None, False
         return
-    spec = importlib.util.spec_from_file_location("posenc_fast_host_emulation._C", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _extension.load_file("posenc_fast_host_emulation._C", path)
     if not module.HOST_EMULATION:
         raise ValueError(f"{path} is not a host-emulation build")
     _lookup.state, _host_emulation = Extension(module, None), True
