@@ -405,6 +405,15 @@ def main(argv=None) -> int:
                         help="a run of the harness on small tables (d_model 64, vocab 1000; 4 GiB tables otherwise) "
                              "with few calls: it checks that everything runs, its numbers mean little")
     args = parser.parse_args(argv)
+    if args.calls < 1:
+        parser.error(f"--calls must be at least 1, got {args.calls}")
+    if args.real:
+        try:
+            real = torch.device(args.real)
+        except RuntimeError:
+            parser.error(f"--real {args.real!r} is not a device name (cuda, cuda:1, cpu)")
+        if real.type == "cuda" and not torch.cuda.is_available():
+            parser.error(f"--real {args.real}: this torch sees no CUDA device (torch {torch.__version__})")
 
     num_sequences, d_model, vocab = (64, 64, 1000) if args.smoke else (64, 4096, 262144)
     if args.smoke:
@@ -413,7 +422,7 @@ def main(argv=None) -> int:
         if args.calls == parser.get_default("calls"):
             args.calls = 20
     if args.real:
-        return _main_real(torch.device(args.real), args, num_sequences, d_model, vocab)
+        return _main_real(real, args, num_sequences, d_model, vocab)
     cuda_backend.use_host_emulation(_build.build_host_emulation())
     loaded = cuda_backend._lookup()
     cuda_backend._lookup.state = loaded._replace(module=_ZeroTokenLaunches(loaded.module))

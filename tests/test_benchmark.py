@@ -500,3 +500,21 @@ def test_cuda_forward_ab_builds_each_variant_with_its_defines(tmp_path, monkeypa
     assert all(cmd[-2:] == ["-DPOSENC_FORWARD_MIN_BLOCKS=1", "-DOTHER=2"] for cmd in plan.compiles)
     open(output, "w").close()  # (run_build was stubbed: the folder exists only if build_variant made it)
     assert ab.build_variant(str(tmp_path), defines, log=None) == output and len(plans) == 1
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--calls", "0"], "--calls must be at least 1"),
+    (["--real", "nosuch"], "is not a device name"),
+    *([(["--real", "cuda"], "sees no CUDA device")] if not torch.cuda.is_available() else []),
+])
+def test_host_overhead_script_refuses_bad_arguments(args, message):
+    """Bad arguments of bench/host_overhead.py exit 2 with a message, before any build or timing."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    result = subprocess.run([sys.executable, os.path.join(root, "bench", "host_overhead.py"), *args],
+                            capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
