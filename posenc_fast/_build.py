@@ -297,8 +297,10 @@ def build_extension(source_dir: str, build_dir: str, output: str, nvcc: str, arc
                     log=sys.stderr, progress=None) -> str:
     """Compile csrc/ into the extension file ``output`` with ``nvcc`` for ``archs``; returns it."""
     plan = plan_build(os.path.abspath(source_dir), os.path.abspath(build_dir), os.path.abspath(output), nvcc, archs)
-    _say(f"posenc_fast: building the CUDA extension with {nvcc} ({nvcc_version(nvcc)}) for "
-         f"{', '.join(a.name + ('+PTX' if a.ptx else '') for a in archs)}", log, progress)
+    _say(f"posenc_fast: compiling the CUDA extension with {nvcc} ({nvcc_version(nvcc)}) for "
+         f"{', '.join(a.name + ('+PTX' if a.ptx else '') for a in archs)} into {os.path.dirname(output)} (1-3 minutes "
+         "on a few cores; POSENC_FAST_CUDA_ARCHS=<your GPU, e.g. 90> makes it faster, POSENC_FAST_BUILD_CUDA=0 skips it)",
+         log, progress)
     run_build(plan, os.path.abspath(build_dir), log=log, progress=progress)
     return output
 
@@ -411,9 +413,6 @@ def build_cached(source_dir: str, nvcc: str, archs: Sequence[CudaArch], env: Map
     directory = cache_directory(source_dir, nvcc, archs, env)
 
     def build(output: str, build_dir: str) -> None:
-        _say(f"posenc_fast: compiling the CUDA extension into {directory} (1-3 minutes on a few cores; "
-             f"POSENC_FAST_CUDA_ARCHS=<your GPU, e.g. 90> makes it faster, POSENC_FAST_BUILD_CUDA=0 skips it)",
-             log, progress)
         build_extension(source_dir, build_dir, output, nvcc, archs, log, progress)
     return _build_once(directory, extension_filename(), "the CUDA extension", build, log, progress)
 

@@ -310,6 +310,26 @@ def _fake_toolkit(tmp_path):
     return str(nvcc), {"CUDA_HOME": str(nvcc.parent.parent), "POSENC_FAST_CACHE_DIR": str(tmp_path / "cache")}
 
 
+def test_a_build_without_pybind11_says_so_before_announcing_a_compile(tmp_path, monkeypatch):
+    """The on-demand build names the missing pybind11 first: no "compiling" line promises minutes of work."""
+    import builtins
+    import io
+
+    nvcc, env = _fake_toolkit(tmp_path)
+    real_import = builtins.__import__
+
+    def no_pybind11(name, *args, **kwargs):
+        if name == "pybind11":
+            raise ImportError("No module named 'pybind11'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_pybind11)
+    log = io.StringIO()
+    with pytest.raises(RuntimeError, match="needs pybind11"):
+        _build.build_cached(_build.package_source_dir(), nvcc, _build.parse_cuda_archs("90"), env, log)
+    assert "compiling" not in log.getvalue(), log.getvalue()
+
+
 def test_build_cache_is_reused_and_found_whatever_the_arch_list(tmp_path, monkeypatch):
     """pip install builds into the per-user cache: installing again does not compile again, and an
     installed package finds the build in a new shell with another (or no) POSENC_FAST_CUDA_ARCHS."""
