@@ -50,9 +50,11 @@ NVCC = _build.find_nvcc() if BUILD_MODE != "skip" else None
 if BUILD_MODE == "require" and NVCC is None:
     raise SystemExit(f"POSENC_FAST_BUILD_CUDA=1 but {_build.no_nvcc_message()}")
 CUDA_ARCHS = _build.parse_cuda_archs(os.environ.get("POSENC_FAST_CUDA_ARCHS")) if NVCC else []
+# Said by build_py, which runs once per build: pip runs this file once per step (requirements, metadata, wheel).
+NOTICES = []
 if BUILD_MODE == "auto" and NVCC is None:
-    print("posenc_fast: nvcc not found, installing without the CUDA extension (backend='cuda'); "
-          "set CUDA_HOME or put nvcc on PATH to build it", file=sys.stderr)
+    NOTICES.append("posenc_fast: nvcc not found, installing without the CUDA extension (backend='cuda'); "
+                   "set CUDA_HOME or put nvcc on PATH to build it")
 
 
 CPU_BUILD_MODE = _build.cpu_build_mode()
@@ -60,8 +62,8 @@ CXX = _build.find_cxx() if CPU_BUILD_MODE != "skip" else None
 if CPU_BUILD_MODE == "require" and CXX is None:
     raise SystemExit("POSENC_FAST_BUILD_CPU=1 but no C++ compiler was found (c++, g++ or clang++ on PATH, or $CXX)")
 if CPU_BUILD_MODE == "auto" and CXX is None:
-    print("posenc_fast: no C++ compiler found, installing without the CPU extension (backend='cpu'); 'auto' runs "
-          "the torch backend on CPU", file=sys.stderr)
+    NOTICES.append("posenc_fast: no C++ compiler found, installing without the CPU extension (backend='cpu'); "
+                   "'auto' runs the torch backend on CPU")
 
 
 class BuildCudaExtension(build_ext):
@@ -115,6 +117,8 @@ class BuildPyWithSources(build_py):
     build it on demand later (posenc_fast/_build.py: build_in_cache)."""
 
     def run(self):
+        for notice in NOTICES:
+            print(notice, file=sys.stderr)
         super().run()
         if self.editable_mode:
             return  # an editable install finds <repo>/csrc directly

@@ -358,13 +358,8 @@ def test_build_cache_is_reused_and_found_whatever_the_arch_list(tmp_path, monkey
     assert _build.cached_extension(dict(env, POSENC_FAST_CUDA_ARCHS="80")) == for_80
 
 
-@pytest.mark.slow
-def test_a_wheel_without_the_cuda_extension_holds_none_from_an_earlier_build(tmp_path):
-    """POSENC_FAST_BUILD_CUDA=0 in a checkout built before: the module the earlier build left in setuptools'
-    build folder is not packed into the new wheel (the CPU extension, built now, is)."""
-    import sysconfig
-    import zipfile
-
+def _source_copy(tmp_path):
+    """What an sdist holds, copied from the checkout into ``tmp_path/source`` (no built modules)."""
     source = tmp_path / "source"
     source.mkdir()
     for name in ("setup.py", "pyproject.toml", "MANIFEST.in", "README.md", "LICENSE"):
@@ -372,6 +367,29 @@ def test_a_wheel_without_the_cuda_extension_holds_none_from_an_earlier_build(tmp
     for folder in ("posenc_fast", "csrc"):
         shutil.copytree(os.path.join(REPO, folder), source / folder,
                         ignore=shutil.ignore_patterns("*.so", "__pycache__", "_csrc"))
+    return source
+
+
+@pytest.mark.slow
+def test_a_build_says_what_it_leaves_out_once(tmp_path):
+    """pip runs setup.py once per step (requirements, metadata, wheel): the notice of an extension left out
+    comes once, from the build."""
+    env = {**os.environ, "POSENC_FAST_BUILD_CUDA": "0", "CXX": "no-such-compiler"}
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "-v", "--no-deps", "--no-build-isolation", ".",
+                           "-w", str(tmp_path / "dist")], cwd=_source_copy(tmp_path), env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (done.stdout + done.stderr).count("no C++ compiler found, installing without the CPU extension") == 1
+
+
+@pytest.mark.slow
+def test_a_wheel_without_the_cuda_extension_holds_none_from_an_earlier_build(tmp_path):
+    """POSENC_FAST_BUILD_CUDA=0 in a checkout built before: the module the earlier build left in setuptools'
+    build folder is not packed into the new wheel (the CPU extension, built now, is)."""
+    import sysconfig
+    import zipfile
+
+    source = _source_copy(tmp_path)
     # setuptools' build folder for a wheel with extensions: build/lib.<platform>-<cache tag>
     build_lib = source / "build" / f"lib.{sysconfig.get_platform()}-{sys.implementation.cache_tag}"
     (build_lib / "posenc_fast").mkdir(parents=True)
