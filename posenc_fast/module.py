@@ -198,7 +198,9 @@ class SinusoidalEmbedding(nn.Module):
                     **overrides) -> "SinusoidalEmbedding":
         """The layer as library ``name`` builds it (see ``posenc_fast.presets``); ``overrides`` win."""
         preset = presets.get(name)
-        kwargs = preset.kwargs(d_model)
+        d_pos = overrides.get("d_pos")  # concat mode: the PE is d_pos wide (an invalid one: the constructor names it)
+        pe_width = d_pos if overrides.get("mode") == "concat" and isinstance(d_pos, int) and d_pos > 0 else d_model
+        kwargs = preset.kwargs(d_model, pe_width, overrides.get("base", 10000.0))
         kwargs["position_rule"] = preset.position_rule
         kwargs.update(overrides)
         module = cls(num_embeddings, d_model, padding_idx=padding_idx, **kwargs)
@@ -293,20 +295,26 @@ class SinusoidalPositionalEncoding(nn.Module):
     def from_preset(cls, name: str, d_model: int, **overrides) -> "SinusoidalPositionalEncoding":
         """The PE of library ``name`` (``posenc_fast.presets``); its ``embed_scale`` is ``x_scale``.
 
-        A padding-aware preset's position rule needs ids, which this layer does not see: pass its
-        ``positions`` (``posenc_fast.make_positions``) to ``forward``.
+        A padding-aware preset's position rule needs ids, which this layer does not see: its calls must
+        pass ``positions`` (``posenc_fast.make_positions``).
         """
+        if "embed_scale" in overrides:
+            raise TypeError("SinusoidalPositionalEncoding scales x by x_scale=...; embed_scale is SinusoidalEmbedding's "
+                            "name for it")
         preset = presets.get(name)
-        kwargs = preset.kwargs(d_model)
+        kwargs = preset.kwargs(d_model, base=overrides.get("base", 10000.0))
         kwargs["x_scale"] = kwargs.pop("embed_scale")
         kwargs.pop("zero_pe_at_padding")
         kwargs.update(overrides)
         module = cls(d_model, **kwargs)
-        module.preset = name
+        module.preset, module.position_rule = name, preset.position_rule
         return module
 
     def forward(self, x: torch.Tensor, positions: Optional[torch.Tensor] = None,
                 offset: Union[int, torch.Tensor] = 0, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if positions is None and self.position_rule != "offset":
+            raise ValueError(f"preset {self.preset!r} numbers positions around padding, which x does not show: pass "
+                             "positions=posenc_fast.make_positions(padding_mask, padding_idx)")
         spec, backend = self.spec, self.backend
         if cu_seqlens is None and eager_call(x, x):  # (see SinusoidalEmbedding.forward)
             out = run_addition(self, spec, backend, x, offset, positions)
@@ -315,6 +323,7 @@ class SinusoidalPositionalEncoding(nn.Module):
         return apply_add_spec(x, spec, spec.turns_tensor(x.device), positions, offset, cu_seqlens, backend)
 
     _prepared: Optional[PreparedAddition] = None  # as SinusoidalEmbedding's
+    position_rule = "offset"  # a padding-aware preset's (from_preset): its calls must pass positions
 
     def __getstate__(self):
         return {**super().__getstate__(), "_prepared": None}
@@ -323,7 +332,8 @@ class SinusoidalPositionalEncoding(nn.Module):
         s = self.spec
         return _settings_repr(f"{self.d_model}", (
             ("preset", self.preset, None), ("layout", s.layout, _SHOWN), ("x_scale", s.embed_scale, 1.0),
-            ("pe_scale", s.pe_scale, 1.0), ("precision", s.precision, "float32"), ("backend", self.backend, "auto")))
+            ("pe_scale", s.pe_scale, 1.0), ("precision", s.precision, "float32"),
+            ("position_rule", self.position_rule, "offset"), ("backend", self.backend, "auto")))
 
 
 _SHOWN = object()  # a default no value equals: the setting is always shown

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import types
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 # "offset": start + t.  "fairseq": make_positions (padding stays at padding_idx, with no PE).
 # "fsmt": make_positions(..., shift_padding=True), where the past length moves padding too.
@@ -30,24 +30,24 @@ def _half(pe_width: int) -> int:
     return pe_width // 2
 
 
-def _vaswani(pe_width: int) -> Tuple[float, ...]:
-    # exp(2i * -(ln 10000 / D)): Annotated Transformer / PyTorch tutorial ``div_term``.
-    return tuple(math.exp(2 * i * -(math.log(10000.0) / pe_width)) for i in range(_half(pe_width)))
+def _vaswani(pe_width: int, base: float) -> Tuple[float, ...]:
+    # exp(2i * -(ln base / D)): Annotated Transformer / PyTorch tutorial ``div_term``.
+    return tuple(math.exp(2 * i * -(math.log(base) / pe_width)) for i in range(_half(pe_width)))
 
 
-def _log_spaced_endpoints(pe_width: int) -> Tuple[float, ...]:
-    # exp(-i * ln 10000 / (h - 1)): fairseq get_embedding, Whisper sinusoids(), MusicGen; tensor2tensor's
-    # get_timing_signal_1d, min_ts * exp(-i * ln(max_ts / min_ts) / (h - 1)), at its defaults 1 and 1e4.
+def _log_spaced_endpoints(pe_width: int, base: float) -> Tuple[float, ...]:
+    # exp(-i * ln base / (h - 1)): fairseq get_embedding, Whisper sinusoids() (base: max_timescale), MusicGen;
+    # tensor2tensor's get_timing_signal_1d, min_ts * exp(-i * ln(max_ts / min_ts) / (h - 1)), with min_ts 1.
     # (h - 1 is taken as at least 1, where the libraries divide by zero for D < 4.)
     half = _half(pe_width)
-    step = math.log(10000.0) / max(half - 1, 1)
+    step = math.log(base) / max(half - 1, 1)
     return tuple(math.exp(-i * step) for i in range(half))
 
 
-def _per_column_pairs(pe_width: int) -> Tuple[float, ...]:
-    # 1 / 10000^(2 * (j // 2) / D) for column j; the sin columns j = 2i give one rate per pair,
+def _per_column_pairs(pe_width: int, base: float) -> Tuple[float, ...]:
+    # 1 / base^(2 * (j // 2) / D) for column j; the sin columns j = 2i give one rate per pair,
     # and an odd D has ceil(D / 2) of them: the last column is a sin (XLM, Marian).
-    return tuple(1.0 / 10000.0 ** (2 * i / pe_width) for i in range(pe_width - _half(pe_width)))
+    return tuple(1.0 / base ** (2 * i / pe_width) for i in range(pe_width - _half(pe_width)))
 
 
 def _sqrt_width(d_model: int) -> float:
@@ -70,7 +70,7 @@ class Preset:
     libraries: str
     source: str
     layout: str
-    frequencies: Callable[[int], Tuple[float, ...]]  # PE width D -> rates (h, or h + 1 for a sin tail)
+    frequencies: Callable[[int, float], Tuple[float, ...]]  # PE width D, base -> rates (h, or h + 1: a sin tail)
     embed_scale: Callable[[int], float]  # d_model -> scale of the token embedding
     pe_scale: Callable[[int], float]  # d_model -> scale of the PE
     position_rule: str = "offset"  # one of POSITION_RULES
@@ -78,14 +78,24 @@ class Preset:
     precision: str = "float32"  # "float64" where the library builds its table in float64
     notes: str = ""
 
-    def kwargs(self, d_model: int) -> Dict:
-        """Arguments of ``sinusoidal_embedding`` / ``SinusoidalEmbedding`` that realise this preset (add mode)."""
-        if d_model % 2 and not self.odd_width:
-            raise ValueError(f"preset {self.name!r} needs an even width, as {self.libraries.split(',')[0]} "
-                             f"does; got d_model={d_model}")
+    def kwargs(self, d_model: int, pe_width: Optional[int] = None, base: float = 10000.0) -> Dict:
+        """Arguments of ``sinusoidal_embedding`` / ``SinusoidalEmbedding`` that realise this preset: scales for
+        ``d_model``, a PE ``pe_width`` wide (default ``d_model``; concat mode: ``d_pos``), rates from ``base``
+        (the libraries' 10000; tensor2tensor's and Whisper's max_timescale)."""
+        pe_width = d_model if pe_width is None else pe_width
+        if pe_width % 2 and not self.odd_width:
+            raise ValueError(f"preset {self.name!r} needs an even PE width, as {self.libraries.split(',')[0]} "
+                             f"does; got {pe_width}")
+        frequencies = None  # for a base that is not a number > 0, which the layer then names
+        if isinstance(base, (int, float)) and not isinstance(base, bool) and 0 < base < math.inf:
+            try:
+                frequencies = self.frequencies(pe_width, float(base))
+            except OverflowError:
+                raise ValueError(f"base={base!r}: preset {self.name!r}'s frequencies overflow float64") from None
         return dict(
             layout=self.layout,
-            frequencies=self.frequencies(d_model),
+            base=base,
+            frequencies=frequencies,
             embed_scale=self.embed_scale(d_model),
             pe_scale=self.pe_scale(d_model),
             zero_pe_at_padding=self.position_rule in PADDING_AWARE_RULES,
@@ -126,8 +136,8 @@ _register(Preset(
     "transformers FSMT SinusoidalPositionalEmbedding.forward: make_positions(input) + past_key_values_length",
     "split", _log_spaced_endpoints, _sqrt_width, _one, position_rule="fsmt",
     notes="as fairseq, except that when decoding with a cache (past length > 0) a padding token gets "
-          "position padding_idx + past and its PE (a finished row in generate()), where fairseq keeps it at "
-          "padding_idx with no PE",
+          "position padding_idx + past and its PE (a finished row in generate()), where HF's fairseq ports "
+          "keep it at padding_idx with no PE",
 ))
 _register(Preset(
     "whisper", "OpenAI Whisper, HF Whisper (encoder)",

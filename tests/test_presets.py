@@ -143,7 +143,7 @@ def test_registry_lists_every_library_preset():
 
 @pytest.mark.parametrize("name", [n for n, v in LIBRARY.items() if v.odd is None])
 def test_even_only_libraries_reject_odd_width(name):
-    with pytest.raises(ValueError, match="even width"):
+    with pytest.raises(ValueError, match="even PE width.*got 9"):
         pf.SinusoidalEmbedding.from_preset(name, 10, 9)
 
 
@@ -308,6 +308,31 @@ def test_from_pretrained_shares_storage_and_freezes():
     concat = pf.SinusoidalEmbedding.from_pretrained(weight, mode="concat", d_pos=4)
     assert concat.d_model == 12 and concat(torch.tensor([1, 2])).shape == (2, 12)
     assert "preset='whisper'" in repr(pf.SinusoidalEmbedding.from_pretrained(weight, preset="whisper"))
+
+
+@pytest.mark.parametrize("backend,device", TARGETS)
+def test_overrides_of_base_and_d_pos_reach_the_preset_recipe(backend, device):
+    """from_preset's overrides win: ``base`` is the libraries' max_timescale (tensor2tensor, Whisper), and a
+    concat layer's PE is its d_pos columns from the library's formula at that width."""
+    pos = torch.arange(0, 3000, 71)
+    d = 12
+    for name, max_timescale in (("tensor2tensor", 100.0), ("whisper", 3.0e5)):
+        rates = torch.exp(-math.log(max_timescale) / (d // 2 - 1) * torch.arange(d // 2, dtype=torch.float64))
+        exact = torch.cat([(pos.double()[:, None] * rates).sin(), (pos.double()[:, None] * rates).cos()], dim=1)
+        layer = pf.SinusoidalEmbedding.from_preset(name, 1, d, base=max_timescale, backend=backend).to(device)
+        with torch.no_grad():
+            layer.weight.zero_()
+        got = layer(torch.zeros(len(pos), dtype=torch.int64, device=device), positions=pos.to(device))
+        assert_within(got, exact, output_bound(exact, torch.float32), f"{name}, base={max_timescale}")
+        addition = pf.SinusoidalPositionalEncoding.from_preset(name, d, base=max_timescale, backend=backend)
+        got = addition(torch.zeros(len(pos), d, device=device), positions=pos.to(device))
+        assert_within(got, exact, output_bound(exact, torch.float32), f"{name} encoding, base={max_timescale}")
+    concat = pf.SinusoidalEmbedding.from_preset("fairseq", 30, 8 + 6, padding_idx=1, mode="concat", d_pos=6,
+                                                backend=backend).to(device)
+    ids = torch.randint(2, 30, (1, 20))
+    exact = fairseq_table(torch.arange(2, 22), 6, torch.float64)  # make_positions: from padding_idx + 1
+    got = concat(ids.to(device))[0, :, 8:]
+    assert_within(got, exact, output_bound(exact, torch.float32), "fairseq concat PE")
 
 
 @pytest.mark.parametrize("backend,device", TARGETS)

@@ -361,6 +361,13 @@ BAD_CALLS = [
      lambda backend, device: pf.make_positions(torch.ones(2, 3, dtype=torch.int64, device=device), 1,
                                                past_length=torch.tensor(3, device="meta"))),
     # -- add_sinusoidal and its module
+    ("add_layer_fairseq_preset_without_positions", ValueError, ("fairseq", "positions=posenc_fast.make_positions"),
+     lambda backend, device: pf.SinusoidalPositionalEncoding.from_preset("fairseq", 8, backend=backend)(
+         torch.randn(2, 3, 8, device=device))),
+    ("add_layer_preset_embed_scale", TypeError, "x_scale=",
+     lambda backend, device: pf.SinusoidalPositionalEncoding.from_preset("fairseq", 8, embed_scale=1.0, backend=backend)),
+    ("preset_base_overflows", ValueError, ("base=5e-324", "overflow"),
+     lambda backend, device: pf.SinusoidalEmbedding.from_preset("vaswani", 10, 4096, base=5e-324, backend=backend)),
     ("add_x_nested", TypeError, ("x", "nested"), addition(lambda d: _nested_rows(torch.randn(2, 3, 8, device=d)))),
     *[(f"add_x_{what}{'_layer' if through_layer else ''}", error, ("x",) + fragments,
        addition(make_x, through_layer=through_layer))
