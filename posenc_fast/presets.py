@@ -30,12 +30,12 @@ def _half(pe_width: int) -> int:
     return pe_width // 2
 
 
-def _vaswani(pe_width: int, base: float) -> Tuple[float, ...]:
+def _vaswani(pe_width: int, base: float = 10000.0) -> Tuple[float, ...]:
     # exp(2i * -(ln base / D)): Annotated Transformer / PyTorch tutorial ``div_term``.
     return tuple(math.exp(2 * i * -(math.log(base) / pe_width)) for i in range(_half(pe_width)))
 
 
-def _log_spaced_endpoints(pe_width: int, base: float) -> Tuple[float, ...]:
+def _log_spaced_endpoints(pe_width: int, base: float = 10000.0) -> Tuple[float, ...]:
     # exp(-i * ln base / (h - 1)): fairseq get_embedding, Whisper sinusoids() (base: max_timescale), MusicGen;
     # tensor2tensor's get_timing_signal_1d, min_ts * exp(-i * ln(max_ts / min_ts) / (h - 1)), with min_ts 1.
     # (h - 1 is taken as at least 1, where the libraries divide by zero for D < 4.)
@@ -44,7 +44,7 @@ def _log_spaced_endpoints(pe_width: int, base: float) -> Tuple[float, ...]:
     return tuple(math.exp(-i * step) for i in range(half))
 
 
-def _per_column_pairs(pe_width: int, base: float) -> Tuple[float, ...]:
+def _per_column_pairs(pe_width: int, base: float = 10000.0) -> Tuple[float, ...]:
     # 1 / base^(2 * (j // 2) / D) for column j; the sin columns j = 2i give one rate per pair,
     # and an odd D has ceil(D / 2) of them: the last column is a sin (XLM, Marian).
     return tuple(1.0 / base ** (2 * i / pe_width) for i in range(pe_width - _half(pe_width)))
