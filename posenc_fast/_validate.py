@@ -105,6 +105,7 @@ def make_spec(
     zero_pe_at_padding: bool = False,
     precision: str = "float32",
     only_cached: bool = False,
+    scale_name: str = "embed_scale",
 ) -> Optional[PESpec]:
     """Validate the layer's fixed parameters and build its :class:`PESpec`.
 
@@ -114,7 +115,7 @@ def make_spec(
     Specs are cached per argument tuple: a repeated call returns the same object (whose
     device tensors are cached in turn).  ``only_cached=True`` returns that cached spec, or None
     without checking or raising anything (the caller checks its other arguments first, then
-    calls again).
+    calls again).  ``scale_name``: what the caller calls ``embed_scale`` (``add_sinusoidal``: ``x_scale``).
     """
     validated_key = None
     if torch.compiler.is_compiling():
@@ -150,7 +151,7 @@ def make_spec(
     for name, value in (("mode", mode), ("layout", layout)):
         if not isinstance(value, str):
             raise ValueError(f"unknown {name} {value!r}; expected one of {MODES if name == 'mode' else LAYOUTS}")
-    for name, value in (("base", base), ("embed_scale", embed_scale), ("pe_scale", pe_scale)):
+    for name, value in (("base", base), (scale_name, embed_scale), ("pe_scale", pe_scale)):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TypeError(f"{name} must be a number, got {value!r}")
         if not is_finite_number(value):  # before float(): a huge int would raise OverflowError there
@@ -339,8 +340,8 @@ def check_offset(offset, ids: torch.Tensor, name: str = "offset") -> None:
         sequences_shape = tuple(ids.shape[:-1]) if ids.dim() > 0 else ()
         if offset.dim() != 0 and tuple(offset.shape) != sequences_shape:
             raise ValueError(
-                f"{name} tensor has shape {list(offset.shape)}; expected ids.shape[:-1] = "
-                f"{list(sequences_shape)} (one start position per sequence) or a 0-d tensor"
+                f"{name} tensor has shape {list(offset.shape)}; expected one start position per sequence, shape "
+                f"{list(sequences_shape)} (ids.shape[:-1], or add_sinusoidal's x.shape[:-2]), or a 0-d tensor"
             )
     elif isinstance(offset, torch.SymInt):
         return  # symbolic (torch.export, dynamic torch.compile): an int64 value of the graph; no check may guard on it
@@ -405,7 +406,8 @@ def make_batch(ids, weight: torch.Tensor, spec: PESpec, positions, offset) -> Ba
             broadcast = None
         if broadcast != tuple(ids.shape):
             raise ValueError(
-                f"positions of shape {list(positions.shape)} do not broadcast to ids.shape {list(ids.shape)}"
+                f"positions of shape {list(positions.shape)} do not broadcast to the tokens' shape {list(ids.shape)} "
+                "(ids.shape, or add_sinusoidal's x.shape[:-1])"
             )
         flat_positions = positions.to(torch.int64).expand(ids.shape).reshape(-1).contiguous()
         offsets = None

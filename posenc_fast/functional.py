@@ -263,7 +263,7 @@ def add_sinusoidal(
     if spec is None:
         check_add_input(x)  # (before its shape is read)
         spec = make_spec(1, x.shape[-1], "add", None, base, layout, x_scale, pe_scale, None, frequencies, False,
-                         precision)
+                         precision, scale_name="x_scale")
     if simple_call:
         out = functional_addition(spec, backend, x, offset, positions)
         if out is not None:

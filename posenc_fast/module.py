@@ -223,13 +223,23 @@ class SinusoidalEmbedding(nn.Module):
         weight decay and clipping see it once.  ``freeze=True`` with a trainable Parameter therefore
         raises (it would freeze the Parameter for its other users too); to freeze the table in this
         layer only, pass ``weight.detach()``.  A plain tensor becomes a new Parameter over the same
-        storage (``requires_grad=not freeze``), as in ``nn.Embedding.from_pretrained``.
+        storage (``requires_grad=not freeze``), as in ``nn.Embedding.from_pretrained``, whose ``freeze``
+        defaults to True: here False, so that a model's trainable Parameter passes as it is.  The table's
+        dtype and device are ``weight``'s: ``dtype=``/``device=`` naming others raise.
         """
         check_weight(weight)  # a 2-D floating-point table
         if isinstance(weight, nn.Parameter) and freeze and weight.requires_grad:
             raise ValueError("freeze=True with a trainable nn.Parameter: the layer keeps the Parameter it is given, "
                              "so freezing would freeze it for its other users; call weight.requires_grad_(False) "
                              "yourself, or pass weight.detach()")
+        dtype, device = kwargs.get("dtype"), kwargs.get("device")
+        device = None if device is None else torch.device(device)
+        other_device = device is not None and (device.type != weight.device.type or None not in (
+            device.index, weight.device.index) and device.index != weight.device.index)
+        if (dtype is not None and dtype != weight.dtype) or other_device:
+            given = ", ".join(f"{n}={v}" for n, v in (("dtype", dtype), ("device", device)) if v is not None)
+            raise ValueError(f"from_pretrained uses weight as it is ({weight.dtype} on {weight.device}); {given} does "
+                             f"not apply: convert weight first (weight.to(...))")
         if kwargs.get("vocab_range") is not None and num_embeddings is None:
             raise ValueError("from_pretrained with vocab_range needs num_embeddings, the whole vocabulary's size "
                              "(the table holds the shard's rows only)")
@@ -280,7 +290,7 @@ class SinusoidalPositionalEncoding(nn.Module):
         if isinstance(d_model, bool) or not isinstance(d_model, int) or d_model < 1:
             raise ValueError(f"d_model must be an int >= 1, got {d_model!r}")
         self.spec = make_spec(1, d_model, "add", None, base, layout, x_scale, pe_scale, None, frequencies, False,
-                              precision)
+                              precision, scale_name="x_scale")
         check_backend_name(backend)
         self.d_model = d_model
         self.backend = backend

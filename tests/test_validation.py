@@ -368,6 +368,22 @@ BAD_CALLS = [
      lambda backend, device: pf.SinusoidalPositionalEncoding.from_preset("fairseq", 8, embed_scale=1.0, backend=backend)),
     ("preset_base_overflows", ValueError, ("base=5e-324", "overflow"),
      lambda backend, device: pf.SinusoidalEmbedding.from_preset("vaswani", 10, 4096, base=5e-324, backend=backend)),
+    ("add_x_scale_nan", ValueError, ("x_scale", "nan"),
+     lambda backend, device: pf.add_sinusoidal(torch.randn(2, 3, 8, device=device), x_scale=float("nan"),
+                                               backend=backend)),
+    ("add_layer_x_scale_str", TypeError, ("x_scale", "'2'"),
+     lambda backend, device: pf.SinusoidalPositionalEncoding(8, x_scale="2", backend=backend)),
+    ("add_positions_shape", ValueError, ("[5]", "x.shape[:-1]"),
+     lambda backend, device: pf.add_sinusoidal(torch.randn(3, 9, 8, device=device),
+                                               positions=torch.arange(5, device=device), backend=backend)),
+    ("cpu_backend_on_meta", RuntimeError, ("'meta'", "'torch'"),
+     lambda backend, device: pf.SinusoidalEmbedding(50, 12, backend="cpu", device="meta")(
+         torch.zeros(2, 3, dtype=torch.int64, device="meta"))),
+    *[(f"from_pretrained_{name}_ignored", ValueError, ("from_pretrained", shown),
+       lambda backend, device, kwargs=kwargs: pf.SinusoidalEmbedding.from_pretrained(
+           torch.randn(10, 8, device=device), backend=backend, **kwargs))
+      for name, shown, kwargs in [("dtype", "dtype=torch.float16", dict(dtype=torch.float16)),
+                                  ("device", "device=meta", dict(device="meta"))]],
     ("add_x_nested", TypeError, ("x", "nested"), addition(lambda d: _nested_rows(torch.randn(2, 3, 8, device=d)))),
     *[(f"add_x_{what}{'_layer' if through_layer else ''}", error, ("x",) + fragments,
        addition(make_x, through_layer=through_layer))

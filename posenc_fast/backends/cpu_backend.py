@@ -76,8 +76,9 @@ def prepare(device: torch.device) -> None:
 def available(device: torch.device) -> Optional[str]:
     """None if this backend can run on ``device``, else the reason it cannot and how to fix it."""
     if device.type != "cpu":
+        others = "'cuda', 'triton'" if device.type == "cuda" else "'torch'"
         return (f"backend='cpu' runs on CPU tensors, but these are on {device.type!r}: use backend='auto' "
-                f"(or 'cuda', 'triton') for {device.type} tensors")
+                f"(or {others}) for {device.type} tensors")
     return extension_problem()
 
 
