@@ -83,7 +83,12 @@ def route(ids, weight, standard_ops_under_export: bool = False) -> str:
         return STANDARD_OPS
     if standard_ops_under_export and torch.compiler.is_exporting():
         return STANDARD_OPS
-    if torch.compiler.is_compiling() or dispatch_mode_depth():  # a dispatch mode sees only the dispatcher's ops
+    if torch.compiler.is_compiling():
+        # Traced code (torch.compile, torch.export) gets the op, but for torch.func's transforms and forward-mode
+        # AD, which its autograd formula does not serve (torch would drop a tangent silently).
+        if not torch._C._are_functorch_transforms_active() and _forward_ad._current_level < 0:
+            return OP
+    elif dispatch_mode_depth():  # a dispatch mode sees only the dispatcher's ops
         return OP
     if torch._C._are_functorch_transforms_active():
         _check_function_transforms()

@@ -167,6 +167,11 @@ def _backward(ctx, grad_out):
 sinusoidal_embedding_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _c_apply(cls, args):
+    """The C++ apply of Function ``cls`` (forward, then setup_context)."""
+    return super(torch.autograd.Function, cls).apply(*args)
+
+
 class _DirectApply:
     """What the Functions below share: ``apply`` without ``torch.autograd.Function.apply``'s argument binding,
     outside torch.func, and the vmap rule.
@@ -174,7 +179,8 @@ class _DirectApply:
     For a Function with a separate ``setup_context`` (which torch.func requires), torch's ``apply`` binds
     the arguments to ``forward``'s signature on every call only to fill in defaults, more host time than
     the rest of a training call.  Every caller passes every argument, so outside torch.func this calls the
-    C++ apply (``forward``, then ``setup_context``) directly; under torch.func, torch's own.  It also skips
+    C++ apply (``forward``, then ``setup_context``) directly; under torch.func, torch's own; under torch.compile
+    (forward-mode AD: ``_dispatch.route``), the C++ apply run eagerly, as Dynamo cannot trace it.  It also skips
     torch's unwrapping of tensors kept from a finished functorch transform: such a tensor is not ``plain``
     and takes the op, whose dispatcher unwraps it."""
 
@@ -182,6 +188,8 @@ class _DirectApply:
     def apply(cls, *args):
         if torch._C._are_functorch_transforms_active():
             return super().apply(*args)
+        if torch.compiler.is_compiling():
+            return torch.compiler.disable(_c_apply)(cls, args)
         return super(torch.autograd.Function, cls).apply(*args)
 
     @classmethod

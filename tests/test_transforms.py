@@ -521,3 +521,40 @@ def test_torchscript_is_refused_clearly_every_time():
         with pytest.raises(TypeError, match="TorchScript"):
             torch.jit.script(m)
     assert m(torch.zeros(3, dtype=torch.int64)).shape == (3, 8)
+
+
+@pytest.mark.parametrize("backend,device", TARGETS)
+def test_forward_ad_and_torch_func_inside_torch_compile(backend, device):
+    """Inside torch.compile, forward-mode AD and torch.func's transforms take the Functions, as in eager: the
+    op's autograd formula has no tangent, which torch would drop silently.  Tangents, gradients and vmap's
+    rows equal eager's."""
+    g = torch.Generator().manual_seed(11)
+    weight = torch.randn(40, 6, generator=g).to(device)
+    tangent = torch.randn(40, 6, generator=g).to(device)
+    ids = torch.randint(0, 40, (2, 3), generator=g).to(device)
+
+    def layer(w):
+        return pf.sinusoidal_embedding(ids, w, offset=5, backend=backend)
+
+    def dual_tangent(w, t):
+        with fwAD.dual_level():
+            return fwAD.unpack_dual(layer(fwAD.make_dual(w, t))).tangent
+
+    calls = {
+        "forward_ad": (dual_tangent, (weight, tangent)),
+        "func.jvp": (lambda w, t: torch.func.jvp(layer, (w,), (t,))[1], (weight, tangent)),
+        "func.grad": (torch.func.grad(lambda w: layer(w).square().sum()), (weight,)),
+        "func.vmap": (torch.func.vmap(layer), (torch.stack([weight, tangent]),)),
+    }
+    if backend == "triton" and device == "cpu":  # Dynamo traces torch.func's calls into the interpreter's Python
+        calls = {"forward_ad": calls["forward_ad"]}
+    for name, (fn, args) in calls.items():
+        torch._dynamo.reset()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Dynamo's notes on what it runs eagerly
+            compiled = torch.compile(fn, backend="aot_eager")(*args)
+        assert compiled is not None, name
+        torch.testing.assert_close(compiled, fn(*args), rtol=0, atol=0, msg=name)
+    exact = weight.new_zeros(2, 3, 6)  # the tangent is the layer on the tangent table without PE
+    exact += tangent[ids]
+    torch.testing.assert_close(dual_tangent(weight, tangent), exact, rtol=0, atol=0)
