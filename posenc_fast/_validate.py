@@ -232,7 +232,8 @@ def _make_spec_cached(num_embeddings, token_width, mode, d_pos, base, layout, em
                              "float64") from None
     else:
         allowed = (half, half + 1) if pe_width % 2 else (half,)
-        if len(frequencies) not in allowed:
+        # (== rather than `in`: Dynamo evaluates `n in (SymInt,)` as False, with dynamic=True)
+        if not any(len(frequencies) == n for n in allowed):
             raise ValueError(
                 f"got {len(frequencies)} frequencies for a PE of width {pe_width}; expected "
                 + " or ".join(str(n) for n in allowed) + " (one per (sin, cos) pair; an odd width may add one "
@@ -332,6 +333,12 @@ def _check_integer_tensor(name: str, value: torch.Tensor, device: torch.device) 
         raise ValueError(f"{name} is on {value.device} but ids are on {device}")
 
 
+def _int64_offset(offset: int) -> bool:
+    """Whether an int offset fits in int64.  Under torch.export a traced past length is an int to a strict
+    trace: comparing it would add a guard that an unbounded ``Dim`` violates, so it is taken as it is."""
+    return torch.compiler.is_exporting() or _INT64_MIN <= offset < _INT64_END
+
+
 def check_offset(offset, ids: torch.Tensor, name: str = "offset") -> None:
     """``offset`` is an int in int64 range, or an integer tensor, 0-d or of shape ``ids.shape[:-1]``.
     A ``torch.SymInt`` (a traced past length, e.g. ``past.shape[1]`` under torch.export) is accepted as it is."""
@@ -347,7 +354,7 @@ def check_offset(offset, ids: torch.Tensor, name: str = "offset") -> None:
         return  # symbolic (torch.export, dynamic torch.compile): an int64 value of the graph; no check may guard on it
     elif isinstance(offset, bool) or not isinstance(offset, int):
         raise TypeError(f"{name} must be an int or an integer tensor, got {offset!r}")
-    elif not _INT64_MIN <= offset < _INT64_END:
+    elif not _int64_offset(offset):
         raise ValueError(f"{name}={offset} does not fit in int64")
 
 
@@ -355,7 +362,7 @@ def make_batch(ids, weight: torch.Tensor, spec: PESpec, positions, offset) -> Ba
     """Validate the per-call inputs and flatten them for the kernels."""
     if (positions is None and type(offset) is int and type(ids) is torch.Tensor and ids.dtype in ID_DTYPES
             and ids.layout == torch.strided and not ids.is_nested and ids.device == weight.device
-            and _INT64_MIN <= offset < _INT64_END and _memory_backed(ids)):
+            and _int64_offset(offset) and _memory_backed(ids)):
         # The common call (a decoding step: ids and an int offset): the same checks as below, in fewer steps.
         shape = ids.shape
         flat_ids = ids if len(shape) == 1 else ids.reshape(-1)  # (reshape would make a view even of 1-D ids)
@@ -381,7 +388,7 @@ def make_batch(ids, weight: torch.Tensor, spec: PESpec, positions, offset) -> Ba
 
     offsets = None
     scalar_offset = 0
-    if type(offset) is int and _INT64_MIN <= offset < _INT64_END:
+    if type(offset) is int and _int64_offset(offset):
         scalar_offset = offset
     else:
         check_offset(offset, ids)

@@ -115,7 +115,8 @@ def _build(entry, backend):
 
 
 def _dynamic_shapes():
-    batch, length, past = Dim("batch", min=1, max=64), Dim("length", min=1, max=2048), Dim("past", min=0, max=4096)
+    # The past length unbounded: an offset of int64 range is the graph's, not a guard on the past (strict too).
+    batch, length, past = Dim("batch", min=1, max=64), Dim("length", min=1, max=2048), Dim("past", min=0)
     return ({0: batch, 1: length}, {0: batch, 1: past})
 
 

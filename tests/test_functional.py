@@ -238,6 +238,19 @@ def test_functional_compiles_fullgraph():
     torch.testing.assert_close(torch.autograd.grad(loss, weight)[0], torch.autograd.grad(eager, weight)[0])
 
 
+def test_functional_with_frequencies_compiles_fullgraph_dynamic():
+    """Explicit frequencies are checked against the PE width, which is symbolic under dynamic=True: the
+    functional forms still trace in one graph."""
+    torch._dynamo.reset()
+    weight, ids, x = torch.randn(40, 10), torch.randint(0, 40, (2, 5)), torch.randn(2, 5, 6)
+    embedding = lambda ids, w: pf.sinusoidal_embedding(ids, w, frequencies=[1.0, 0.5, 0.01, 1e-4, 3.3])  # noqa: E731
+    addition = lambda x: pf.add_sinusoidal(x, frequencies=[1.0, 0.1, 0.01])  # noqa: E731
+    compiled = torch.compile(embedding, fullgraph=True, dynamic=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(ids, weight), embedding(ids, weight), rtol=0, atol=0)
+    compiled = torch.compile(addition, fullgraph=True, dynamic=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x), addition(x), rtol=0, atol=0)
+
+
 def _through_the_op(monkeypatch, fn):
     """``fn()`` with every call going through the torch.library op, as under torch.compile or a dispatch mode."""
     from posenc_fast import _dispatch, functional, module
