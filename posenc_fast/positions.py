@@ -83,5 +83,6 @@ def packed_positions(cu_seqlens: torch.Tensor, total_tokens: int) -> torch.Tenso
         check_cu_seqlens(cu_seqlens, total_tokens)
     starts = cu_seqlens.to(torch.int64)
     t = torch.arange(total_tokens, device=cu_seqlens.device, dtype=torch.int64)
-    sequence = torch.searchsorted(starts[1:-1].contiguous(), t, right=True)
-    return t - starts[sequence]
+    # The last start at or before t (its sequence's; searched over all of cu_seqlens, not a slice of it, so that
+    # torch.export keeps the number of sequences symbolic).  Invalid contents index -1: wrong, never out of bounds.
+    return t - starts[torch.searchsorted(starts, t, right=True) - 1]

@@ -304,3 +304,26 @@ def test_patched_model_exports_without_posenc_fast_ops(strict):
         ids, decoder_ids = torch.randint(3, 60, shape[:2]), torch.randint(3, 60, (shape[0], shape[2]))
         with torch.no_grad():
             torch.testing.assert_close(program.module()(ids, decoder_ids), model(ids, decoder_ids), atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("strict", STRICT)
+def test_export_packed_sequences_keep_their_count_symbolic(strict):
+    """cu_seqlens with a dynamic number of sequences: the program runs any packing of any length."""
+    layer = SinusoidalEmbedding(VOCAB, D_MODEL, base=10091.0, backend="torch").eval()
+
+    class Packed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = layer
+
+        def forward(self, ids, cu_seqlens):
+            return self.layer(ids, cu_seqlens=cu_seqlens)
+
+    example = (torch.randint(0, VOCAB, (12,)), torch.tensor([0, 5, 12]))
+    with torch.no_grad():
+        ep = export(Packed(), example, dynamic_shapes=({0: Dim("total")}, {0: Dim("sequences", min=2)}),
+                    strict=strict)
+    for cu in ([0, 20], [0, 1, 1, 7, 20], [0, 3, 9, 12, 16, 20]):
+        ids, cu = torch.randint(0, VOCAB, (20,)), torch.tensor(cu)
+        with torch.no_grad():
+            torch.testing.assert_close(ep.module()(ids, cu), layer(ids, cu_seqlens=cu), rtol=0, atol=0)
