@@ -298,9 +298,9 @@ def build_extension(source_dir: str, build_dir: str, output: str, nvcc: str, arc
     """Compile csrc/ into the extension file ``output`` with ``nvcc`` for ``archs``; returns it."""
     plan = plan_build(os.path.abspath(source_dir), os.path.abspath(build_dir), os.path.abspath(output), nvcc, archs)
     _say(f"posenc_fast: compiling the CUDA extension with {nvcc} ({nvcc_version(nvcc)}) for "
-         f"{', '.join(a.name + ('+PTX' if a.ptx else '') for a in archs)} into {os.path.dirname(output)} (1-3 minutes "
-         "on a few cores; POSENC_FAST_CUDA_ARCHS=<your GPU, e.g. 90> makes it faster, POSENC_FAST_BUILD_CUDA=0 skips it)",
-         log, progress)
+         f"{', '.join(a.name + ('+PTX' if a.ptx else '') for a in archs)} into {os.path.dirname(output)} "
+         "(1-3 minutes on a few cores; POSENC_FAST_CUDA_ARCHS=<your GPU, e.g. 90> makes it faster, "
+         "POSENC_FAST_BUILD_CUDA=0 skips it)", log, progress)
     run_build(plan, os.path.abspath(build_dir), log=log, progress=progress)
     return output
 

@@ -309,8 +309,8 @@ class SinusoidalPositionalEncoding(nn.Module):
         pass ``positions`` (``posenc_fast.make_positions``).
         """
         if "embed_scale" in overrides:
-            raise TypeError("SinusoidalPositionalEncoding scales x by x_scale=...; embed_scale is SinusoidalEmbedding's "
-                            "name for it")
+            raise TypeError("SinusoidalPositionalEncoding scales x by x_scale=...; embed_scale is "
+                            "SinusoidalEmbedding's name for it")
         preset = presets.get(name)
         kwargs = preset.kwargs(d_model, base=overrides.get("base", 10000.0))
         kwargs["x_scale"] = kwargs.pop("embed_scale")

@@ -365,7 +365,8 @@ BAD_CALLS = [
      lambda backend, device: pf.SinusoidalPositionalEncoding.from_preset("fairseq", 8, backend=backend)(
          torch.randn(2, 3, 8, device=device))),
     ("add_layer_preset_embed_scale", TypeError, "x_scale=",
-     lambda backend, device: pf.SinusoidalPositionalEncoding.from_preset("fairseq", 8, embed_scale=1.0, backend=backend)),
+     lambda backend, device: pf.SinusoidalPositionalEncoding.from_preset("fairseq", 8, embed_scale=1.0,
+                                                                         backend=backend)),
     ("preset_base_overflows", ValueError, ("base=5e-324", "overflow"),
      lambda backend, device: pf.SinusoidalEmbedding.from_preset("vaswani", 10, 4096, base=5e-324, backend=backend)),
     ("add_x_scale_nan", ValueError, ("x_scale", "nan"),
