@@ -165,7 +165,7 @@ def make_spec(
         raise TypeError(f"zero_pe_at_padding must be a bool, got {zero_pe_at_padding!r}")
     if not isinstance(precision, str) or precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; expected one of {PRECISIONS}")
-    embed_scale, pe_scale = float(embed_scale), float(pe_scale)
+    embed_scale, pe_scale = _check_scale(scale_name, embed_scale), _check_scale("pe_scale", pe_scale)
     spec = _make_spec_cached(
         num_embeddings, token_width, mode, d_pos, float(base), layout, embed_scale, pe_scale,
         padding_idx, frequencies, zero_pe_at_padding, precision, (_sign(embed_scale), _sign(pe_scale)),
@@ -215,8 +215,6 @@ def _make_spec_cached(num_embeddings, token_width, mode, d_pos, base, layout, em
     if width > MAX_ROW_WIDTH:
         raise ValueError(f"the output row width {width} (d_model) exceeds the supported maximum of {MAX_ROW_WIDTH} "
                          "columns (the kernels' launch grids)")
-    embed_scale = _check_scale("embed_scale", embed_scale)
-    pe_scale = _check_scale("pe_scale", pe_scale)
     if padding_idx is not None:
         if not -num_embeddings <= padding_idx < num_embeddings:
             raise ValueError(f"padding_idx={padding_idx} is out of range for {num_embeddings} embeddings")
@@ -330,17 +328,19 @@ def _check_integer_tensor(name: str, value: torch.Tensor, device: torch.device) 
     if value.layout != torch.strided:
         raise TypeError(f"{name} must be a dense (strided) tensor, got layout {value.layout}")
     if value.device != device:
-        raise ValueError(f"{name} is on {value.device} but ids are on {device}")
+        raise ValueError(f"{name} is on {value.device} but the tokens (ids, or add_sinusoidal's x) are on {device}")
 
 
 def _int64_offset(offset: int) -> bool:
     """Whether an int offset fits in int64.  Under torch.export a traced past length is an int to a strict
-    trace: comparing it would add a guard that an unbounded ``Dim`` violates, so it is taken as it is."""
+    trace: comparing it would add a guard that an unbounded ``Dim`` violates, so any int is taken as it is
+    (the graph's int64: a constant beyond it wraps)."""
     return torch.compiler.is_exporting() or _INT64_MIN <= offset < _INT64_END
 
 
 def check_offset(offset, ids: torch.Tensor, name: str = "offset") -> None:
-    """``offset`` is an int in int64 range, or an integer tensor, 0-d or of shape ``ids.shape[:-1]``.
+    """``offset`` is an int in int64 range (any int under torch.export: ``_int64_offset``), or an integer
+    tensor, 0-d or of shape ``ids.shape[:-1]``.
     A ``torch.SymInt`` (a traced past length, e.g. ``past.shape[1]`` under torch.export) is accepted as it is."""
     if isinstance(offset, torch.Tensor):
         _check_integer_tensor(name, offset, ids.device)

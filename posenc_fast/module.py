@@ -324,7 +324,8 @@ class SinusoidalPositionalEncoding(nn.Module):
                 offset: Union[int, torch.Tensor] = 0, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
         if positions is None and self.position_rule != "offset":
             raise ValueError(f"preset {self.preset!r} numbers positions around padding, which x does not show: pass "
-                             "positions=posenc_fast.make_positions(padding_mask, padding_idx)")
+                             "positions=posenc_fast.make_positions(mask, padding_idx), mask equal to padding_idx "
+                             "at padded frames (cu_seqlens cannot number them)")
         spec, backend = self.spec, self.backend
         if cu_seqlens is None and eager_call(x, x):  # (see SinusoidalEmbedding.forward)
             out = run_addition(self, spec, backend, x, offset, positions)

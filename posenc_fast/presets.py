@@ -6,8 +6,9 @@ rule, a precision); the kernels stay library-agnostic.  Adding a library is one 
 the library's own formula and angles are exact (docs/design.md), so a preset matches the
 library's float64 math and is more accurate than the library's own fp32 table.  Marian
 and XLM build their tables in float64 and round once, so their presets compute in float64
-too (``precision="float64"``: identical fp32 outputs); ``precision="float32"`` is faster on
-GPUs with little fp64 throughput, at the cost of fp32 rounding error.
+too (``precision="float64"``: the same fp32 outputs, but at rounding midpoints within float64's
+error: docs/presets.md); ``precision="float32"`` is faster on GPUs with little fp64 throughput,
+at the cost of fp32 rounding error.
 
     layer = SinusoidalEmbedding.from_preset("fairseq", vocab, 512, padding_idx=1)
     posenc_fast.presets.get("whisper").kwargs(384)     # for the functional API

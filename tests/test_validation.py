@@ -372,6 +372,8 @@ BAD_CALLS = [
     ("add_x_scale_nan", ValueError, ("x_scale", "nan"),
      lambda backend, device: pf.add_sinusoidal(torch.randn(2, 3, 8, device=device), x_scale=float("nan"),
                                                backend=backend)),
+    ("add_x_scale_beyond_float32", ValueError, ("x_scale=1e+300", "float32 range"),
+     lambda backend, device: pf.add_sinusoidal(torch.randn(2, 3, 8, device=device), x_scale=1e300, backend=backend)),
     ("add_layer_x_scale_str", TypeError, ("x_scale", "'2'"),
      lambda backend, device: pf.SinusoidalPositionalEncoding(8, x_scale="2", backend=backend)),
     ("add_positions_shape", ValueError, ("[5]", "x.shape[:-1]"),
