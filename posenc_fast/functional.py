@@ -97,8 +97,9 @@ def sinusoidal_embedding(
     simple_call = cu_seqlens is None and _eager_call(ids, weight)
     spec = None
     if simple_call and weight.dim() == 2 and not weight.is_nested:
-        spec = make_spec(*weight.shape, mode, d_pos, base, layout, embed_scale, pe_scale, padding_idx, frequencies,
-                         zero_pe_at_padding, precision, only_cached=True)
+        shape = weight.shape  # (indexed: unpacking a torch.Size costs a decoding step more)
+        spec = make_spec(shape[0], shape[1], mode, d_pos, base, layout, embed_scale, pe_scale, padding_idx,
+                         frequencies, zero_pe_at_padding, precision, only_cached=True)
     if spec is None:
         check_weight(weight)  # (before its shape is read)
         spec = make_spec(*weight.shape, mode, d_pos, base, layout, embed_scale, pe_scale, padding_idx, frequencies,
