@@ -81,12 +81,12 @@ class SinusoidalEmbedding(nn.Module):
         if position_rule in PADDING_AWARE_RULES and padding_idx is None:
             raise ValueError(f"position_rule={position_rule!r} needs a padding_idx (fairseq's default is 1)")
         token_width = d_model - d_pos if mode == "concat" and isinstance(d_pos, int) else d_model
-        rows, vocab_range, padding_idx, pe_scale = self._shard(num_embeddings, vocab_range, padding_idx, pe_scale,
-                                                               zero_pe_at_padding, position_rule)
+        rows, padding_idx, pe_scale = self._shard(num_embeddings, vocab_range, padding_idx, pe_scale,
+                                                  zero_pe_at_padding, position_rule)
         # Validates every fixed parameter once, here, and computes the frequencies.
         self.spec = make_spec(rows, token_width, mode, d_pos, base, layout, embed_scale, pe_scale, padding_idx,
                               frequencies, zero_pe_at_padding, precision)
-        self.vocab_range = vocab_range
+        self.vocab_range = None if vocab_range is None else tuple(vocab_range)  # (start, end), as given
         self.position_rule = position_rule
         self.dropout = check_dropout_p(dropout)
         self.sparse = sparse
@@ -135,9 +135,9 @@ class SinusoidalEmbedding(nn.Module):
 
     @staticmethod
     def _shard(num_embeddings, vocab_range, padding_idx, pe_scale, zero_pe_at_padding, position_rule):
-        """(rows held, vocab range, local padding row, PE scale) for a shard, or for the whole table."""
+        """(rows held, local padding row, PE scale) for a shard, or for the whole table."""
         if vocab_range is None:
-            return num_embeddings, None, padding_idx, pe_scale
+            return num_embeddings, padding_idx, pe_scale
         try:
             start, end = vocab_range
         except (TypeError, ValueError):
@@ -152,13 +152,17 @@ class SinusoidalEmbedding(nn.Module):
         local_padding = None
         if padding_idx is not None and start <= padding_idx % num_embeddings < end:
             local_padding = padding_idx % num_embeddings - start
-        # The op takes (first global id held, global vocabulary size).
-        return end - start, (start, num_embeddings), local_padding, pe_scale if start == 0 else 0.0
+        return end - start, local_padding, pe_scale if start == 0 else 0.0
 
     @property
     def padding_idx(self) -> Optional[int]:
         """The padding row of ``weight`` (local to the shard with ``vocab_range``)."""
         return self.spec.padding_idx
+
+    @property
+    def embedding_dim(self) -> int:
+        """The output rows' width, ``d_model`` (``nn.Embedding``'s name for it, for code written for one)."""
+        return self.d_model
 
     def reset_parameters(self) -> None:
         if self.weight.is_meta:
@@ -185,8 +189,10 @@ class SinusoidalEmbedding(nn.Module):
                                 positions)
             if out is not None:
                 return out
+        shard = self.vocab_range  # the op takes (first global id held, global vocabulary size)
         return apply_spec(ids, weight, spec, spec.turns_tensor(weight.device), positions, offset, backend,
-                          cu_seqlens=cu_seqlens, position_rule=self.position_rule, vocab_range=self.vocab_range,
+                          cu_seqlens=cu_seqlens, position_rule=self.position_rule,
+                          vocab_range=shard and (shard[0], self.num_embeddings),
                           dropout_p=dropout, training=self.training, sparse=self.sparse)
 
     def __getstate__(self):
@@ -261,13 +267,13 @@ class SinusoidalEmbedding(nn.Module):
         return module
 
     def extra_repr(self) -> str:
-        s, shard = self.spec, self.vocab_range
+        s = self.spec
         return _settings_repr(f"{self.num_embeddings}, {self.d_model}", (
             ("preset", self.preset, None), ("mode", s.mode, _SHOWN),
             ("d_pos", int(s.pe_width) if s.mode == "concat" else None, None), ("layout", s.layout, _SHOWN),
             ("embed_scale", s.embed_scale, 1.0), ("pe_scale", s.pe_scale, 1.0), ("padding_idx", s.padding_idx, None),
             ("zero_pe_at_padding", s.zero_pe_at_padding, False), ("precision", s.precision, "float32"),
-            ("vocab_range", shard and (int(shard[0]), int(shard[0]) + self.weight.shape[0]), None),
+            ("vocab_range", self.vocab_range, None),
             ("position_rule", self.position_rule, "offset"), ("dropout", self.dropout, 0.0),
             ("sparse", self.sparse, False), ("backend", self.backend, "auto")))
 

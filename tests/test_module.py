@@ -26,7 +26,10 @@ def _exact(ids, weight, **kwargs):
 def test_weight_and_output_shapes(mode, d_pos, table_width):
     m = pf.SinusoidalEmbedding(50, 24, mode=mode, d_pos=d_pos)
     assert m.weight.shape == (50, table_width)
-    assert m(torch.randint(0, 50, (3, 7))).shape == (3, 7, 24)
+    out = m(torch.randint(0, 50, (3, 7)))
+    assert out.shape == (3, 7, 24)
+    # nn.Embedding's attribute names, for code written for one: the output rows' width
+    assert (m.num_embeddings, m.embedding_dim) == (50, out.shape[-1])
 
 
 def test_initialised_like_nn_embedding():

@@ -166,7 +166,7 @@ def _fairseq_positions(layer):
 
 
 def _vocab_range_set(layer):
-    layer.vocab_range = (10, 60)  # the table now holds rows 10..59 of 60: ids below 10 read nothing
+    layer.vocab_range, layer.num_embeddings = (10, 60), 60  # the table now holds rows 10..59 of 60: ids below 10 read nothing
     return _ids(layer.weight.device, vocab=60, seed=3)
 
 

@@ -91,6 +91,7 @@ def test_shard_checks_global_ids_and_arguments():
     with pytest.raises(ValueError, match="fairseq"):
         pf.SinusoidalEmbedding(VOCAB, D, vocab_range=(0, 10), padding_idx=1, position_rule="fairseq")
     assert "vocab_range=(20, 37)" in repr(shards[1])
+    assert shards[1].vocab_range == (20, 37)  # reads back as given, not as the op's (start, vocabulary size)
 
 
 def _shard_rank(rank, world, result_path):
