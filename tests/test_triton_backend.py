@@ -22,6 +22,9 @@ import torch
 triton = pytest.importorskip("triton")
 
 import posenc_fast as pf  # noqa: E402
+from cases import assert_within, output_bound  # noqa: E402
+from posenc_fast import reference  # noqa: E402
+from posenc_fast._spec import MAX_ROW_WIDTH  # noqa: E402
 from posenc_fast.backends import triton_backend, triton_launch  # noqa: E402
 
 
@@ -446,3 +449,30 @@ def test_compiled_launches_match_the_jit_path_on_a_gpu(dtype, seed, monkeypatch)
                 torch.cuda.synchronize()
                 assert torch.equal(_bits(got), _bits(want)), (offset, seq_len, output_start)
     assert served.count(True) >= len(calls) * 2, served  # the kept kernels served the repeats
+
+
+@pytest.mark.parametrize("layout", ["interleaved", "split"])
+def test_concat_grid_stays_within_cudas_limit(layout, seed, monkeypatch):
+    """Concat mode copies the token part in column blocks 2 * BLOCK_P wide: beside a PE of 1 to 4 columns, the
+    widest row (``MAX_ROW_WIDTH``) made 10^6 blocks, beyond the 65535 that CUDA allows on the grid's second
+    axis.  Such a token part takes wider tiles; at a small bound on the copy blocks, those tiles (BLOCK_P
+    beyond the PE's pairs) compute the layer as the float64 reference does."""
+    for d_pos in (1, 2, 3, 4, 64, 300):
+        spec = pf.SinusoidalEmbedding(1, MAX_ROW_WIDTH, mode="concat", d_pos=d_pos, layout=layout, device="meta").spec
+        params = spec.kernel_params(False)
+        grid, copy_blocks = triton_backend._forward_grid(params, triton_backend._forward_tiles(params, 1, 4), 1)
+        assert copy_blocks <= triton_backend.MAX_COPY_BLOCKS and grid[1] <= 65535, (d_pos, grid)
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton needs a GPU or TRITON_INTERPRET=1")
+    monkeypatch.setattr(triton_backend, "MAX_COPY_BLOCKS", 3)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 50, (2, 5), generator=g)
+    weight = torch.randn(50, 64, generator=g)
+    spec = pf.SinusoidalEmbedding(50, 66, mode="concat", d_pos=2, layout=layout, device="meta").spec
+    params = spec.kernel_params(False)
+    assert triton_backend._forward_tiles(params, ids.numel(), 4).block_p == 16  # (1 pair: 1 without the bound)
+    out = triton_backend.forward(ids.reshape(-1).to(device), weight.to(device), spec.turns_tensor(device), None, None,
+                                 7, 5, params, None)
+    exact = reference.sinusoidal_embedding(ids, weight.double(), mode="concat", d_pos=2, layout=layout, offset=7)
+    assert_within(out.reshape(2, 5, 66), exact, output_bound(exact, torch.float32), f"concat, d_pos 2, {layout}")

@@ -115,8 +115,9 @@ ADD_PAIRS_PER_PROGRAM = 512
 ADD_TOKENS_PER_PROGRAM = 16
 ADD_MAX_WARPS = 4
 ADD_FLOAT64_PAIR_TOKENS_PER_THREAD = 64
-# Concat mode: warps per BLOCK_T x BLOCK_P tile.
+# Concat mode: warps per BLOCK_T x BLOCK_P tile; the most token-copy column blocks (_forward_tiles).
 FORWARD_WARPS = 4
+MAX_COPY_BLOCKS = 32768
 
 
 def _forward_tiles(params, num_tokens: int, element_size: int) -> ForwardTiles:
@@ -140,9 +141,18 @@ def _forward_tiles(params, num_tokens: int, element_size: int) -> ForwardTiles:
         if params.float64_math:  # the unrolled tokens' float64 temporaries: at most 64 pair slots per thread
             block_t = min(block_t, ADD_FLOAT64_PAIR_TOKENS_PER_THREAD // per_thread)
         return ForwardTiles(max(1, min(block_t, num_tokens)), block_p, pair_slots, warps)
-    block_p = min(64 if interleaved else 128, _next_power_of_2(pair_slots))
+    # The token part's copy blocks are 2 * block_p wide: beside a tiny PE, a token part wider than
+    # 2 * MAX_COPY_BLOCKS columns takes wider tiles, which keep the grid's second axis within CUDA's 65535.
+    copy_pairs = -(-params.token_width // (2 * MAX_COPY_BLOCKS))
+    block_p = min(64 if interleaved else 128, _next_power_of_2(max(pair_slots, copy_pairs)))
     block_t = max(1, min((1024 if interleaved else 2048) // (2 * block_p), _next_power_of_2(num_tokens)))
     return ForwardTiles(block_t, block_p, pair_slots, FORWARD_WARPS)
+
+
+def _forward_grid(params, tiles: ForwardTiles, num_tokens: int):
+    """The forward's grid, and its number of token-copy column blocks (concat mode; they come first)."""
+    num_copy_blocks = -(-params.token_width // (2 * tiles.block_p)) if params.concat else 0
+    return (-(-num_tokens // tiles.block_t), num_copy_blocks - (-tiles.pair_slots // tiles.block_p)), num_copy_blocks
 
 
 def _next_power_of_2(n: int) -> int:
@@ -227,9 +237,8 @@ def forward(ids, weight, turns, positions, offsets, offset, seq_len, params: Ker
         weight = weight.contiguous()
     tiles = _forward_tiles(params, num_tokens, weight.element_size())
     block_p = tiles.block_p
-    num_copy_blocks = triton.cdiv(params.token_width, 2 * block_p) if params.concat else 0
+    grid, num_copy_blocks = _forward_grid(params, tiles, num_tokens)
     position_source = 2 if positions is not None else (1 if offsets is not None else 0)
-    grid = (triton.cdiv(num_tokens, tiles.block_t), num_copy_blocks + triton.cdiv(tiles.pair_slots, block_p))
     columns = params.columns
     turn_low, turn_high = _turn_words(turns)
     kernels.forward_kernel[grid](
@@ -276,8 +285,7 @@ def prepare_forward(dtype, num_rows: int, device, turns, params: KernelParams) -
         if shape is None:
             num_tokens, table_rows, weight_row_stride, position_source = key
             tiles = _forward_tiles(params, num_tokens, element_size)
-            num_copy = triton.cdiv(params.token_width, 2 * tiles.block_p) if params.concat else 0
-            grid = (triton.cdiv(num_tokens, tiles.block_t), num_copy + triton.cdiv(tiles.pair_slots, tiles.block_p))
+            grid, num_copy = _forward_grid(params, tiles, num_tokens)
             wide = _needs_wide_index(num_tokens, tiles.block_t, params.width, table_rows, weight_row_stride)
             arguments_after = (num_tokens, table_rows, weight_row_stride, params.width, *fixed_middle, num_copy,
                                params.embed_scale, params.pe_scale, 0, 1.0)
