@@ -135,15 +135,17 @@ def _float64_ok(module, float64_math: bool) -> bool:
     return not float64_math or getattr(module, "FLOAT64_MATH", False)
 
 
-def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype, float64_math: bool = False) -> str:
-    """Name of the backend that will run, or a clear error why ``requested`` cannot."""
+def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype, float64_math: bool = False,
+                    tensor: str = "weight") -> str:
+    """Name of the backend that will run, or a clear error why ``requested`` cannot (``tensor``: what the
+    messages call the tensor of ``dtype``)."""
     if requested == "auto":
         for name in _AUTO_ORDER.get(device.type, _DEFAULT_AUTO):
             module = BACKENDS[name]
             usable = module.available(device) is None and dtype in module.SUPPORTED_DTYPES
             if usable and _float64_ok(module, float64_math):
                 return name
-        raise TypeError(f"no backend supports weight dtype {dtype} on {device}")
+        raise TypeError(f"no backend supports {tensor} dtype {dtype} on {device}")
     check_backend_name(requested)
     module = BACKENDS[requested]
     prepare = getattr(module, "prepare", None)  # a backend asked for by name may get ready first (cuda: build)
@@ -154,7 +156,7 @@ def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype, fl
         raise RuntimeError(reason)
     if dtype not in module.SUPPORTED_DTYPES:
         supported = ", ".join(str(d) for d in module.SUPPORTED_DTYPES)
-        raise TypeError(f"backend {requested!r} does not support weight dtype {dtype}; supported: {supported}")
+        raise TypeError(f"backend {requested!r} does not support {tensor} dtype {dtype}; supported: {supported}")
     if not _float64_ok(module, float64_math):
         raise ValueError(f"backend {requested!r} does not implement precision='float64'; use backend='torch' or 'auto'")
     return requested

@@ -285,7 +285,7 @@ def apply_add_spec(x, spec: PESpec, turns: torch.Tensor, positions, offset, cu_s
     row_ids = torch.empty(x.shape[:-1], device=x.device, dtype=torch.int64)
     positions, offset = _positions_by_rule(row_ids, spec, positions, offset, cu_seqlens, "offset")
     batch = make_batch(row_ids, rows, spec, positions, offset)
-    name = resolve_backend(backend, x.device, x.dtype, float64_math=spec.precision == "float64")
+    name = resolve_backend(backend, x.device, x.dtype, float64_math=spec.precision == "float64", tensor="x")
     route = _route(batch.ids, x)
     op = {RUN: add_sinusoidal_forward, FUNCTION: AddSinusoidalFunction.apply, OP: add_sinusoidal_op,
           STANDARD_OPS: add_sinusoidal_standard_ops}[route]

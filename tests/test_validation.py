@@ -462,8 +462,10 @@ def test_bad_call_names_are_unique():
 @pytest.mark.parametrize("backend,device", [t for t in TARGETS if t.values[0] == "triton"])
 def test_unsupported_dtype_for_backend(backend, device, no_kernel):
     ids, weight = _inputs(device, dtype=torch.float64)
-    with pytest.raises(TypeError, match="float64"):
+    with pytest.raises(TypeError, match="weight dtype torch.float64"):
         pf.sinusoidal_embedding(ids, weight, backend=backend)
+    with pytest.raises(TypeError, match="x dtype torch.float64"):  # add_sinusoidal has no weight
+        pf.add_sinusoidal(weight[None], backend=backend)
 
 
 def test_triton_on_cpu_without_interpreter(monkeypatch):
