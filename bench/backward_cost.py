@@ -38,6 +38,7 @@ from posenc_fast._timing import median_ms
 from posenc_fast.backends import sort_ids_for_gradient
 from posenc_fast.benchmark.results import device_name, write_document
 from posenc_fast.benchmark.timing import copy_bandwidth_GBps
+from posenc_fast.cli import positive_int
 
 HEADLINE = dict(width=1024, vocab=32768)
 SMOKE = dict(tokens="300", width=48, vocab=40)
@@ -119,7 +120,7 @@ def main(argv=None):
     parser.add_argument("--tokens", default="65536,524288")
     parser.add_argument("--dtypes", default="bfloat16,float32")
     parser.add_argument("--chunks", default="32,64,128,256,512")
-    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--reps", type=positive_int, default=20)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, one rep (the Triton interpreter on CPU)")
     args = parser.parse_args(argv)
     device = torch.device("cpu" if args.smoke and not torch.cuda.is_available() else args.device)

@@ -110,6 +110,8 @@ def main(argv=None) -> int:
     parser.add_argument("--p", type=float, default=0.1)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, torch backend: checks the script")
     args = parser.parse_args(argv)
+    if not 0.0 <= args.p < 1.0:
+        parser.error(f"--p {args.p}: a dropout probability in [0, 1)")
     if args.smoke:
         device, dtype, shapes = torch.device("cpu"), torch.float32, SMOKE_SHAPES
     elif torch.cuda.is_available():
@@ -122,7 +124,8 @@ def main(argv=None) -> int:
     rows = []
     for shape in shapes:
         rows += measure(shape, args.p, device, dtype, smoke=args.smoke)
-    doc = {"device": benchmark.device_name(device), "torch": torch.__version__, "date": date.today().isoformat(),
+    doc = {"what": "dropout's cost in the forward and a training step (bench/dropout_cost.py)",
+           "device": benchmark.device_name(device), "torch": torch.__version__, "date": date.today().isoformat(),
            "copy_GBps": copy, "p": args.p, "dtype": str(dtype).replace("torch.", ""), "rows": rows}
     benchmark.write_document(os.path.join(args.out, "dropout_cost.json"), doc)
     return 0

@@ -93,6 +93,8 @@ def kind_of(doc) -> str:
         return "sparse-gradient"
     if str(doc.get("what", "")).endswith("(bench/backward_cost.py)"):
         return "backward-cost"
+    if str(doc.get("what", "")).endswith("(bench/dropout_cost.py)"):
+        return "dropout-cost"
     if "cpu_model" in doc and "speedups" in doc:
         return "cpu-bench"
     if "median_ms" in doc and isinstance(doc.get("median_ms"), dict) and "cpu" in doc:
@@ -105,7 +107,7 @@ def kind_of(doc) -> str:
 
 
 KIND_ORDER = ("benchmark", "pytest-benchmark", "cpu-bench", "cuda-forward-ab", "host-overhead", "backward-cost",
-              "sparse-gradient", "cpu-in-context", "build-size", "sass", "unknown")
+              "dropout-cost", "sparse-gradient", "cpu-in-context", "build-size", "sass", "unknown")
 
 WHAT = {
     "benchmark": "`python -m posenc_fast bench`",
@@ -113,6 +115,7 @@ WHAT = {
     "cuda-forward-ab": "`bench/cuda_forward_ab.py`",
     "host-overhead": "`bench/host_overhead.py`",
     "backward-cost": "`bench/backward_cost.py`",
+    "dropout-cost": "`bench/dropout_cost.py`",
     "sparse-gradient": "`bench/sparse_gradient_cost.py`",
     "cpu-bench": "the former `bench/cpu_bench.py`",
     "cpu-in-context": "`bench/cpu_in_context.py`",
@@ -245,8 +248,9 @@ def impls_in(doc) -> List[str]:
 def render_benchmark(name: str, doc, results: Results) -> List[str]:
     copy = doc["copy_GBps"]
     impls = impls_in(doc)
-    lines = [f"Copy bandwidth {copy:.0f} GB/s in the same run. Median ms per call; a fused implementation's cell "
-             "also gives its floor as a share of its time (its % of copy bandwidth).", ""]
+    floor = "gather + write floor" if doc["device"].startswith("CPU") else "copy bandwidth"
+    lines = [f"{floor.capitalize()} {copy:.0f} GB/s in the same run. Median ms per call; a fused implementation's "
+             f"cell also gives its floor as a share of its time (its % of {floor}).", ""]
     rows = []
     for config, ops in benchmark_rows(doc).items():
         for op in OP_ORDER:
@@ -421,6 +425,17 @@ def render_backward_cost(name: str, doc, results: Results) -> List[str]:
     return lines[:-1]
 
 
+def render_dropout_cost(name: str, doc, results: Results) -> List[str]:
+    copy = doc["copy_GBps"]
+    lines = [f"Dropout (p = {doc['p']:g}) fused into the layer against the layer without it and against eager's and "
+             f"torch.compile's `nn.Dropout` after the layer, {doc['dtype']}, median ms; the floor is the layer's bytes "
+             f"(dropout moves none), against {copy:.0f} GB/s copy bandwidth.", ""]
+    lines += table(["batch, seq_len, d_model, vocab, mode", "implementation", "op", "ms", "% of copy"],
+                   [[", ".join(str(v) for v in row["shape"]), row["impl"], row["op"], ms(row["median_ms"]),
+                     pct(100 * row["GBps"] / copy)] for row in doc["rows"]])
+    return lines
+
+
 def render_cpu_bench(name: str, doc, results: Results) -> List[str]:
     timing = doc.get("timing", {})
     lines = [f"Tokens {doc['case'].get('ids_shape')}, d_model {doc['case'].get('d_model')}, vocabulary "
@@ -470,8 +485,11 @@ def render_cpu_in_context(name: str, doc, results: Results) -> List[str]:
         rows.append(cells)
     lines = [f"The layer inside a model's run ({case.get('batch')} x {case.get('length')} tokens, "
              f"d {case.get('d')}, V {case.get('vocab')}, {case.get('dtype')}), medians of {doc.get('repeats')} "
-             "repeats in one process, implementations in rotating order, floors timed in the same run (ms):", ""]
-    lines += table(["setting", "fused (cpu)", "compile", "eager", "floor", "compile / fused", "eager / fused"], rows)
+             "repeats in one process, implementations in rotating order; for scale, the plain torch op timed in the "
+             "same run (`index_select`; `index_add_` into a fresh gradient), which is no floor: the fused kernels "
+             "beat it (ms):", ""]
+    lines += table(["setting", "fused (cpu)", "compile", "eager", "plain torch op", "compile / fused", "eager / fused"],
+                   rows)
     return lines
 
 
@@ -499,7 +517,7 @@ def render_sass(name: str, doc, results: Results) -> List[str]:
 
 RENDER = {"benchmark": render_benchmark, "pytest-benchmark": render_pytest_benchmark, "cuda-forward-ab": render_cuda_forward_ab,
           "host-overhead": render_host_overhead, "sparse-gradient": render_sparse_gradient,
-          "backward-cost": render_backward_cost,
+          "backward-cost": render_backward_cost, "dropout-cost": render_dropout_cost,
           "cpu-bench": render_cpu_bench, "cpu-in-context": render_cpu_in_context, "build-size": render_build_size,
           "sass": render_sass}
 

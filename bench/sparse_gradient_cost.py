@@ -26,6 +26,7 @@ import torch
 import posenc_fast as pf
 from posenc_fast._timing import median_ms
 from posenc_fast.benchmark.results import device_name, write_document
+from posenc_fast.cli import positive_int
 
 WIDE = dict(vocab=262144, d_model=4096)
 SMOKE = dict(vocab=1000, d_model=64)
@@ -71,7 +72,7 @@ def main(argv=None):
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tokens", default="4096", help="comma-separated token counts, each as batch 8 x tokens/8")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--reps", type=positive_int, default=5)
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--profile", action="store_true",
                         help="also print torch.profiler's top ops (host and device time) of one fused step per sparse "

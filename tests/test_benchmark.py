@@ -97,6 +97,8 @@ def test_case_selection():
     assert all(c.autotune and (c.latency or c.ops == bench.OPS) for c in bench.select_cases(full=True))
     with pytest.raises(ValueError, match="no case matches"):
         bench.select_cases(["nonsense"])
+    with pytest.raises(ValueError, match="either --quick or --cases"):  # not one of them silently ignored
+        bench.select_cases(["decode"], quick=True)
 
 
 def test_cpu_case_selection_is_realistic_sizes():
@@ -291,6 +293,25 @@ def test_bench_command_rejects_unknown_names(capsys):
     assert cli.main(["bench", "--device", "cpu", "--impls", "eager,fast"]) == 2
     assert cli.main(["bench", "--device", "cpu", "--cases", "nonsense"]) == 2
     assert "unknown implementation fast" in capsys.readouterr().err
+
+
+def test_a_run_that_measures_nothing_keeps_the_results_file(tmp_path, capsys):
+    """An implementation this machine cannot run (triton on CPU) measures nothing: the results file and plot
+    of an earlier run stay as they were, and the command fails, naming why."""
+    path, png = tmp_path / CPU_JSON(), tmp_path / CPU_JSON().replace(".json", ".png")
+    assert cli.main(["bench", "--device", "cpu", "--cases", "decode", "--impls", "eager", "--ops", "forward",
+                     "--out", str(tmp_path)]) == 0
+    png.write_bytes(b"an earlier plot")
+    before = path.read_bytes()
+    capsys.readouterr()
+    assert cli.main(["bench", "--device", "cpu", "--cases", "decode", "--impls", "triton", "--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "skipped triton" in err and "nothing was measured" in err and str(path) in err
+    assert path.read_bytes() == before and png.read_bytes() == b"an earlier plot"
+    # A run with no forward to plot rewrites the file: the earlier plot, which no longer shows it, goes.
+    assert cli.main(["bench", "--device", "cpu", "--cases", "headline", "--impls", "eager", "--ops", "backward",
+                     "--out", str(tmp_path)]) == 0
+    assert path.read_bytes() != before and not png.exists()
 
 
 def test_cuda_impl_is_skipped_cleanly_without_a_gpu():
@@ -502,19 +523,23 @@ def test_cuda_forward_ab_builds_each_variant_with_its_defines(tmp_path, monkeypa
     assert ab.build_variant(str(tmp_path), defines, log=None) == output and len(plans) == 1
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--calls", "0"], "--calls must be at least 1"),
-    (["--real", "nosuch"], "is not a device name"),
-    *([(["--real", "cuda"], "sees no CUDA device")] if not torch.cuda.is_available() else []),
+@pytest.mark.parametrize("script,args,message", [
+    ("host_overhead", ["--calls", "0"], "--calls must be at least 1"),
+    ("host_overhead", ["--real", "nosuch"], "is not a device name"),
+    *([("host_overhead", ["--real", "cuda"], "sees no CUDA device")] if not torch.cuda.is_available() else []),
+    ("cpu_in_context", ["--repeats", "0"], "expected an integer >= 1"),
+    ("sparse_gradient_cost", ["--reps", "0"], "expected an integer >= 1"),
+    ("backward_cost", ["--reps", "-1"], "expected an integer >= 1"),
+    ("dropout_cost", ["--p", "1.5"], "a dropout probability in [0, 1)"),
 ])
-def test_host_overhead_script_refuses_bad_arguments(args, message):
-    """Bad arguments of bench/host_overhead.py exit 2 with a message, before any build or timing."""
+def test_bench_scripts_refuse_bad_arguments(script, args, message):
+    """Bad arguments of the bench scripts exit 2 with a message, before any build, allocation or timing."""
     import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    result = subprocess.run([sys.executable, os.path.join(root, "bench", "host_overhead.py"), *args],
+    result = subprocess.run([sys.executable, os.path.join(root, "bench", script + ".py"), *args],
                             capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
     assert "Traceback" not in result.stderr

@@ -75,3 +75,23 @@ def test_a_backward_cost_file(tmp_path):
     assert "524288 tokens (32768 rows touched), bfloat16: floor 1.000 GB; the sort alone 0.050 ms" in text
     # 1 GB in 1.25 ms at 1000 GB/s: 80% of the floor; 1.2 GB in the kernels' 1.0 ms: 120% of copy.
     assert "| cuda | 256 | 3848 | 1.200 | 1.25 | 80% | 1.00 | 120% |" in text
+
+
+def test_a_dropout_cost_file(tmp_path):
+    """bench/dropout_cost.py's file (what bench/gpu_proof.sh's 'dropout' step keeps): a row per shape,
+    implementation and op, with its share of the copy bandwidth."""
+    results, out = str(tmp_path / "results"), str(tmp_path / "performance.md")
+    _tiny_results(results)
+    row = dict(shape=[16, 8192, 1024, 32768, "add"], impl="cuda p=0.1", op="step", median_ms=2.5,
+               bytes=2_000_000_000, GBps=800.0)
+    document = dict(what="dropout's cost in the forward and a training step (bench/dropout_cost.py)",
+                    device="Test GPU 9000", torch="9.9.9", date="2030-01-02", copy_GBps=1000.0, p=0.1,
+                    dtype="bfloat16", rows=[row])
+    with open(os.path.join(results, "dropout-cost-test-gpu-9000.json"), "w", encoding="utf-8") as f:
+        json.dump(document, f)
+    assert _run("--results", results, "--out", out).returncode == 0
+    with open(out, encoding="utf-8") as f:
+        text = f.read()
+    assert "a kind this script does not know" not in text and "`bench/dropout_cost.py`" in text
+    assert "Dropout (p = 0.1)" in text
+    assert "| 16, 8192, 1024, 32768, add | cuda p=0.1 | step | 2.50 | 80% |" in text  # 800 of 1000 GB/s

@@ -137,6 +137,8 @@ def select_cases(patterns: Optional[Sequence[str]] = None, *, quick: bool = Fals
     """Cases to run, in run order.  ``patterns`` (chosen among all cases, of either device): a case
     name, else a group name ("sweep"), else an fnmatch pattern ("headline*"); without them
     ``--quick``'s cases, ``--full``'s list, or the default list of ``device_type`` ("cuda", "cpu")."""
+    if patterns and quick:
+        raise ValueError("--quick chooses its own cases: pass either --quick or --cases")
     if patterns:
         chosen = []
         for pattern in patterns:

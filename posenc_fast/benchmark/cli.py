@@ -32,7 +32,8 @@ def add_subcommand(subparsers) -> None:
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="only the headline and decode cases (CPU: cpu-headline)")
     size.add_argument("--full", action="store_true",
-                      help="every case, every op, compile-max-autotune everywhere (longer than one 10-minute call)")
+                      help="every case, every op, compile-max-autotune on every case where it runs (by default on a "
+                           "GPU; on CPU name it in --impls); longer than one 10-minute call")
     parser.add_argument("--cases", default=None,
                         help=f"comma-separated case names, groups or patterns (cases: {', '.join(CASE_BY_NAME)})")
     parser.add_argument("--impls", default=None,
@@ -119,6 +120,10 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     notes = list(report.notes)
+    if not report.measurements:
+        print("\n".join(notes), file=sys.stderr)
+        print(f"error: nothing was measured; {os.path.abspath(report.json_path)} is left as it was", file=sys.stderr)
+        return 1
     if any(m.impl == "torch" for m in report.measurements):
         notes.append("torch (the float64 reference backend) is a smoke-test row: printed, not written to the JSON")
     print()
@@ -128,6 +133,8 @@ def run_command(args: argparse.Namespace) -> int:
     why_not = plot_results(report.document["cases"], report.copy_GBps, png,
                            title=f"posenc_fast on {report.document['device']}")
     print(f"wrote {os.path.abspath(png)}" if why_not is None else f"no plot: {why_not}")
+    if why_not is not None and os.path.exists(png):  # an earlier run's plot no longer shows this file
+        os.remove(png)
     headline = for_device(CASE_BY_NAME[HEADLINE[device.type]], device)
     decode = for_device(CASE_BY_NAME["decode"], device) if device.type == "cuda" else None
     print()

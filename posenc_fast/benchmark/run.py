@@ -52,7 +52,8 @@ def _reset_compiler() -> None:
 def run_benchmark(cases: Sequence[Case], impls: Sequence[str], device: torch.device, out_dir: str, *,
                   ops: Sequence[str] = OPS, time_budget_s: Optional[float] = None, explicit_impls: bool = False,
                   merge: bool = False, log: Callable[[str], None] = print, seed: int = 0) -> RunReport:
-    """Time every (case, op, impl), writing the JSON after each case; return what was measured.
+    """Time every (case, op, impl), writing the JSON after each case that measured something; return what was
+    measured.
 
     ``explicit_impls``: compile-max-autotune runs on every case (else only on cases marked
     ``autotune``).  ``time_budget_s``: once exceeded, the remaining (case, impl) pairs are skipped
@@ -118,12 +119,14 @@ def run_benchmark(cases: Sequence[Case], impls: Sequence[str], device: torch.dev
                 log(f"FAILED {failures[-1]}")
             _free_memory(device)
         del inputs, reference
-        write_document(json_path, make_document(device, copy, measurements, kept_rows))
+        if measurements:
+            write_document(json_path, make_document(device, copy, measurements, kept_rows))
     if skipped_for_time:
         notes.append(f"time budget ({time_budget_s:g} s) reached; not run: {', '.join(skipped_for_time)}")
     notes.append(f"{len(measurements)} measurements in {time.monotonic() - started:.0f} s")
     doc = make_document(device, copy, measurements, kept_rows)
-    write_document(json_path, doc)
+    if measurements:  # a run that measured nothing leaves an earlier results file as it was
+        write_document(json_path, doc)
     notes.extend(f"FAILED {f}" for f in failures)
     return RunReport(measurements, copy, doc, json_path, notes, deterministic, failures)
 
