@@ -507,6 +507,52 @@ def test_a_forked_child_runs_the_kernels_on_threads_of_its_own(seed):
     assert module.threading().startswith("openmp:") or module.threading() == "pool"  # the parent's is unchanged
 
 
+_FIRST_USE_IN_A_FORKED_CHILD = """
+import os, sys, time, torch
+import posenc_fast as pf
+from posenc_fast.backends import cpu_backend
+torch.set_num_threads(2)
+g = torch.Generator().manual_seed(int(sys.argv[1]))
+ids, weight = torch.randint(0, 64, (8, 512), generator=g), torch.randn(64, 256, generator=g)
+torch.randn(4_000_000).exp()  # torch's own threaded op: the parent's OpenMP team runs; no kernel of ours yet
+pid = os.fork()
+if pid == 0:  # the extension's first use, in the child: it must not join the parent's team
+    code = 2
+    try:
+        out = pf.sinusoidal_embedding(ids, weight, backend="cpu")
+        code = 0 if cpu_backend.extension().threading() == "pool" else 1
+        torch.set_num_threads(1)
+        sys.stdout.write(repr(out.double().sum().item()) + "\\n")
+        sys.stdout.flush()
+    finally:
+        os._exit(code)
+deadline = time.monotonic() + 120
+while os.waitpid(pid, os.WNOHANG)[0] == 0:
+    if time.monotonic() > deadline:
+        os.kill(pid, 9)
+        sys.exit("the child hung")
+    time.sleep(0.05)
+expected = pf.sinusoidal_embedding(ids, weight, backend="torch")  # (after the child: a threaded op)
+print(repr(expected.double().sum().item()))
+"""
+
+
+def test_a_child_forked_before_the_extensions_first_use_runs_on_the_pool(seed):
+    """A parent that ran only torch's threaded ops (its OpenMP team exists, the extension was never used), then
+    forked: the child's first call of the kernels runs on the pool (libgomp's team would hang it) and gives the
+    reference's result.  In a fresh interpreter, where the extension is not loaded yet."""
+    import subprocess
+    import sys
+
+    if cpu_backend.extension() is None:
+        pytest.skip(cpu_backend.extension_problem())
+    done = subprocess.run([sys.executable, "-c", _FIRST_USE_IN_A_FORKED_CHILD, str(seed)], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    child, parent = (float(line) for line in done.stdout.split())
+    assert abs(child - parent) <= 1e-6 * 8 * 512 * 256, (child, parent)
+
+
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64], ids=str)
 def test_prepared_launch_checks_ids_through_the_bindings_scan(dtype, seed):
     """The binding's id range scan (one pass, no tensor allocated) agrees with torch.aminmax, extreme values

@@ -41,10 +41,12 @@ class Lookup:
     (``find``); calling the lookup gives the outcome.  ``state`` is that outcome, and a prepared launch's
     ``source.state`` (``backends.PreparedLaunch``): the backend replaces it when it builds or loads another
     extension (``load_build``), tests when they stand one in.  ``cached_build``: the name of the
-    ``posenc_fast._build`` function that gives the path of an earlier on-demand build (None if there is none)."""
+    ``posenc_fast._build`` function that gives the path of an earlier on-demand build (None if there is none);
+    ``on_load``: called with each module the lookup loads."""
 
-    def __init__(self, name: str, cached_build: str, missing: str, hint: str):
+    def __init__(self, name: str, cached_build: str, missing: str, hint: str, on_load=None):
         self.name, self.cached_build, self.missing, self.hint = name, cached_build, missing, hint
+        self.on_load = on_load
         self.state: Optional[Extension] = None
         self.failed_build: Optional[Extension] = None  # (load_build)
         self._lock = threading.Lock()
@@ -54,8 +56,13 @@ class Lookup:
         if state is None:
             with self._lock:
                 if self.state is None:
-                    self.state = find(self.name, self._cached_path, self.missing, self.hint)
+                    self.state = self._loaded(find(self.name, self._cached_path, self.missing, self.hint))
                 state = self.state
+        return state
+
+    def _loaded(self, state: Extension) -> Extension:
+        if state.module is not None and self.on_load is not None:
+            self.on_load(state.module)
         return state
 
     def require(self):
@@ -75,7 +82,7 @@ class Lookup:
         build that failed is not tried again in this process: every later call would wait for it again."""
         if self.failed_build is None:
             try:
-                self.state = Extension(load_file(f"posenc_fast.{self.name}", build()), None)
+                self.state = self._loaded(Extension(load_file(f"posenc_fast.{self.name}", build()), None))
             except (RuntimeError, ImportError, OSError, ValueError) as error:
                 self.failed_build = Extension(None, f"{failure}: {error}")
         if self.failed_build is not None:

@@ -34,7 +34,28 @@ _BUILD_HINT = (
 )
 
 
-_lookup = Lookup("_cpu", "cached_cpu_extension", _MISSING, _BUILD_HINT)
+_forked_child = False  # this process is a forked child (_after_fork_in_child)
+
+
+def _pool_in_a_forked_child(module) -> None:
+    if _forked_child:
+        module.set_threading("pool")
+
+
+def _after_fork_in_child() -> None:
+    """A forked child runs the kernels on the binding's own thread pool: a team of the parent's OpenMP runtime
+    does not survive fork and would hang it.  The binding notices a fork after its own first kernel call; this
+    covers an extension loaded, or first used, only in the child (the parent ran only torch's threaded ops)."""
+    global _forked_child
+    _forked_child = True
+    state = _lookup.state
+    if state is not None and state.module is not None:
+        _pool_in_a_forked_child(state.module)
+
+
+_lookup = Lookup("_cpu", "cached_cpu_extension", _MISSING, _BUILD_HINT, on_load=_pool_in_a_forked_child)
+if hasattr(os, "register_at_fork"):  # (not on Windows, which has no fork)
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def extension():
