@@ -52,6 +52,7 @@ def test_unrunnable_device_is_one_line_naming_the_one_that_runs(device, capsys):
                                      ["plot", "--out", "{file}/figures"], ["plot", "--base", "0"],
                                      ["experiment", "add-vs-concat", "--device", "cpu", "--out", "{file}"],
                                      ["experiment", "add-vs-concat", "--device", "cpu", "--lr", "-1"],
+                                     ["experiment", "add-vs-concat", "--device", "cpu", "--first-seed", str(2**64)],
                                      ["experiment", "subspace", "--out", "{file}"],
                                      ["experiment", "subspace", "--tokens", "0"], ["experiment", "subspace", "--dims", "0"],
                                      ["experiment", "subspace", "--token-stds", ""]], ids=" ".join)

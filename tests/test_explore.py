@@ -172,6 +172,21 @@ def test_concatenated_tokens_and_pe_are_exactly_orthogonal():
     assert overlap["energy_in_pe"] < 1e-24
 
 
+def test_median_angle_of_an_even_count_is_the_mean_of_the_middle_two():
+    """Coordinate subspaces at known angles: tokens span e0, e1, cos(t) e2 + sin(t) e3, cos(u) e4 + sin(u) e5 and
+    the PE e0, e1, e3, e5: the four angles are 0, 0, 90-t, 90-u degrees, so the median is (90 - u) / 2 where
+    u > t (torch.median would give the lower middle value, 0)."""
+    t, u = math.radians(30.0), math.radians(50.0)
+    tokens = torch.zeros(4, 8, dtype=torch.float64)
+    tokens[0, 0] = tokens[1, 1] = 1.0
+    tokens[2, 2], tokens[2, 3] = math.cos(t), math.sin(t)
+    tokens[3, 4], tokens[3, 5] = math.cos(u), math.sin(u)
+    pe_basis = torch.eye(8, dtype=torch.float64)[:, [0, 1, 3, 5]]
+    overlap = subspace.subspace_overlap(tokens, pe_basis)
+    assert overlap["min_angle_deg"] == pytest.approx(0.0, abs=1e-6)
+    assert overlap["median_angle_deg"] == pytest.approx((90.0 - 50.0) / 2, abs=1e-6)
+
+
 def test_random_tokens_overlap_the_pe_span_like_a_random_subspace():
     rows = subspace.random_tokens_vs_pe([256, 1024], num_tokens=16, num_positions=32, seed=0)
     for row in rows:
@@ -288,6 +303,20 @@ def test_plot_command_writes_non_empty_pngs(tmp_path):
         with open(tmp_path / name, "rb") as handle:
             assert handle.read(8) == b"\x89PNG\r\n\x1a\n"
         assert 1000 < os.path.getsize(tmp_path / name) < 200_000
+
+
+def test_every_plot_follows_base_and_layout(tmp_path):
+    """--base and --layout change every figure that depends on them (the offset and rotation figures were once
+    drawn for base 10000 whatever the command said); the norms do not depend on either."""
+    pytest.importorskip("matplotlib")
+    pngs = {}
+    for name, options in (("default", []), ("base", ["--base", "100"]), ("layout", ["--layout", "split"])):
+        assert cli_main(["plot", "--out", str(tmp_path / name), "--d-model", "32", "--positions", "20", *options]) == 0
+        pngs[name] = {png: (tmp_path / name / png).read_bytes() for png in os.listdir(tmp_path / name)}
+    for png, default in pngs["default"].items():
+        assert (pngs["base"][png] != default) == (png != "pe_norms.png"), png
+    for png in ("pe_heatmap.png", "pe_clock_hands.png", "pe_rotation_check.png"):
+        assert pngs["layout"][png] != pngs["default"][png], png
 
 
 def test_loss_curves_and_subspace_pngs(tmp_path):

@@ -48,7 +48,7 @@ def _add_plot(subparsers) -> None:
     parser.add_argument("--positions", type=int, default=100, help="positions in the heatmap (default: %(default)s)")
     parser.add_argument("--base", type=float, default=10000.0, help="frequency base (default: %(default)s)")
     parser.add_argument("--layout", choices=("interleaved", "split"), default="interleaved",
-                        help="column layout of the heatmap (default: %(default)s)")
+                        help="column layout of the PE (default: %(default)s)")
     parser.set_defaults(func=_run_plot)
 
 
@@ -139,6 +139,9 @@ def _run_add_vs_concat(args: argparse.Namespace) -> int:
     )
     if args.seeds < 1:
         print("error: --seeds must be >= 1", file=sys.stderr)
+        return 2
+    if not -(2**63) <= args.first_seed <= 2**64 - args.seeds:  # (torch.manual_seed's range)
+        print(f"error: --first-seed {args.first_seed}: the seeds must lie in [-2**63, 2**64)", file=sys.stderr)
         return 2
     if args.out:
         output_folder(args.out)

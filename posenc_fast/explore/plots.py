@@ -64,19 +64,22 @@ def plot_pe_heatmap(out_dir: str, *, dim: int = 128, num_positions: int = 100, b
     return _save(figure, out_dir, "pe_heatmap.png")
 
 
-def plot_clock_hands(out_dir: str, *, dim: int = 128, num_positions: int = 64, base: float = 10000.0) -> str:
+def plot_clock_hands(out_dir: str, *, dim: int = 128, num_positions: int = 64, base: float = 10000.0,
+                     layout: str = "interleaved") -> str:
     """Each (sin, cos) pair is a point on the unit circle that turns by w_i per position: a clock hand."""
     pairs = sorted({0, 4, dim // 8, dim // 4, dim // 2 - 1})
-    table = geometry.pe_table(num_positions, dim, base=base, layout="interleaved")
+    table = geometry.pe_table(num_positions, dim, base=base, layout=layout)
+    sin_columns, cos_columns = geometry.pair_columns(dim, layout)
     figure = _figure(3.0 * len(pairs), 3.6)
     circle = torch.linspace(0, 2 * math.pi, 200)
     for axes, pair in zip(figure.subplots(1, len(pairs)), pairs):
-        sin_values, cos_values = table[:, 2 * pair].numpy(), table[:, 2 * pair + 1].numpy()
+        sin_column, cos_column = int(sin_columns[pair]), int(cos_columns[pair])
+        sin_values, cos_values = table[:, sin_column].numpy(), table[:, cos_column].numpy()
         axes.plot(torch.sin(circle).numpy(), torch.cos(circle).numpy(), color="0.85", linewidth=1)
         axes.plot(sin_values, cos_values, color="0.6", linewidth=0.5)
         points = axes.scatter(sin_values, cos_values, c=range(num_positions), cmap="viridis", s=12, zorder=3)
         frequency = base ** (-2.0 * pair / dim)
-        axes.set_title(f"pair {pair} (cols {2 * pair},{2 * pair + 1})\nw={frequency:.3g}, "
+        axes.set_title(f"pair {pair} (cols {sin_column},{cos_column})\nw={frequency:.3g}, "
                        f"period {2 * math.pi / frequency:.3g}", fontsize=9)
         axes.set_xlabel("sin(w t)")
         axes.set_aspect("equal")
@@ -88,9 +91,9 @@ def plot_clock_hands(out_dir: str, *, dim: int = 128, num_positions: int = 64, b
 
 
 def plot_dot_vs_offset(out_dir: str, *, dim: int = 128, max_offset: int = 100,
-                       starts: Sequence[int] = (0, 7, 100, 1000, 100000)) -> str:
+                       starts: Sequence[int] = (0, 7, 100, 1000, 100000), base: float = 10000.0) -> str:
     """<PE(t), PE(t+k)> against k for several t (one curve), next to what a normalised index gives."""
-    dots = geometry.dot_by_offset(starts, max_offset, dim)
+    dots = geometry.dot_by_offset(starts, max_offset, dim, base=base)
     spread = float((dots - dots[0]).abs().max())
     figure = _figure(11, 4)
     pe_axes, index_axes = figure.subplots(1, 2)
@@ -99,7 +102,8 @@ def plot_dot_vs_offset(out_dir: str, *, dim: int = 128, max_offset: int = 100,
         pe_axes.plot(offsets, row.numpy(), label=f"t={t}", linewidth=1.5)
     pe_axes.set_xlabel("offset k")
     pe_axes.set_ylabel("<PE(t), PE(t+k)>")
-    pe_axes.set_title(f"d={dim}: the same curve for every t\n(max difference between curves {spread:.1e})", fontsize=10)
+    pe_axes.set_title(f"d={dim}, base={base:g}: the same curve for every t\n(max difference between curves "
+                      f"{spread:.1e})", fontsize=10)
     pe_axes.legend(fontsize=8)
     for n in (16, 64, 256):
         ks = [k for k in offsets if k < n]
@@ -112,17 +116,17 @@ def plot_dot_vs_offset(out_dir: str, *, dim: int = 128, max_offset: int = 100,
 
 
 def plot_rotation(out_dir: str, *, dim: int = 128, max_offset: int = 1000, num_starts: int = 200,
-                  shown_dim: int = 12, shown_offset: int = 3) -> str:
+                  shown_dim: int = 12, shown_offset: int = 3, base: float = 10000.0, layout: str = "interleaved") -> str:
     """The matrix R(k) (small d, to see its 2x2 blocks) and max |R(k) PE(t) - PE(t+k)| over t, against k."""
     offsets = list(range(0, max_offset + 1, max(1, max_offset // 200)))
     starts = [round(i * 10000 / (num_starts - 1)) for i in range(num_starts)]  # 0..10000
-    errors = geometry.rotation_error(offsets, starts, dim)
+    errors = geometry.rotation_error(offsets, starts, dim, base=base, layout=layout)
     figure = _figure(11, 4.2)
     matrix_axes, error_axes = figure.subplots(1, 2, width_ratios=[1, 1.6])
-    rotation = geometry.offset_rotation(shown_offset, shown_dim)
+    rotation = geometry.offset_rotation(shown_offset, shown_dim, base=base, layout=layout)
     image = matrix_axes.imshow(rotation.numpy(), cmap="RdBu_r", vmin=-1, vmax=1)
     figure.colorbar(image, ax=matrix_axes, shrink=0.8)
-    matrix_axes.set_title(f"R(k={shown_offset}) for d={shown_dim}: one 2x2 rotation per pair\n"
+    matrix_axes.set_title(f"R(k={shown_offset}) for d={shown_dim}, {layout}: one 2x2 rotation per pair\n"
                           f"PE(t+k) = R(k) PE(t) for every t", fontsize=10)
     # Exact zeros cannot sit on a log axis; show them at the float64 epsilon floor.
     floor = torch.finfo(torch.float64).eps / 4
@@ -130,7 +134,8 @@ def plot_rotation(out_dir: str, *, dim: int = 128, max_offset: int = 1000, num_s
     error_axes.axhline(torch.finfo(torch.float64).eps, color="0.5", linestyle="--", linewidth=1, label="float64 eps")
     error_axes.set_xlabel("offset k")
     error_axes.set_ylabel("max over t, columns of |R(k)PE(t) - PE(t+k)|")
-    error_axes.set_title(f"d={dim}, {num_starts} starts t in [0, 10000]: max error {float(errors.max()):.1e}",
+    error_axes.set_title(f"d={dim}, base={base:g}, {num_starts} starts t in [0, 10000]: max error "
+                         f"{float(errors.max()):.1e}",
                          fontsize=10)
     error_axes.legend(fontsize=8)
     return _save(figure, out_dir, "pe_rotation_check.png")
@@ -169,9 +174,9 @@ def write_pe_plots(out_dir: str, *, dim: int = 128, num_positions: int = 100, ba
     """All figures of ``python -m posenc_fast plot``; returns the written paths."""
     return [
         plot_pe_heatmap(out_dir, dim=dim, num_positions=num_positions, base=base, layout=layout),
-        plot_clock_hands(out_dir, dim=dim, base=base),
-        plot_dot_vs_offset(out_dir, dim=dim),
-        plot_rotation(out_dir, dim=dim),
+        plot_clock_hands(out_dir, dim=dim, base=base, layout=layout),
+        plot_dot_vs_offset(out_dir, dim=dim, base=base),
+        plot_rotation(out_dir, dim=dim, base=base, layout=layout),
         plot_norms(out_dir),
     ]
 

@@ -76,7 +76,7 @@ def subspace_overlap(token_vectors: torch.Tensor, pe_basis: torch.Tensor) -> Dic
         "token_dim": a,
         "pe_dim": b,
         "min_angle_deg": math.degrees(float(angles[0])),
-        "median_angle_deg": math.degrees(float(angles.median())),
+        "median_angle_deg": math.degrees(float(angles.quantile(0.5))),  # (the mean of the middle two)
         "mean_cos2": float(torch.cos(angles).pow(2).mean()),
         "random_mean_cos2": max(a, b) / d,
         "energy_in_pe": float(in_pe.mean()),
@@ -103,18 +103,24 @@ def random_tokens_vs_pe(
 def nearest_token_recovery(token_table: torch.Tensor, pe_rows: torch.Tensor) -> float:
     """Fraction of (token u, position p) pairs whose nearest table row to ``E[u] + PE(p)`` is still ``E[u]``:
     every v != u has a positive margin |E_u - E_v|^2 + 2 <E_u - E_v, PE_p> (ties count as lost).  The
-    margins come from Gram matrices, so no [V, V, d] tensor is formed.
+    margins come from Gram matrices, so no [V, V, d] tensor is formed, and [V, V, P] only a few positions at
+    a time (about 64 MiB each).
     """
     table = token_table.to(torch.float64)
     pe = pe_rows.to(torch.float64)
     gram = table @ table.T  # [V, V]
     squared_norms = gram.diagonal()
     distance2 = squared_norms[:, None] + squared_norms[None, :] - 2 * gram  # |E_u - E_v|^2
-    token_dot_pe = table @ pe.T  # [V, P]
-    margin = distance2[:, :, None] + 2 * (token_dot_pe[:, None, :] - token_dot_pe[None, :, :])  # [u, v, p]
     vocab = table.shape[0]
-    margin[torch.arange(vocab), torch.arange(vocab)] = float("inf")  # v == u is not a competitor
-    return float((margin.amin(dim=1) > 0).double().mean())
+    distance2[torch.arange(vocab), torch.arange(vocab)] = float("inf")  # v == u is not a competitor
+    token_dot_pe = table @ pe.T  # [V, P]
+    kept = 0
+    chunk = max(1, (1 << 23) // max(1, vocab * vocab))
+    for start in range(0, token_dot_pe.shape[1], chunk):
+        dots = token_dot_pe[:, start:start + chunk]
+        margin = distance2[:, :, None] + 2 * (dots[:, None, :] - dots[None, :, :])  # [u, v, p]
+        kept += int((margin.amin(dim=1) > 0).sum())
+    return kept / (vocab * token_dot_pe.shape[1])
 
 
 def recovery_by_dim(
