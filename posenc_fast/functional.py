@@ -159,8 +159,8 @@ def apply_spec(ids, weight, spec: PESpec, turns: torch.Tensor, positions, offset
                standard_ops_under_export: bool = False) -> torch.Tensor:
     """Run the layer described by ``spec`` (``turns``: its fixed-point frequencies on weight's device).
 
-    ``vocab_range=(start, end)``: ``weight`` holds rows start..end-1 of a larger vocabulary of
-    ``end``-or-more rows (vocabulary parallel, see SinusoidalEmbedding); ids are global.
+    ``vocab_range=(start, vocabulary size)``: ``weight`` holds rows start.. of a larger vocabulary (vocabulary
+    parallel, see SinusoidalEmbedding); ids are global, and checked against the vocabulary size.
     ``dropout_p`` is checked on every call (as ``F.dropout`` does, so a module attribute set
     later is checked too) and applies when ``training``; otherwise no seed is drawn.
     ``sparse``: the weight's gradient as a sparse tensor (``ops.sparse_weight_gradient``).

@@ -81,12 +81,12 @@ class SinusoidalEmbedding(nn.Module):
         if position_rule in PADDING_AWARE_RULES and padding_idx is None:
             raise ValueError(f"position_rule={position_rule!r} needs a padding_idx (fairseq's default is 1)")
         token_width = d_model - d_pos if mode == "concat" and isinstance(d_pos, int) else d_model
-        rows, padding_idx, pe_scale = self._shard(num_embeddings, vocab_range, padding_idx, pe_scale,
-                                                  zero_pe_at_padding, position_rule)
+        rows, vocab_range, padding_idx, pe_scale = self._shard(num_embeddings, vocab_range, padding_idx, pe_scale,
+                                                               zero_pe_at_padding, position_rule)
         # Validates every fixed parameter once, here, and computes the frequencies.
         self.spec = make_spec(rows, token_width, mode, d_pos, base, layout, embed_scale, pe_scale, padding_idx,
                               frequencies, zero_pe_at_padding, precision)
-        self.vocab_range = None if vocab_range is None else tuple(vocab_range)  # (start, end), as given
+        self.vocab_range = vocab_range  # (start, end), as given
         self.position_rule = position_rule
         self.dropout = check_dropout_p(dropout)
         self.sparse = sparse
@@ -135,9 +135,9 @@ class SinusoidalEmbedding(nn.Module):
 
     @staticmethod
     def _shard(num_embeddings, vocab_range, padding_idx, pe_scale, zero_pe_at_padding, position_rule):
-        """(rows held, local padding row, PE scale) for a shard, or for the whole table."""
+        """(rows held, (start, end) or None, local padding row, PE scale) for a shard, or for the whole table."""
         if vocab_range is None:
-            return num_embeddings, padding_idx, pe_scale
+            return num_embeddings, None, padding_idx, pe_scale
         try:
             start, end = vocab_range
         except (TypeError, ValueError):
@@ -152,7 +152,7 @@ class SinusoidalEmbedding(nn.Module):
         local_padding = None
         if padding_idx is not None and start <= padding_idx % num_embeddings < end:
             local_padding = padding_idx % num_embeddings - start
-        return end - start, local_padding, pe_scale if start == 0 else 0.0
+        return end - start, (start, end), local_padding, pe_scale if start == 0 else 0.0
 
     @property
     def padding_idx(self) -> Optional[int]:
@@ -198,6 +198,12 @@ class SinusoidalEmbedding(nn.Module):
     def __getstate__(self):
         # The prepared launch holds a binding object: not copied or pickled, prepared again on use.
         return {**super().__getstate__(), "_prepared": None}
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        shard = self.vocab_range  # pickled before it read back as given, it held (start, vocabulary size)
+        if shard is not None:
+            self.vocab_range = (shard[0], shard[0] + self._parameters["weight"].shape[0])
 
     @classmethod
     def from_preset(cls, name: str, num_embeddings: int, d_model: int, padding_idx: Optional[int] = None,

@@ -5,6 +5,9 @@ gradient is its rows of the unsharded gradient, and ids are range-checked global
 every backend, and once as two real gloo ranks.
 """
 
+import copy
+import pickle
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -92,6 +95,14 @@ def test_shard_checks_global_ids_and_arguments():
         pf.SinusoidalEmbedding(VOCAB, D, vocab_range=(0, 10), padding_idx=1, position_rule="fairseq")
     assert "vocab_range=(20, 37)" in repr(shards[1])
     assert shards[1].vocab_range == (20, 37)  # reads back as given, not as the op's (start, vocabulary size)
+    assert pf.SinusoidalEmbedding(VOCAB, D, vocab_range=iter((20, 37))).vocab_range == (20, 37)  # (any pair)
+    # A module pickled when the attribute held the op's form reads back as given too, and computes the same.
+    old = copy.deepcopy(shards[1])
+    old.vocab_range = (20, VOCAB)
+    loaded = pickle.loads(pickle.dumps(old))
+    assert loaded.vocab_range == (20, 37) and "vocab_range=(20, 37)" in repr(loaded)
+    ids = torch.tensor([[0, 20, 36, 49]])
+    assert torch.equal(loaded(ids), shards[1](ids))
 
 
 def _shard_rank(rank, world, result_path):
