@@ -18,7 +18,7 @@ so that a noisy second hits all of them alike):
 Implementations: ``fused`` (posenc_fast, ``auto`` -> cpu), ``compile`` (torch.compile of the eager
 module), ``eager`` (posenc_fast.baselines.EagerSinusoidalEmbedding).  For scale, the plain torch op in the
 same run: the gather (``index_select``) and, for the step, a fresh V x d gradient filled by ``index_add_``.
-Neither is a floor: the fused kernels beat both (the step's gradient, for one, is allocated in huge pages).
+The fused kernels can beat both (the step's gradient, for one, is allocated in huge pages).
 
     python bench/cpu_in_context.py [--repeats 30] [--json bench/results/cpu-in-context-<cpu>.json]
 """

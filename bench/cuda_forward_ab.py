@@ -34,6 +34,7 @@ from datetime import date
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from posenc_fast import _build  # noqa: E402
 from posenc_fast.benchmark.results import write_document  # noqa: E402
+from posenc_fast.cli import positive_int  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -142,7 +143,7 @@ def main(argv=None) -> int:
     parser.add_argument("--work", default="/tmp/posenc_fast_cuda_ab")
     parser.add_argument("--build-only", action="store_true")
     parser.add_argument("--cases", default="headline,headline-fp32,headline-concat,wide")
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rounds", type=positive_int, default=7)
     parser.add_argument("--json", default=None)
     parser.add_argument("--ncu", action="store_true")
     parser.add_argument("--ncu-seconds", type=float, default=40, help="time limit of each build's ncu run")

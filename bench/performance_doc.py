@@ -248,9 +248,9 @@ def impls_in(doc) -> List[str]:
 def render_benchmark(name: str, doc, results: Results) -> List[str]:
     copy = doc["copy_GBps"]
     impls = impls_in(doc)
-    floor = "gather + write floor" if doc["device"].startswith("CPU") else "copy bandwidth"
-    lines = [f"{floor.capitalize()} {copy:.0f} GB/s in the same run. Median ms per call; a fused implementation's "
-             f"cell also gives its floor as a share of its time (its % of {floor}).", ""]
+    bandwidth = "gather + write bandwidth (torch.index_select)" if doc["device"].startswith("CPU") else "copy bandwidth"
+    lines = [f"{bandwidth.capitalize()} {copy:.0f} GB/s in the same run. Median ms per call; a fused implementation's "
+             f"cell also gives its floor as a share of its time (its % of {bandwidth}).", ""]
     rows = []
     for config, ops in benchmark_rows(doc).items():
         for op in OP_ORDER:
@@ -486,8 +486,8 @@ def render_cpu_in_context(name: str, doc, results: Results) -> List[str]:
     lines = [f"The layer inside a model's run ({case.get('batch')} x {case.get('length')} tokens, "
              f"d {case.get('d')}, V {case.get('vocab')}, {case.get('dtype')}), medians of {doc.get('repeats')} "
              "repeats in one process, implementations in rotating order; for scale, the plain torch op timed in the "
-             "same run (`index_select`; `index_add_` into a fresh gradient), which is no floor: the fused kernels "
-             "beat it (ms):", ""]
+             "same run (`index_select`; `index_add_` into a fresh gradient), which the fused kernels can beat (ms):",
+             ""]
     lines += table(["setting", "fused (cpu)", "compile", "eager", "plain torch op", "compile / fused", "eager / fused"],
                    rows)
     return lines
@@ -726,7 +726,7 @@ host-emulation build with zero-token launches and Triton's real launcher on a st
 (`bench/fake_cuda_driver.py`) leave out only the driver's own work, and `--real cuda` times real
 launches on a GPU. `bench/sparse_gradient_cost.py` times the weight-gradient backward alone (a fresh
 `.grad` each time, fused and `nn.Embedding` alternating). `bench/cpu_in_context.py` times the CPU layer round-robin with compile and eager in
-one process: warm, right after a GEMM, and as a training step, beside the floors of the same run.
+one process: warm, right after a GEMM, and as a training step, beside the plain torch ops of the same run.
 `bench/sass_report.py` is a model, not a measurement: it compiles every kernel for sm_80 and sm_90 and
 counts the instructions on each kernel's hot path.
 """

@@ -97,7 +97,7 @@ def test_case_selection():
     assert all(c.autotune and (c.latency or c.ops == bench.OPS) for c in bench.select_cases(full=True))
     with pytest.raises(ValueError, match="no case matches"):
         bench.select_cases(["nonsense"])
-    with pytest.raises(ValueError, match="either --quick or --cases"):  # not one of them silently ignored
+    with pytest.raises(ValueError, match="pass either it or a case list"):  # not one of them silently ignored
         bench.select_cases(["decode"], quick=True)
 
 
@@ -307,6 +307,10 @@ def test_a_run_that_measures_nothing_keeps_the_results_file(tmp_path, capsys):
     assert cli.main(["bench", "--device", "cpu", "--cases", "decode", "--impls", "triton", "--out", str(tmp_path)]) == 1
     err = capsys.readouterr().err
     assert "skipped triton" in err and "nothing was measured" in err and str(path) in err
+    assert path.read_bytes() == before and png.read_bytes() == b"an earlier plot"
+    # Rows of the torch reference only (printed, never kept in the JSON): the same.
+    assert cli.main(["bench", "--device", "cpu", "--cases", "decode", "--impls", "torch", "--out", str(tmp_path)]) == 0
+    assert "is left as it was" in capsys.readouterr().out
     assert path.read_bytes() == before and png.read_bytes() == b"an earlier plot"
     # A run with no forward to plot rewrites the file: the earlier plot, which no longer shows it, goes.
     assert cli.main(["bench", "--device", "cpu", "--cases", "headline", "--impls", "eager", "--ops", "backward",
@@ -530,6 +534,7 @@ def test_cuda_forward_ab_builds_each_variant_with_its_defines(tmp_path, monkeypa
     ("cpu_in_context", ["--repeats", "0"], "expected an integer >= 1"),
     ("sparse_gradient_cost", ["--reps", "0"], "expected an integer >= 1"),
     ("backward_cost", ["--reps", "-1"], "expected an integer >= 1"),
+    ("cuda_forward_ab", ["--rounds", "0"], "expected an integer >= 1"),
     ("dropout_cost", ["--p", "1.5"], "a dropout probability in [0, 1)"),
 ])
 def test_bench_scripts_refuse_bad_arguments(script, args, message):

@@ -95,3 +95,20 @@ def test_a_dropout_cost_file(tmp_path):
     assert "a kind this script does not know" not in text and "`bench/dropout_cost.py`" in text
     assert "Dropout (p = 0.1)" in text
     assert "| 16, 8192, 1024, 32768, add | cuda p=0.1 | step | 2.50 | 80% |" in text  # 800 of 1000 GB/s
+
+
+def test_a_cpu_benchmark_names_its_bandwidth(tmp_path):
+    """A CPU run's bandwidth is the gather + write bandwidth of torch.index_select, not a copy bandwidth."""
+    results, out = str(tmp_path / "results"), str(tmp_path / "performance.md")
+    _tiny_results(results)
+    path = os.path.join(results, "test-gpu-9000.json")
+    with open(path, encoding="utf-8") as f:
+        document = json.load(f)
+    document["device"] = "CPU Test 9000, 2 threads"
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(document, f)
+    assert _run("--results", results, "--out", out).returncode == 0
+    with open(out, encoding="utf-8") as f:
+        text = f.read()
+    assert "Gather + write bandwidth (torch.index_select) 1000 GB/s in the same run" in text
+    assert "Copy bandwidth 1000 GB/s" not in text

@@ -138,7 +138,8 @@ def select_cases(patterns: Optional[Sequence[str]] = None, *, quick: bool = Fals
     name, else a group name ("sweep"), else an fnmatch pattern ("headline*"); without them
     ``--quick``'s cases, ``--full``'s list, or the default list of ``device_type`` ("cuda", "cpu")."""
     if patterns and quick:
-        raise ValueError("--quick chooses its own cases: pass either --quick or --cases")
+        raise ValueError("--quick (POSENC_FAST_BENCH_QUICK=1) chooses its own cases: pass either it or a case list "
+                         "(--cases, POSENC_FAST_BENCH_CASES)")
     if patterns:
         chosen = []
         for pattern in patterns:

@@ -128,6 +128,9 @@ def run_command(args: argparse.Namespace) -> int:
         notes.append("torch (the float64 reference backend) is a smoke-test row: printed, not written to the JSON")
     print()
     print(format_table(report.measurements, report.copy_GBps, device=report.document["device"], notes=notes))
+    if not report.written:  # (torch rows only)
+        print(f"\nno row for the JSON; {os.path.abspath(report.json_path)} is left as it was")
+        return 1 if report.failures else 0
     print(f"\nwrote {os.path.abspath(report.json_path)}")
     png = os.path.splitext(report.json_path)[0] + ".png"
     why_not = plot_results(report.document["cases"], report.copy_GBps, png,

@@ -12,7 +12,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from .. import config
-from .cases import OPS, FUSED_IMPLS, COMPILE_IMPLS, HEADLINE, Case, for_device
+from .cases import OPS, FUSED_IMPLS, COMPILE_IMPLS, HEADLINE, JSON_IMPLS, Case, for_device
 from .impls import (
     rotation_sets, CaseInputs, impl_unavailable, build_runner, forward_fn, backward_fn, step_fn, relative_error,
     agreement_bar,
@@ -30,6 +30,7 @@ class RunReport:
     notes: List[str]  # extra lines: id check on, determinism, agreement, skips, failures
     deterministic: Dict[str, bool]
     failures: List[str]
+    written: bool  # json_path was written: the run measured a row the JSON keeps
 
 
 def _free_memory(device: torch.device) -> None:
@@ -119,16 +120,21 @@ def run_benchmark(cases: Sequence[Case], impls: Sequence[str], device: torch.dev
                 log(f"FAILED {failures[-1]}")
             _free_memory(device)
         del inputs, reference
-        if measurements:
+        if _any_kept(measurements):
             write_document(json_path, make_document(device, copy, measurements, kept_rows))
     if skipped_for_time:
         notes.append(f"time budget ({time_budget_s:g} s) reached; not run: {', '.join(skipped_for_time)}")
     notes.append(f"{len(measurements)} measurements in {time.monotonic() - started:.0f} s")
     doc = make_document(device, copy, measurements, kept_rows)
-    if measurements:  # a run that measured nothing leaves an earlier results file as it was
+    if _any_kept(measurements):  # a run with no row for the JSON leaves an earlier results file as it was
         write_document(json_path, doc)
     notes.extend(f"FAILED {f}" for f in failures)
-    return RunReport(measurements, copy, doc, json_path, notes, deterministic, failures)
+    return RunReport(measurements, copy, doc, json_path, notes, deterministic, failures, _any_kept(measurements))
+
+
+def _any_kept(measurements: Sequence[Measurement]) -> bool:
+    """Whether the JSON keeps any of these rows (not the torch reference's, ``make_document``)."""
+    return any(m.impl in JSON_IMPLS for m in measurements)
 
 
 def _eager_reference(case: Case, inputs: CaseInputs, device: torch.device, needs_grad: bool):
