@@ -305,18 +305,34 @@ def test_plot_command_writes_non_empty_pngs(tmp_path):
         assert 1000 < os.path.getsize(tmp_path / name) < 200_000
 
 
-def test_every_plot_follows_base_and_layout(tmp_path):
-    """--base and --layout change every figure that depends on them (the offset and rotation figures were once
-    drawn for base 10000 whatever the command said); the norms do not depend on either."""
+def test_every_plot_follows_base_and_layout(tmp_path, monkeypatch):
+    """--base and --layout reach the geometry behind every figure that depends on them (the offset and rotation
+    figures were once computed for base 10000 whatever the command said); the norms depend on neither."""
     pytest.importorskip("matplotlib")
-    pngs = {}
-    for name, options in (("default", []), ("base", ["--base", "100"]), ("layout", ["--layout", "split"])):
-        assert cli_main(["plot", "--out", str(tmp_path / name), "--d-model", "32", "--positions", "20", *options]) == 0
-        pngs[name] = {png: (tmp_path / name / png).read_bytes() for png in os.listdir(tmp_path / name)}
-    for png, default in pngs["default"].items():
-        assert (pngs["base"][png] != default) == (png != "pe_norms.png"), png
-    for png in ("pe_heatmap.png", "pe_clock_hands.png", "pe_rotation_check.png"):
-        assert pngs["layout"][png] != pngs["default"][png], png
+    calls, depth = [], [0]
+    for name in ("pe_table", "column_spread", "dot_by_offset", "rotation_error", "offset_rotation", "pair_columns",
+                 "norm_comparison"):
+        def spy(*args, _name=name, _real=getattr(geometry, name), **kwargs):
+            if not depth[0]:  # the figures' calls, not geometry's calls of its own functions
+                calls.append((_name, args, kwargs))
+            depth[0] += 1
+            try:
+                return _real(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+        monkeypatch.setattr(geometry, name, spy)
+    assert cli_main(["plot", "--out", str(tmp_path), "--d-model", "32", "--positions", "20", "--base", "100",
+                     "--layout", "split"]) == 0
+    called = {name for name, _, _ in calls}
+    assert called >= {"pe_table", "column_spread", "dot_by_offset", "rotation_error", "offset_rotation",
+                      "pair_columns", "norm_comparison"}, called
+    for name, args, kwargs in calls:
+        if name == "norm_comparison":  # |PE| = sqrt(d/2) for any base and layout
+            continue
+        if name != "pair_columns":  # (takes no base)
+            assert kwargs.get("base") == 100.0, (name, kwargs)
+        if name != "dot_by_offset":  # (<PE(t), PE(t+k)> does not depend on the column order)
+            assert "split" in args or kwargs.get("layout") == "split", (name, args, kwargs)
 
 
 def test_loss_curves_and_subspace_pngs(tmp_path):

@@ -106,6 +106,9 @@ def nearest_token_recovery(token_table: torch.Tensor, pe_rows: torch.Tensor) -> 
     margins come from Gram matrices, so no [V, V, d] tensor is formed, and [V, V, P] only a few positions at
     a time (about 64 MiB each).
     """
+    if token_table.shape[0] == 0 or pe_rows.shape[0] == 0:
+        raise ValueError(f"nearest-token recovery needs tokens and positions: got {token_table.shape[0]} table rows "
+                         f"and {pe_rows.shape[0]} PE rows")
     table = token_table.to(torch.float64)
     pe = pe_rows.to(torch.float64)
     gram = table @ table.T  # [V, V]
