@@ -53,7 +53,8 @@ def test_unrunnable_device_is_one_line_naming_the_one_that_runs(device, capsys):
                                      ["experiment", "add-vs-concat", "--device", "cpu", "--out", "{file}"],
                                      ["experiment", "add-vs-concat", "--device", "cpu", "--lr", "-1"],
                                      ["experiment", "add-vs-concat", "--device", "cpu", "--first-seed", str(2**64)],
-                                     ["experiment", "subspace", "--out", "{file}"],
+                                     ["experiment", "subspace", "--out", "{file}"], ["experiment", "subspace", "--out", ""],
+                                     ["experiment", "add-vs-concat", "--device", "cpu", "--out", ""],
                                      ["experiment", "subspace", "--tokens", "0"], ["experiment", "subspace", "--dims", "0"],
                                      ["experiment", "subspace", "--token-stds", ""]], ids=" ".join)
 def test_arguments_a_command_cannot_run_with_exit_2_before_any_work(command, tmp_path, capsys, monkeypatch):

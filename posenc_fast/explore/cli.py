@@ -143,7 +143,7 @@ def _run_add_vs_concat(args: argparse.Namespace) -> int:
     if not -(2**63) <= args.first_seed <= 2**64 - args.seeds:  # (torch.manual_seed's range)
         print(f"error: --first-seed {args.first_seed}: the seeds must lie in [-2**63, 2**64)", file=sys.stderr)
         return 2
-    if args.out:
+    if args.out is not None:  # (an empty --out is refused there, as plot's)
         output_folder(args.out)
     try:
         config.validate()
@@ -170,7 +170,7 @@ def _run_add_vs_concat(args: argparse.Namespace) -> int:
         print(f"Token table vs span of PE(0..{config.seq_len - 1}) ('add', equal width), at init and after training:")
         print(experiment_module.format_subspace_rows(subspace_rows))
     print(f"\ntotal time {elapsed:.1f} s")
-    if args.out:  # (made at the start: output_folder)
+    if args.out is not None:  # (made at the start: output_folder)
         json_path = os.path.join(args.out, "add_vs_concat.json")
         with open(json_path, "w") as handle:
             json.dump({**experiment_module.json_ready(result), "trained_subspace": subspace_rows,
@@ -186,7 +186,7 @@ def _run_add_vs_concat(args: argparse.Namespace) -> int:
 
 
 def _run_subspace(args: argparse.Namespace) -> int:
-    if args.out:
+    if args.out is not None:  # (an empty --out is refused there, as plot's)
         output_folder(args.out)
     try:
         angle_rows = subspace.random_tokens_vs_pe(
@@ -210,7 +210,7 @@ def _run_subspace(args: argparse.Namespace) -> int:
     print(f"{'d':>5} " + " ".join(f"{'std ' + format(s, 'g'):>10}" for s in args.token_stds))
     for r in recovery_rows:
         print(f"{r['d']:>5} " + " ".join(f"{r[f'recovery_std_{s:g}']:>10.4f}" for s in args.token_stds))
-    if args.out:  # (made at the start: output_folder)
+    if args.out is not None:  # (made at the start: output_folder)
         json_path = os.path.join(args.out, "subspace.json")
         with open(json_path, "w") as handle:
             json.dump({"angles": angle_rows, "recovery": recovery_rows}, handle, indent=1)
