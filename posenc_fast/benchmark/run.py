@@ -126,10 +126,11 @@ def run_benchmark(cases: Sequence[Case], impls: Sequence[str], device: torch.dev
         notes.append(f"time budget ({time_budget_s:g} s) reached; not run: {', '.join(skipped_for_time)}")
     notes.append(f"{len(measurements)} measurements in {time.monotonic() - started:.0f} s")
     doc = make_document(device, copy, measurements, kept_rows)
-    if _any_kept(measurements):  # a run with no row for the JSON leaves an earlier results file as it was
+    written = _any_kept(measurements)  # a run with no row for the JSON leaves an earlier results file as it was
+    if written:
         write_document(json_path, doc)
     notes.extend(f"FAILED {f}" for f in failures)
-    return RunReport(measurements, copy, doc, json_path, notes, deterministic, failures, _any_kept(measurements))
+    return RunReport(measurements, copy, doc, json_path, notes, deterministic, failures, written)
 
 
 def _any_kept(measurements: Sequence[Measurement]) -> bool:
