@@ -2,20 +2,8 @@
 
     from posenc_fast import sinusoidal_embedding, SinusoidalEmbedding
 
-``posenc_fast.reference`` is the pure-PyTorch definition every backend is tested against.
-
-Layers, lowest first; a module imports only from its own layer or lower ones (tests/test_layering.py):
-
-1. host-side data and settings: ``config``, ``presets``, ``_spec`` (the PE's parameters), ``_dropout``,
-   ``_timing``, ``_build`` (compiling the extensions), ``baselines``, the extensions ``_cpu`` and ``_C``;
-2. checks: ``_validate``;
-3. the definition: ``reference``, ``positions``;
-4. ``backends``: one module per backend, the same entry points (``backends/__init__``);
-5. ``_dispatch``: the one place that decides how a call runs (eager, traced, transformed) and on which backend;
-6. ``ops``: the torch.library ops and autograd Functions;
-7. ``_prepared``: prepared launches, the plain eager call of every entry point;
-8. ``functional``; 9. ``module``;
-10. integrations and tools: ``integrations``, ``check``, ``cli``, ``benchmark``, ``explore``, this file.
+``posenc_fast.reference`` is the pure-PyTorch definition every backend is tested against.  The package's
+layers, and the path of one call: docs/architecture.md.
 """
 
 from . import presets, reference

@@ -1,16 +1,9 @@
-"""Prepared launches: every entry point's plain eager call (``_dispatch.eager_call``), with what stays fixed
-between calls worked out once: the fixed settings checked by the general path's own functions and the
-backend resolved (``prepare``), then the backend's launch bound (``build``, ``backends.PreparedLaunch``).
-The modules keep theirs on themselves (``run_embedding``, ``run_addition``); ``sinusoidal_embedding`` and
-``add_sinusoidal`` here, per spec, backend and kind of table (``functional_embedding``, ``functional_addition``).
-
-A launch serves only the kind of call it was prepared for: the same settings and kind of table, positions an
-int offset or a contiguous int64 tensor of the ids' shape, no dropout to apply; under autograd inside
-:class:`LaunchedEmbeddingFunction` / :class:`LaunchedAdditionFunction`.  Anything else, and every bad argument,
-takes the general path (``functional.apply_spec`` / ``apply_add_spec``), which raises the errors.  A launch
-never holds the table or its address (read per call), so in-place updates and ``.data`` swaps need no
-invalidation.  The ``torch`` reference has no launch: its entry points keep a stand-in that serves no call
-(``_ServesNoCall``).  Why it is built so: docs/design.md.
+"""Prepared launches: every entry point's plain eager call, with its fixed settings checked and its backend
+resolved once (``prepare``) and the backend's launch bound (``build``).  The modules keep theirs on themselves
+(``run_embedding``, ``run_addition``), the functional entry points here, per spec (``functional_embedding``,
+``functional_addition``).  A launch serves only the kind of call it was prepared for; every other call, and
+every bad one, takes the general path (``functional.apply_spec``), which raises the errors.  What a launch
+serves and why it is built so: docs/architecture.md ("One call, drawn") and docs/design.md.
 """
 
 from __future__ import annotations

@@ -91,22 +91,11 @@ def _frequency_values(frequencies) -> Tuple[float, ...]:
         raise TypeError(f"frequencies must be a sequence of real numbers, got {frequencies!r}") from None
 
 
-def make_spec(
-    num_embeddings: int,
-    token_width: int,
-    mode: str,
-    d_pos: Optional[int],
-    base: float,
-    layout: str,
-    embed_scale: float,
-    pe_scale: float,
-    padding_idx: Optional[int],
-    frequencies: Optional[Sequence[float]] = None,
-    zero_pe_at_padding: bool = False,
-    precision: str = "float32",
-    only_cached: bool = False,
-    scale_name: str = "embed_scale",
-) -> Optional[PESpec]:
+def make_spec(num_embeddings: int, token_width: int, mode: str, d_pos: Optional[int], base: float, layout: str,
+              embed_scale: float, pe_scale: float, padding_idx: Optional[int],
+              frequencies: Optional[Sequence[float]] = None, zero_pe_at_padding: bool = False,
+              precision: str = "float32", only_cached: bool = False,
+              scale_name: str = "embed_scale") -> Optional[PESpec]:
     """Validate the layer's fixed parameters and build its :class:`PESpec`.
 
     ``frequencies`` (radians per position) replaces the ``base`` recipe: h = D // 2 of
@@ -148,9 +137,9 @@ def make_spec(
             return spec
     if only_cached:
         return None
-    for name, value in (("mode", mode), ("layout", layout)):
-        if not isinstance(value, str):
-            raise ValueError(f"unknown {name} {value!r}; expected one of {MODES if name == 'mode' else LAYOUTS}")
+    for name, value, allowed in (("mode", mode, MODES), ("layout", layout, LAYOUTS)):
+        if not isinstance(value, str) or value not in allowed:
+            raise ValueError(f"unknown {name} {value!r}; expected one of {allowed}")
     for name, value in (("base", base), (scale_name, embed_scale), ("pe_scale", pe_scale)):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TypeError(f"{name} must be a number, got {value!r}")
@@ -189,10 +178,6 @@ def _sign(value) -> float:
 def _make_spec_cached(num_embeddings, token_width, mode, d_pos, base, layout, embed_scale, pe_scale, padding_idx,
                       frequencies, zero_pe_at_padding, precision, scale_signs):
     """``scale_signs``: the scales' signs, for the cache key only (-0.0 == 0.0, with one hash)."""
-    if mode not in MODES:
-        raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
     if base <= 0:  # (finite: make_spec)
         raise ValueError(f"base must be a finite number > 0, got {base!r}")
     if mode == "add":
@@ -240,18 +225,9 @@ def _make_spec_cached(num_embeddings, token_width, mode, d_pos, base, layout, em
         bad = [w for w in frequencies if not math.isfinite(w)]
         if bad:
             raise ValueError(f"frequencies must be finite, got {bad[0]!r}")
-    return PESpec(
-        mode=mode,
-        token_width=token_width,
-        pe_width=pe_width,
-        layout=layout,
-        frequencies=frequencies,
-        embed_scale=embed_scale,
-        pe_scale=pe_scale,
-        padding_idx=padding_idx,
-        zero_pe_at_padding=zero_pe_at_padding,
-        precision=precision,
-    )
+    return PESpec(mode=mode, token_width=token_width, pe_width=pe_width, layout=layout, frequencies=frequencies,
+                  embed_scale=embed_scale, pe_scale=pe_scale, padding_idx=padding_idx,
+                  zero_pe_at_padding=zero_pe_at_padding, precision=precision)
 
 
 def _memory_backed(t: torch.Tensor) -> bool:
@@ -419,14 +395,7 @@ def make_batch(ids, weight: torch.Tensor, spec: PESpec, positions, offset) -> Ba
         flat_positions = positions.to(torch.int64).expand(ids.shape).reshape(-1).contiguous()
         offsets = None
 
-    return Batch(
-        ids=flat_ids,
-        out_shape=out_shape,
-        seq_len=seq_len,
-        offset=scalar_offset,
-        offsets=offsets,
-        positions=flat_positions,
-    )
+    return Batch(flat_ids, out_shape, seq_len, scalar_offset, offsets, flat_positions)
 
 
 def check_id_range(ids: torch.Tensor, num_embeddings: int, vocab_start: int = 0, bounds=None) -> None:

@@ -23,12 +23,9 @@ from .presets import POSITION_RULES
 
 
 def _quiet_under_jit_trace(function):
-    """Silence jit.trace's TracerWarnings for this call only.  Under jit.trace every size the layer reads
-    (shape checks, widths, table sizes) warns, yet those are constants of a layer: what varies between
-    calls reaches the output only through tensors (``_refuse_jit_trace``).  It wraps the general paths,
-    not the public functions, so that a decoding step's prepared launch does not pay for the wrapper.
-    Before the general path the public functions read nothing that warns (``make_spec`` silences its
-    own), and under jit.trace they skip the prepared launch (``_dispatch.eager_call``), which reads sizes."""
+    """Silence jit.trace's TracerWarnings for this call only: every size the layer reads warns, yet those are
+    constants of a layer (what varies reaches the output through tensors: ``_refuse_jit_trace``).  It wraps
+    the general paths only, so that a prepared launch does not pay for it."""
     @functools.wraps(function)
     def call(*args, **kwargs):
         if not _jit_tracing():
@@ -135,12 +132,9 @@ def _positions_by_rule(ids, spec: PESpec, positions, offset, cu_seqlens, positio
 
 
 def _refuse_jit_trace(positions, offset, cu_seqlens) -> None:
-    """Under jit.trace, refuse a call whose positions derive from its length, an offset or ``cu_seqlens``:
-    the tracer records Python values as constants and would bake them in.  With explicit ``positions`` (a
-    position rule then passes them through), the standard-ops form (``_dispatch.route``) reads only tensors
-    and their sizes, which the tracer records, so the trace is right at every shape; patch_model's position
-    modules pass positions, so TorchScript's ONNX exporter, and optimum's, take a patched model.  Runs
-    before the call's validation."""
+    """Under jit.trace, refuse a call whose positions derive from its length, an offset or ``cu_seqlens``,
+    which the tracer would bake in as constants.  Explicit ``positions`` (patch_model's position modules pass
+    them) take the standard-ops form, which reads only tensors and sizes: right at every shape."""
     if not _jit_tracing():
         return
     if isinstance(positions, torch.Tensor) and cu_seqlens is None and isinstance(offset, int) and offset == 0:
@@ -204,16 +198,16 @@ def apply_spec(ids, weight, spec: PESpec, turns: torch.Tensor, positions, offset
                                   "torch.compile, torch.export, jit.trace, a TorchDispatchMode (e.g. FlopCounterMode, "
                                   "selective activation checkpointing) or with tensor subclasses; there use "
                                   "sparse=False (a dense, equally deterministic gradient)")
+    padding_idx = -1 if spec.padding_idx is None else spec.padding_idx
     if route is STANDARD_OPS:
         out = standard_ops_forward(batch.ids, weight, turns, batch.positions, batch.offsets, batch.offset,
-                                   batch.seq_len, spec.kernel_params(zero_pe_at_padding), dropout_seed,
-                                   -1 if spec.padding_idx is None else spec.padding_idx)
+                                   batch.seq_len, spec.kernel_params(zero_pe_at_padding), dropout_seed, padding_idx)
     elif route is not OP:
         params = spec.kernel_params(zero_pe_at_padding)
         if route is FUNCTION:
             out = EmbeddingFunction.apply(weight, batch.ids, turns, batch.positions, batch.offsets, batch.offset,
-                                          batch.seq_len, params, -1 if spec.padding_idx is None else spec.padding_idx,
-                                          vocab_start, vocab_size, dropout_seed, dropout_p, name, sparse)
+                                          batch.seq_len, params, padding_idx, vocab_start, vocab_size, dropout_seed,
+                                          dropout_p, name, sparse)
         else:
             out = run_forward(batch.ids, weight, turns, batch.positions, batch.offsets, batch.offset, batch.seq_len,
                               params, vocab_start, vocab_size, dropout_seed, dropout_p, name)
@@ -225,10 +219,8 @@ def apply_spec(ids, weight, spec: PESpec, turns: torch.Tensor, positions, offset
     else:
         out = sinusoidal_embedding_op(
             batch.ids, weight, turns, batch.positions, batch.offsets, batch.offset, batch.seq_len,
-            spec.mode == "concat", spec.pe_width, spec.columns.as_list(), spec.embed_scale, spec.pe_scale,
-            -1 if spec.padding_idx is None else spec.padding_idx, zero_pe_at_padding, spec.precision == "float64",
-            vocab_start, vocab_size, dropout_seed, dropout_p, name,
-        )
+            spec.mode == "concat", spec.pe_width, spec.columns.as_list(), spec.embed_scale, spec.pe_scale, padding_idx,
+            zero_pe_at_padding, spec.precision == "float64", vocab_start, vocab_size, dropout_seed, dropout_p, name)
     return out.reshape(batch.out_shape)
 
 

@@ -28,28 +28,11 @@ from .reference import dropout_keep
 from .backends import KernelParams
 
 
-def sinusoidal_embedding_forward(
-    ids: Tensor,
-    weight: Tensor,
-    turns: Tensor,
-    positions: Optional[Tensor],
-    offsets: Optional[Tensor],
-    offset: int,
-    seq_len: int,
-    concat: bool,
-    pe_width: int,
-    pe_columns: List[int],
-    embed_scale: float,
-    pe_scale: float,
-    padding_idx: int,
-    zero_pe_at_padding: bool,
-    float64_math: bool,
-    vocab_start: int,
-    vocab_size: int,
-    dropout_seed: Optional[Tensor],
-    dropout_p: float,
-    backend: str,
-) -> Tensor:
+def sinusoidal_embedding_forward(ids: Tensor, weight: Tensor, turns: Tensor, positions: Optional[Tensor],
+                                 offsets: Optional[Tensor], offset: int, seq_len: int, concat: bool, pe_width: int,
+                                 pe_columns: List[int], embed_scale: float, pe_scale: float, padding_idx: int,
+                                 zero_pe_at_padding: bool, float64_math: bool, vocab_start: int, vocab_size: int,
+                                 dropout_seed: Optional[Tensor], dropout_p: float, backend: str) -> Tensor:
     """Flat forward: ``[N, width]`` for ids ``[N]``.
 
     ``ids`` are rows of ``weight``; for a vocabulary-parallel shard they are the global ids
@@ -135,11 +118,8 @@ def _save_for_weight_gradient(ctx, ids, weight, embed_scale, padding_idx, dropou
     the seed and the numbers, nothing of size tokens x width."""
     ctx.save_for_backward(ids, dropout_seed)
     ctx.num_embeddings, ctx.token_width = weight.shape
-    ctx.weight_dtype = weight.dtype
-    ctx.embed_scale = embed_scale
-    ctx.padding_idx = padding_idx
-    ctx.dropout_p = dropout_p
-    ctx.backend = backend
+    ctx.weight_dtype, ctx.embed_scale, ctx.padding_idx = weight.dtype, embed_scale, padding_idx
+    ctx.dropout_p, ctx.backend = dropout_p, backend
 
 
 def _weight_gradient(ctx, grad_out, gradient=None):
@@ -370,8 +350,7 @@ class WeightGradient(_DirectApply, torch.autograd.Function):
     @staticmethod
     def forward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype, dropout_seed,
                 dropout_p, backend):
-        # Eager on plain tensors: the implementation directly, since torch.library's wrapper is a large share of
-        # a small batch's host time (nothing is recorded: a Function's forward runs with grad mode off).
+        # Eager on plain tensors: without the op's wrapper, as EmbeddingFunction (nothing is recorded here).
         op = _direct_weight_gradient if eager_call(ids, grad_out) else sinusoidal_embedding_backward_op
         return op(grad_out, ids, num_embeddings, token_width, embed_scale, padding_idx, weight_dtype, dropout_seed,
                   dropout_p, backend)
@@ -413,19 +392,9 @@ def _add_params(x, pe_columns, x_scale, pe_scale, float64_math) -> KernelParams:
                         float64_math)
 
 
-def add_sinusoidal_forward(
-    x: Tensor,
-    turns: Tensor,
-    positions: Optional[Tensor],
-    offsets: Optional[Tensor],
-    offset: int,
-    seq_len: int,
-    pe_columns: List[int],
-    x_scale: float,
-    pe_scale: float,
-    float64_math: bool,
-    backend: str,
-) -> Tensor:
+def add_sinusoidal_forward(x: Tensor, turns: Tensor, positions: Optional[Tensor], offsets: Optional[Tensor],
+                           offset: int, seq_len: int, pe_columns: List[int], x_scale: float, pe_scale: float,
+                           float64_math: bool, backend: str) -> Tensor:
     """Flat forward: ``[N, D]`` for ``x`` ``[N, D]`` (the position of row n as for token n of the embedding op)."""
     if x.dim() != 2 or not x.is_contiguous():
         raise ValueError(f"x must be a contiguous 2-D tensor [N, D], got shape {list(x.shape)}, strides {list(x.stride())}")

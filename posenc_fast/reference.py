@@ -104,21 +104,10 @@ def sinusoidal_table(
     return exact_sinusoid(positions, turns, dim, spec.columns).to(dtype)
 
 
-def embed_flat(
-    ids: torch.Tensor,
-    weight: torch.Tensor,
-    positions: torch.Tensor,
-    turns: torch.Tensor,
-    *,
-    concat: bool,
-    pe_width: int,
-    columns: PEColumns,
-    embed_scale: float,
-    pe_scale: float,
-    padding_idx: Optional[int] = None,
-    zero_pe_at_padding: bool = False,
-    dropout: Optional[Dropout] = None,
-) -> torch.Tensor:
+def embed_flat(ids: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, turns: torch.Tensor, *,
+               concat: bool, pe_width: int, columns: PEColumns, embed_scale: float, pe_scale: float,
+               padding_idx: Optional[int] = None, zero_pe_at_padding: bool = False,
+               dropout: Optional[Dropout] = None) -> torch.Tensor:
     """The layer on flat inputs (ids [N], int64 positions [N]); differentiable w.r.t. ``weight``.
 
     Returns ``[N, width]`` in ``weight.dtype``, computed in float64 and rounded (as the module docstring says).

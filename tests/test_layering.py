@@ -1,4 +1,4 @@
-"""The package's layering (posenc_fast/__init__.py's docstring): every module imports only from its
+"""The package's layering (docs/architecture.md, "Layers"): every module imports only from its
 own layer or lower ones, at module level and inside functions alike, and no module reaches into another
 module's private names (a leading underscore), except where a layer's package exposes them to its own
 modules (``backends``)."""
@@ -57,7 +57,7 @@ def _imports(path: pathlib.Path):
 
 def test_every_module_has_a_layer():
     missing = {_top(p) for p in _modules()} - set(LAYER_OF)
-    assert not missing, f"add these to LAYERS (and to posenc_fast/__init__.py's docstring): {missing}"
+    assert not missing, f"add these to LAYERS (and to docs/architecture.md's table of layers): {missing}"
 
 
 @pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
