@@ -13,11 +13,16 @@ from typing import List, Optional
 _COMMAND_MODULES = ("posenc_fast.check", "posenc_fast.benchmark", "posenc_fast.explore.cli")
 
 
-def usage_error(message: str) -> SystemExit:
-    """The exit of a command given arguments it cannot run with: the message on stderr, status 2 (as
-    argparse's own errors; ``check`` exits 1 for a missed accuracy bar)."""
+def print_usage_error(message: str) -> int:
+    """For a command given arguments it cannot run with: the message on stderr; returns the exit status, 2
+    (as argparse's own errors; ``check`` exits 1 for a missed accuracy bar)."""
     print(f"error: {message}", file=sys.stderr)
-    return SystemExit(2)
+    return 2
+
+
+def usage_error(message: str) -> SystemExit:
+    """:func:`print_usage_error`, as the exception to raise."""
+    return SystemExit(print_usage_error(message))
 
 
 def output_folder(path: str) -> str:

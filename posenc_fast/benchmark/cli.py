@@ -11,7 +11,7 @@ from typing import Callable, List, Optional
 
 import torch
 
-from ..cli import device_from_arg, output_folder, usage_error
+from ..cli import device_from_arg, output_folder, print_usage_error, usage_error
 from .cases import OPS, IMPLS, GPU_DEFAULT_IMPLS, CPU_DEFAULT_IMPLS, CASE_BY_NAME, HEADLINE, select_cases, for_device
 from .results import MergeError, validate_document
 from .report import target_report, format_table, plot_results
@@ -90,14 +90,12 @@ def run_command(args: argparse.Namespace) -> int:
         torch.cuda.set_device(device)
     if args.threads is not None:
         if args.threads < 1:
-            print(f"error: --threads {args.threads}: must be >= 1", file=sys.stderr)
-            return 2
+            return print_usage_error(f"--threads {args.threads}: must be >= 1")
         torch.set_num_threads(args.threads)
     try:
         cases = select_cases(_split(args.cases), quick=args.quick, full=args.full, device_type=device.type)
     except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        return print_usage_error(str(error))
     impls = _split(args.impls) or list(GPU_DEFAULT_IMPLS if device.type == "cuda" else CPU_DEFAULT_IMPLS)
     ops = _split(args.ops) or list(OPS)  # (an empty list, as an empty --cases or --impls: the default)
     if args.time_budget is not None and not args.time_budget > 0:
@@ -105,8 +103,7 @@ def run_command(args: argparse.Namespace) -> int:
     for name, values, allowed in (("implementation", impls, IMPLS), ("op", ops, OPS)):
         unknown = [v for v in values if v not in allowed]
         if unknown:
-            print(f"error: unknown {name} {', '.join(unknown)}; expected among {', '.join(allowed)}", file=sys.stderr)
-            return 2
+            return print_usage_error(f"unknown {name} {', '.join(unknown)}; expected among {', '.join(allowed)}")
 
     def log(line: str) -> None:
         print(line, flush=True)
@@ -117,8 +114,7 @@ def run_command(args: argparse.Namespace) -> int:
         report = run_benchmark(cases, impls, device, args.out, ops=ops, time_budget_s=args.time_budget,
                                explicit_impls=bool(args.impls), merge=args.merge, log=log, seed=args.seed)
     except MergeError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        return print_usage_error(str(error))
     notes = list(report.notes)
     if not report.measurements:
         print("\n".join(notes), file=sys.stderr)

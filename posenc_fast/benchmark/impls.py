@@ -3,12 +3,14 @@ torch.compile of it, and the fused backends; the callables each op times, and th
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from typing import Callable, Optional
 
 import torch
 
+from .._dispatch import BACKENDS
 from ..baselines import EagerSinusoidalEmbedding
 from ..module import SinusoidalEmbedding
 from .cases import IMPLS, FUSED_IMPLS, ID_BYTES, Case
@@ -41,40 +43,31 @@ class CaseInputs:
                        for _ in range(sets)] if need_grads else [])
 
 
+@dataclasses.dataclass
 class Runner:
     """One implementation built for one case: ``module(ids)`` and the parameter it trains."""
 
-    def __init__(self, impl: str, module: Callable, weight: torch.nn.Parameter):
-        self.impl = impl
-        self.module = module
-        self.weight = weight
+    module: Callable
+    weight: torch.nn.Parameter
+
+
+# The native backends: the one device type each is timed on, and why not on another.
+_TIMED_ON = {
+    "triton": ("cuda", "Triton kernels are timed on a GPU only (on CPU they run in Triton's interpreter)"),
+    # (a host-emulation build, which tests load, runs on CPU: not a timing)
+    "cuda": ("cuda", "the CUDA backend is timed on a GPU only"),
+    "cpu": ("cpu", "the CPU backend is timed on CPU only (--device cpu)"),
+}
 
 
 def impl_unavailable(impl: str, device: torch.device) -> Optional[str]:
     """None if ``impl`` can be timed on ``device``, else why not."""
     if impl not in IMPLS:
         return f"unknown implementation {impl!r}; expected one of {IMPLS}"
-    if impl == "triton":
-        if device.type != "cuda":
-            return "Triton kernels are timed on a GPU only (on CPU they run in Triton's interpreter)"
-        from ..backends import triton_backend
-
-        return triton_backend.available(device)
-    if impl == "cuda":
-        if device.type != "cuda":  # (a host-emulation build, which tests load, runs on CPU: not a timing)
-            return "the CUDA backend is timed on a GPU only"
-        try:
-            from ..backends import cuda_backend
-        except Exception as error:  # the backend is optional and may be half-written: never fatal here
-            return f"posenc_fast.backends.cuda_backend does not import ({type(error).__name__}: {error})"
-        return cuda_backend.available(device)
-    if impl == "cpu":
-        if device.type != "cpu":
-            return "the CPU backend is timed on CPU only (--device cpu)"
-        from ..backends import cpu_backend
-
-        return cpu_backend.available(device)
-    return None
+    if impl not in _TIMED_ON:
+        return None
+    device_type, why_not = _TIMED_ON[impl]
+    return why_not if device.type != device_type else BACKENDS[impl].available(device)
 
 
 def build_runner(impl: str, case: Case, inputs: CaseInputs, device: torch.device) -> Runner:
@@ -83,15 +76,15 @@ def build_runner(impl: str, case: Case, inputs: CaseInputs, device: torch.device
     if impl in FUSED_IMPLS:
         module = SinusoidalEmbedding.from_pretrained(weight, mode=case.mode, d_pos=case.d_pos,
                                                      embed_scale=case.embed_scale, backend=impl)
-        return Runner(impl, module, module.weight)
+        return Runner(module, module.weight)
     eager = EagerSinusoidalEmbedding(case.vocab, case.d_model, mode=case.mode, d_pos=case.d_pos,
                                      max_len=case.seq_len, embed_scale=case.embed_scale, device=device,
                                      dtype=case.dtype)
     eager.embed.weight = weight
     if impl == "eager":
-        return Runner(impl, eager, weight)
+        return Runner(eager, weight)
     mode = "max-autotune-no-cudagraphs" if impl == "compile-max-autotune" else None
-    return Runner(impl, torch.compile(eager, mode=mode, dynamic=False), weight)
+    return Runner(torch.compile(eager, mode=mode, dynamic=False), weight)
 
 
 def forward_fn(runner: Runner, inputs: CaseInputs) -> Callable[[], torch.Tensor]:
@@ -130,10 +123,11 @@ def step_fn(runner: Runner, inputs: CaseInputs) -> Callable[[], None]:
     return step
 
 
-def relative_error(out: torch.Tensor, ref: torch.Tensor, elements: int = 1 << 24) -> float:
-    """||out - ref|| / ||ref|| in float64, over chunks of rows (no full-size float64 temporaries)."""
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64, over chunks of rows of 2**24 elements (no full-size float64
+    temporaries)."""
     a, b = out.reshape(-1, out.shape[-1]), ref.reshape(-1, ref.shape[-1])
-    rows = max(1, elements // max(a.shape[1], 1))
+    rows = max(1, (1 << 24) // max(a.shape[1], 1))
     num = den = 0.0
     for start in range(0, a.shape[0], rows):
         x, y = a[start:start + rows].double(), b[start:start + rows].double()

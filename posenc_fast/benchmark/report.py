@@ -48,7 +48,7 @@ def target_report(rows: Sequence[dict], copy_GBps: float, headline: Case, decode
              f"{floor}, {copy_GBps:.1f} GB/s):"]
 
     def key(op, case, impl):
-        return (op,) + (case.dtype_name, case.mode, case.tokens, case.d_model, case.vocab) + (impl,)
+        return (op,) + case.config_key() + (impl,)
 
     for impl in fused:
         parts = []
@@ -137,21 +137,23 @@ def plot_results(rows: Sequence[dict], copy_GBps: float, path: str, title: str =
         import matplotlib.pyplot as plt
     except ImportError:
         return "matplotlib is not installed (pip install matplotlib): no plot written"
+    def config(r):
+        return r["dtype"], r["mode"], r["d_model"], r["vocab"]
+
     configs: Dict[Tuple, set] = {}
     for r in rows:
         if r["op"] == "forward":
-            configs.setdefault((r["dtype"], r["mode"], r["d_model"], r["vocab"]), set()).add(r["tokens"])
+            configs.setdefault(config(r), set()).add(r["tokens"])
     if not configs:
         return "no forward measurements to plot"
-    config_key = max(configs, key=lambda k: len(configs[k]))
-    dtype, mode, d_model, vocab = config_key
+    chosen = max(configs, key=lambda k: len(configs[k]))
+    dtype, mode, d_model, vocab = chosen
+    rows = [r for r in rows if config(r) == chosen]
     # The step gets its own panel where it was measured at two token counts or more (--full).
-    ops = ["forward"] + [op for op in ("step",)
-                         if len({r["tokens"] for r in rows if r["op"] == op
-                                 and (r["dtype"], r["mode"], r["d_model"], r["vocab"]) == config_key}) > 1]
+    ops = ["forward"] + [op for op in ("step",) if len({r["tokens"] for r in rows if r["op"] == op}) > 1]
     fig, axes = plt.subplots(1, len(ops), figsize=(6.5 * len(ops), 4.8), squeeze=False)
     for ax, op in zip(axes[0], ops):
-        mine = [r for r in rows if r["op"] == op and (r["dtype"], r["mode"], r["d_model"], r["vocab"]) == config_key]
+        mine = [r for r in rows if r["op"] == op]
         for impl in JSON_IMPLS:
             points = sorted((r["tokens"], r["median_ms"]) for r in mine if r["impl"] == impl)
             if points:

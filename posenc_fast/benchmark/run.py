@@ -200,6 +200,7 @@ def _measure_impl(case, case_ops, impl, inputs, reference, device, measurements,
             del fn
             runner.weight.grad = None
             _free_memory(device)
+    # The headline forward with the id check on: a note, not a row (the JSON's impl enum has no slot for it).
     if case.name == HEADLINE[device.type] and "forward" in case_ops and impl in FUSED_IMPLS:
         with config.id_check(True):
             on = time_op(forward_fn(runner, inputs), device, latency=case.latency)

@@ -30,13 +30,12 @@ def _quantile(sorted_values: Sequence[float], q: float) -> float:
     return sorted_values[min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))]
 
 
-def time_op(fn: Callable, device: torch.device, *, latency: bool = False, warmup_calls: int = 3,
-            cpu_seconds: float = 0.5) -> Timing:
-    """Median time of ``fn`` in ms after ``warmup_calls`` untimed calls (compile, autotune, JIT), and the
-    spread.  GPU: do_bench, or with ``latency`` one call per pair of CUDA events, the GPU idle before each
-    (host overhead counts, as in a decoding loop without CUDA graphs).  CPU: perf_counter around each
-    call, as many calls as fit in about ``cpu_seconds`` (5 to 200)."""
-    for _ in range(warmup_calls):
+def time_op(fn: Callable, device: torch.device, *, latency: bool = False) -> Timing:
+    """Median time of ``fn`` in ms after 3 untimed calls (compile, autotune, JIT), and the spread.  GPU:
+    do_bench, or with ``latency`` one call per pair of CUDA events, the GPU idle before each (host overhead
+    counts, as in a decoding loop without CUDA graphs).  CPU: perf_counter around each call, as many calls
+    as fit in about 0.5 s (5 to 200)."""
+    for _ in range(3):
         fn()
     if device.type == "cuda":
         sync(device)
@@ -52,7 +51,7 @@ def time_op(fn: Callable, device: torch.device, *, latency: bool = False, warmup
         fn()
         one = max(time.perf_counter() - t0, 1e-6)
         times = []
-        for _ in range(int(min(200, max(5, cpu_seconds / one)))):
+        for _ in range(int(min(200, max(5, 0.5 / one)))):
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
@@ -61,23 +60,23 @@ def time_op(fn: Callable, device: torch.device, *, latency: bool = False, warmup
     return Timing(median, 100.0 * (_quantile(times, 0.8) - _quantile(times, 0.2)) / median if median > 0 else None)
 
 
-def copy_bandwidth_GBps(device: torch.device, nbytes: Optional[int] = None) -> float:
-    """The bandwidth the floor is measured against (a results file's ``copy_GBps``).  GPU: a large
+def copy_bandwidth_GBps(device: torch.device) -> float:
+    """The bandwidth the floor is measured against (a results file's ``copy_GBps``).  GPU: a 1 GiB
     device-to-device copy of random data, counting bytes read plus bytes written.  CPU: the gather
     + write of gather_bandwidth_GBps (a plain copy streams, which a row gather cannot)."""
     if device.type != "cuda":
         return gather_bandwidth_GBps(device)
-    nbytes = nbytes or (1 << 30)
-    src = torch.randn(nbytes // 4, device=device)  # random, never zeros
+    src = torch.randn((1 << 30) // 4, device=device)  # random, never zeros
     dst = torch.empty_like(src)
     timing = time_op(lambda: dst.copy_(src), device)
     return 2 * src.numel() * src.element_size() / (timing.median_ms * 1e6)
 
 
-def gather_bandwidth_GBps(device: torch.device, rows: int = 65536, width: int = 512, tokens: int = 32768) -> float:
-    """torch.index_select of ``tokens`` random rows of a [rows, width] fp32 table (by default larger
-    than any last-level cache) into an output buffer: ids + gathered rows + output bytes over the time.
-    The forward's memory traffic (bytes_moved) without its arithmetic: the floor on CPU."""
+def gather_bandwidth_GBps(device: torch.device) -> float:
+    """torch.index_select of 32768 random rows of a [65536, 512] fp32 table (larger than any last-level
+    cache) into an output buffer: ids + gathered rows + output bytes over the time.  The forward's memory
+    traffic (bytes_moved) without its arithmetic: the floor on CPU."""
+    rows, width, tokens = 65536, 512, 32768
     g = torch.Generator(device=device).manual_seed(0)
     table = torch.randn(rows, width, device=device, generator=g)  # random, never zeros
     ids = torch.randint(0, rows, (tokens,), device=device, generator=g)

@@ -1,6 +1,5 @@
 """The ``plot`` and ``experiment`` commands of ``python -m posenc_fast``: argument parsing and printing
-only; the work is in ``plots``, ``experiment`` and ``subspace``.  Registered by ``posenc_fast.cli``
-through :func:`add_subcommand`.
+only; the work is in ``plots``, ``experiment`` and ``subspace``.
 """
 
 from __future__ import annotations
@@ -9,19 +8,12 @@ import argparse
 import json
 import math
 import os
-import sys
 import time
-from typing import List
+from typing import Callable, List
 
 from . import experiment as experiment_module
-from . import subspace
-from ..cli import device_from_arg, output_folder, positive_int
-
-
-def add_subcommand(subparsers) -> None:
-    """Register ``plot`` and ``experiment`` (with its experiments as sub-commands) on ``subparsers``."""
-    _add_plot(subparsers)
-    _add_experiment(subparsers)
+from . import plots, subspace
+from ..cli import device_from_arg, output_folder, positive_int, print_usage_error
 
 
 def _number_list(kind):
@@ -37,7 +29,8 @@ def _number_list(kind):
     return parse
 
 
-def _add_plot(subparsers) -> None:
+def add_subcommand(subparsers) -> None:
+    """Register ``plot`` and ``experiment`` (with its experiments as sub-commands) on ``subparsers``."""
     parser = subparsers.add_parser(
         "plot", help="write PNG figures of the sinusoidal PE (needs matplotlib)",
         description="Heatmap, clock hands, <PE(t),PE(t+k)> against k, the R(k) rotation check, "
@@ -50,23 +43,18 @@ def _add_plot(subparsers) -> None:
     parser.add_argument("--layout", choices=("interleaved", "split"), default="interleaved",
                         help="column layout of the PE (default: %(default)s)")
     parser.set_defaults(func=_run_plot)
+    _add_experiment(subparsers)
 
 
 def _run_plot(args: argparse.Namespace) -> int:
-    from . import plots
-
     if not plots.matplotlib_available():
-        print(f"error: {plots.MISSING_MATPLOTLIB}", file=sys.stderr)
-        return 2
+        return print_usage_error(plots.MISSING_MATPLOTLIB)
     if args.d_model < 16 or args.d_model % 2:
-        print("error: --d-model must be an even number >= 16 for these figures", file=sys.stderr)
-        return 2
+        return print_usage_error("--d-model must be an even number >= 16 for these figures")
     if args.positions < 2:
-        print("error: --positions must be >= 2", file=sys.stderr)
-        return 2
+        return print_usage_error("--positions must be >= 2")
     if not 0 < args.base < math.inf:
-        print(f"error: --base must be a finite number > 0, got {args.base}", file=sys.stderr)
-        return 2
+        return print_usage_error(f"--base must be a finite number > 0, got {args.base}")
     output_folder(args.out)
     for path in plots.write_pe_plots(args.out, dim=args.d_model, num_positions=args.positions, base=args.base,
                                      layout=args.layout):
@@ -126,8 +114,16 @@ def _add_experiment(subparsers) -> None:
     subspace_parser.set_defaults(func=_run_subspace)
 
 
-def _resolve_device(name: str) -> str:
-    return experiment_module.default_device() if name == "auto" else str(device_from_arg(name))
+def _write_results(folder: str, name: str, document: dict, draw: Callable[[], str], figure: str) -> None:
+    """``document`` as JSON in ``folder``, then its figure (``draw()`` returns its path) if matplotlib is there."""
+    json_path = os.path.join(folder, name)
+    with open(json_path, "w") as handle:
+        json.dump(document, handle, indent=1)
+    print(f"wrote {json_path}")
+    if plots.matplotlib_available():
+        print(f"wrote {draw()}")
+    else:
+        print(f"note: no {figure}; {plots.MISSING_MATPLOTLIB}")
 
 
 def _run_add_vs_concat(args: argparse.Namespace) -> int:
@@ -135,21 +131,18 @@ def _run_add_vs_concat(args: argparse.Namespace) -> int:
         vocab_size=args.vocab, seq_len=args.seq_len, d_model=args.d_model, d_pos=args.d_pos,
         num_layers=args.layers, num_heads=args.heads, batch_size=args.batch_size, steps=args.steps,
         learning_rate=args.lr, eval_size=args.eval_size, eval_every=args.eval_every,
-        device=_resolve_device(args.device),
+        device=str(device_from_arg(args.device)),
     )
     if args.seeds < 1:
-        print("error: --seeds must be >= 1", file=sys.stderr)
-        return 2
+        return print_usage_error("--seeds must be >= 1")
     if not -(2**63) <= args.first_seed <= 2**64 - args.seeds:  # (torch.manual_seed's range)
-        print(f"error: --first-seed {args.first_seed}: the seeds must lie in [-2**63, 2**64)", file=sys.stderr)
-        return 2
+        return print_usage_error(f"--first-seed {args.first_seed}: the seeds must lie in [-2**63, 2**64)")
     if args.out is not None:  # (an empty --out is refused there, as plot's)
         output_folder(args.out)
     try:
         config.validate()
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return print_usage_error(str(exc))
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     print(f"add-vs-concat: sequence reversal, seq_len={config.seq_len}, vocab={config.vocab_size}, "
           f"d_model={config.d_model}, d_pos(concat)={config.concat_pe_width}, layers={config.num_layers}, "
@@ -171,17 +164,9 @@ def _run_add_vs_concat(args: argparse.Namespace) -> int:
         print(experiment_module.format_subspace_rows(subspace_rows))
     print(f"\ntotal time {elapsed:.1f} s")
     if args.out is not None:  # (made at the start: output_folder)
-        json_path = os.path.join(args.out, "add_vs_concat.json")
-        with open(json_path, "w") as handle:
-            json.dump({**experiment_module.json_ready(result), "trained_subspace": subspace_rows,
-                       "seconds": elapsed}, handle, indent=1)
-        print(f"wrote {json_path}")
-        from . import plots
-
-        if plots.matplotlib_available():
-            print(f"wrote {plots.plot_loss_curves(result, args.out)}")
-        else:
-            print(f"note: no loss-curve PNG; {plots.MISSING_MATPLOTLIB}")
+        document = {**experiment_module.json_ready(result), "trained_subspace": subspace_rows, "seconds": elapsed}
+        _write_results(args.out, "add_vs_concat.json", document, lambda: plots.plot_loss_curves(result, args.out),
+                       "loss-curve PNG")
     return 0
 
 
@@ -194,8 +179,7 @@ def _run_subspace(args: argparse.Namespace) -> int:
         recovery_rows = subspace.recovery_by_dim(
             args.dims, args.token_stds, vocab_size=args.recovery_vocab, num_positions=args.positions, seed=args.seed)
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return print_usage_error(str(exc))
     print(f"{args.tokens} N(0,1) token vectors vs span of PE(0..{args.positions - 1}) "
           f"(dominant subspace holding {args.energy:g} of its energy), seed {args.seed}:")
     print(f"{'d':>5} {'pe dim':>6} {'min angle':>9} {'median angle':>12} {'mean cos^2':>10} {'(random)':>8} "
@@ -211,14 +195,6 @@ def _run_subspace(args: argparse.Namespace) -> int:
     for r in recovery_rows:
         print(f"{r['d']:>5} " + " ".join(f"{r[f'recovery_std_{s:g}']:>10.4f}" for s in args.token_stds))
     if args.out is not None:  # (made at the start: output_folder)
-        json_path = os.path.join(args.out, "subspace.json")
-        with open(json_path, "w") as handle:
-            json.dump({"angles": angle_rows, "recovery": recovery_rows}, handle, indent=1)
-        print(f"wrote {json_path}")
-        from . import plots
-
-        if plots.matplotlib_available():
-            print(f"wrote {plots.plot_subspace(angle_rows, args.out)}")
-        else:
-            print(f"note: no PNG; {plots.MISSING_MATPLOTLIB}")
+        _write_results(args.out, "subspace.json", {"angles": angle_rows, "recovery": recovery_rows},
+                       lambda: plots.plot_subspace(angle_rows, args.out), "PNG")
     return 0

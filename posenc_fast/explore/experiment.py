@@ -1,17 +1,6 @@
-"""The add-vs-concat experiment: which way of giving a transformer positions trains best?
-
-Owns the task, the model variants, the training loop and the summary table; docs/explore.md has the
-results.
-
-The task is sequence reversal: every output depends on *where* a token is, and without positions the
-encoder is permutation-equivariant, so it can only guess.  The variants (:func:`build_variants`) share an
-N(0, 1) token table and the encoder body.  *Equal width*: concat gives d_pos of the d_model columns to the
-PE.  *Equal parameters*: concat keeps the full token table and pays for its wider residual stream with a
-narrower feed-forward layer.  embed_scale = pe_scale = 1, so the comparison is about the layout, not the
-relative loudness of tokens and PE.
-
-Each run is reproducible: seeded, its batches drawn from its own CPU generator (the data do not depend on
-the device), evaluated on one fixed held-out set, under deterministic algorithms.
+"""The add-vs-concat experiment (setup and results: docs/explore.md, section 2): the task, sequence reversal
+(without positions an encoder is permutation-equivariant, so it can only guess), the model variants, the
+training loop and the summary table.  Each run is seeded and reproducible on a given machine.
 """
 
 from __future__ import annotations
@@ -212,7 +201,7 @@ def train_one(variant: Variant, config: ExperimentConfig, seed: int) -> Dict:
         model = OrderTaskModel(variant, config).to(device)
         initial_table = model.token_table.detach().to("cpu", torch.float64).clone()
         optimizer = torch.optim.Adam(model.parameters(), lr=config.learning_rate)
-        data = torch.Generator().manual_seed(seed)
+        data = torch.Generator().manual_seed(seed)  # batches on the CPU: the data do not depend on the device
         eval_ids, eval_targets = reversal_batch(
             torch.Generator().manual_seed(_EVAL_SEED), config.eval_size, config.seq_len, config.vocab_size)
         eval_ids, eval_targets = eval_ids.to(device), eval_targets.to(device)
@@ -356,6 +345,3 @@ def json_ready(result: Dict) -> Dict:
         "summary": summarize(result),
     }
 
-
-def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"

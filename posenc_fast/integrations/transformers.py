@@ -1,35 +1,15 @@
 """``patch_model(model)``: a Hugging Face transformers model computes its sinusoidal PE with posenc_fast, in
-place, exactly and without reading its position table.
+place, exactly and without reading its position tables.  User-facing behaviour: docs/presets.md, "Hugging Face
+models: patch_model".
 
-The patch works at one module boundary, the *position module* (``embed_positions``,
-``position_embeddings``), which maps "which positions" to PE rows.  Its ``forward`` is replaced, on that
-instance, by one that computes the rows with the fused kernel from the same arguments.  Everything else
-(the token lookup and its scale, hooks on the input embeddings, the KV cache, ``inputs_embeds``) stays the
-model's own code, read at call time.
-
-Each family is one function: given the module that owns the position module (a *side*), it checks the
-config and returns a :class:`_PositionPatch`: the position module, its preset and its *kind*, the rule by
-which its arguments say which positions:
-
-- ``"fairseq"``: ids (or ``inputs_embeds``, or explicit ``position_ids``) and a past length; padding tokens
-  stay at ``padding_idx`` and get a zero row (M2M100/NLLB, NLLB-MoE, Speech2Text, Kosmos-2);
-- ``"fsmt"``: the same with FSMT's rule (the past length moves padding too);
-- ``"offset"``: a shape (or ids) and a past length, positions ``past + t`` (Marian, Pegasus, MusicGen);
-- ``"offset_batched"``: the same from ``inputs_embeds``, rows repeated over the batch, in the embeddings'
-  dtype, with no table (PegasusX, whose own sinusoid is computed in that dtype; the patched rows are exact);
-- ``"positions"``: a plain ``nn.Embedding`` called with the positions themselves (XLM, DistilBERT, the
-  Whisper encoder; XGLM's fairseq table, read at the positions plus its offset).
-
-The patch restates that small rule, so before changing anything it checks it against the installed code:
-the forward's argument names must be known ones, and a probe (:func:`_verify`) must give the patched rows.
-A module that fails either is left unpatched with a warning, never with different numbers.  The probe
-needs no table values, so a model built on ``meta`` is patched too.
-
-Because the table is never read, a patched model is right where a load left the table wrong.  Tables
-transformers keeps trainable are frozen: nothing reads them, and a trainable Parameter without a gradient
-breaks ``DistributedDataParallel``.  A table made trainable again is read by the module's own forward
-(:func:`_forward_reading_the_table`), so training is the unpatched model's.  User-facing details:
-docs/presets.md, "Hugging Face models: patch_model".
+Each patched *position module* (``embed_positions``, ``position_embeddings``) gets, on that instance, a
+``forward`` that computes its rows from the same arguments; the rest of the model stays its own code.  Each
+family is a function that, given the module owning it (a *side*), returns a :class:`_PositionPatch`: the
+module, its preset and its *kind*, the rule by which its arguments say which positions (``_KIND_ROLES``,
+:func:`_positions`).  Since the patch restates that rule, :func:`_verify` first checks it against the
+installed code, needing no table values (so ``meta`` models are patched); a module that fails is left
+unpatched with a warning.  A table made trainable again is read by the module's own forward
+(:func:`_forward_reading_the_table`), so it trains as unpatched.
 """
 
 from __future__ import annotations
@@ -71,7 +51,7 @@ _ROLES = {
 # The roles each kind's forward may take.
 _KIND_ROLES = {
     "fairseq": {"ids", "embeds", "past", "positions"},
-    "fsmt": {"ids", "past", "ignored"},
+    "fsmt": {"ids", "past", "ignored"},  # fairseq's rule, except that the past length moves padding too
     "offset": {"ids", "shape", "past", "positions"},
     "offset_batched": {"embeds", "past", "positions"},
     "positions": {"positions", "past"},  # a past length, where taken, only sizes the model's table
@@ -134,7 +114,6 @@ class _Argument:
 class _State:
     """What a patched position module needs at call time (kept on it as ``_posenc_fast``; not a module)."""
 
-    family: str
     kind: str
     spec: PESpec  # for the two-row zero table of _position_forward
     width: int
@@ -266,7 +245,6 @@ def _position_forward(self, *args, **kwargs) -> torch.Tensor:
 class _PositionPatch:
     side: nn.Module
     module: nn.Module  # the position module
-    family: str
     preset: str
     kind: str
     zero_position: Optional[int] = None
@@ -327,7 +305,7 @@ def _probe_calls(patch: _PositionPatch, arguments: Tuple[_Argument, ...], width:
     pasts = [0, 3] if "past" in roles else [0]
     forms = []
     if "ids" in roles:
-        if patch.kind == "offset" and patch.family == "musicgen":
+        if type(patch.side).__name__ == "MusicgenDecoder":
             forms.append({"ids": ids.unsqueeze(1).expand(2, 2, 5)})  # (batch, codebooks, length)
         else:
             forms.append({"ids": ids})
@@ -364,42 +342,38 @@ def _verify(patch: _PositionPatch, state: _State) -> None:
     the default device meanwhile: the module's own code may make tensors there (``meta`` while a model is
     built under ``with torch.device("meta")``)."""
     with _CPU:
-        _verify_on_cpu(patch, state)
-
-
-def _verify_on_cpu(patch: _PositionPatch, state: _State) -> None:
-    probe = copy.copy(patch.module)  # shallow: the tables below are new tensors, the module is untouched
-    probe.__dict__ = dict(patch.module.__dict__)
-    probe._parameters, probe._buffers = dict(patch.module._parameters), dict(patch.module._buffers)
-    table = _table_of(patch.module)
-    if table is not None:
-        exact = _exact_table(patch, max(table.shape[0], 64), state.width, torch.float32)
-        name = "weights" if isinstance(getattr(patch.module, "weights", None), torch.Tensor) else "weight"
-        if name in probe._buffers:
-            probe._buffers[name] = exact
-        elif name in probe._parameters:
-            probe._parameters[name] = nn.Parameter(exact, requires_grad=False)
-        else:
-            probe.__dict__[name] = exact
-        if hasattr(probe, "num_embeddings"):
-            probe.num_embeddings = exact.shape[0]
-    probe._posenc_fast = state
-    probe.__dict__[_READS_TABLE] = False
-    for args, kwargs in _probe_calls(patch, state.arguments, state.width):
-        try:
-            # On copies of the arguments: some releases' forwards shift their position_ids in place (XGLM 4.57)
-            own_args, own_kwargs = copy.deepcopy((args, kwargs))
-            with torch.no_grad():
-                expected = type(patch.module).forward(probe, *own_args, **own_kwargs)
-        except Exception as error:  # the installed forward takes these arguments differently
-            raise _Unverified(f"its own forward rejected a probe call ({type(error).__name__}: {error})") from None
-        got = _position_forward(probe, *args, **kwargs)
-        if got.shape != expected.shape or got.dtype != expected.dtype:
-            raise _Unverified(f"the probe gave shape {list(expected.shape)} {expected.dtype} unpatched and "
-                              f"{list(got.shape)} {got.dtype} patched")
-        difference = float((got.double() - expected.double()).abs().max()) if got.numel() else 0.0
-        if not difference <= 1e-5:
-            raise _Unverified(f"the probe's PE rows differ from its own by {difference:.3g}")
+        probe = copy.copy(patch.module)  # shallow: the tables below are new tensors, the module is untouched
+        probe.__dict__ = dict(patch.module.__dict__)
+        probe._parameters, probe._buffers = dict(patch.module._parameters), dict(patch.module._buffers)
+        table = _table_of(patch.module)
+        if table is not None:
+            exact = _exact_table(patch, max(table.shape[0], 64), state.width, torch.float32)
+            name = "weights" if isinstance(getattr(patch.module, "weights", None), torch.Tensor) else "weight"
+            if name in probe._buffers:
+                probe._buffers[name] = exact
+            elif name in probe._parameters:
+                probe._parameters[name] = nn.Parameter(exact, requires_grad=False)
+            else:
+                probe.__dict__[name] = exact
+            if hasattr(probe, "num_embeddings"):
+                probe.num_embeddings = exact.shape[0]
+        probe._posenc_fast = state
+        probe.__dict__[_READS_TABLE] = False
+        for args, kwargs in _probe_calls(patch, state.arguments, state.width):
+            try:
+                # On copies of the arguments: some releases' forwards shift their position_ids in place (XGLM 4.57)
+                own_args, own_kwargs = copy.deepcopy((args, kwargs))
+                with torch.no_grad():
+                    expected = type(patch.module).forward(probe, *own_args, **own_kwargs)
+            except Exception as error:  # the installed forward takes these arguments differently
+                raise _Unverified(f"its own forward rejected a probe call ({type(error).__name__}: {error})") from None
+            got = _position_forward(probe, *args, **kwargs)
+            if got.shape != expected.shape or got.dtype != expected.dtype:
+                raise _Unverified(f"the probe gave shape {list(expected.shape)} {expected.dtype} unpatched and "
+                                  f"{list(got.shape)} {got.dtype} patched")
+            difference = float((got.double() - expected.double()).abs().max()) if got.numel() else 0.0
+            if not difference <= 1e-5:
+                raise _Unverified(f"the probe's PE rows differ from its own by {difference:.3g}")
 
 
 def _check_table(patch: _PositionPatch, ignore_table_values: bool) -> bool:
@@ -429,16 +403,6 @@ def _check_table(patch: _PositionPatch, ignore_table_values: bool) -> bool:
                   f"{difference:.3g}; a meta or device_map load leaves it so): the patched model computes the exact "
                   "sinusoid and never reads that table.", RuntimeWarning, stacklevel=_callers_stacklevel())
     return False
-
-
-def _prepare(patch: _PositionPatch, table_name: str, table_readable: bool) -> _State:
-    arguments = _arguments(patch)
-    table = _table_of(patch.module)
-    width = table.shape[-1] if table is not None else patch.module.embed_dim
-    state = _State(patch.family, patch.kind, _spec(patch, width), width, patch.zero_position, arguments, patch.shift,
-                   table_name, table_readable)
-    _verify(patch, state)
-    return state
 
 
 def _bind_forward(module: nn.Module) -> None:
@@ -477,66 +441,70 @@ def _apply(patch: _PositionPatch, state: _State) -> bool:
 
 # ------------------------------------------------------------------------------------------- families
 
-def _fairseq(family: str, kind: str = "fairseq"):
+def _fairseq(side, kind: str = "fairseq") -> _PositionPatch:
     """Sides whose ``embed_positions`` is a fairseq table: positions from the ids, padding has no PE (``kind``:
     the rule, fairseq's or FSMT's, which is also the preset's name)."""
-    return lambda side: _PositionPatch(side, side.embed_positions, family, kind, kind, side.embed_positions.padding_idx)
+    return _PositionPatch(side, side.embed_positions, kind, kind, side.embed_positions.padding_idx)
 
 
-def _embed_positions(family: str, preset: str, kind: str):
+def _fsmt(side) -> _PositionPatch:
+    """FSMT: a fairseq table read by FSMT's own rule (kind and preset ``"fsmt"``)."""
+    return _fairseq(side, "fsmt")
+
+
+def _embed_positions(preset: str, kind: str):
     """Sides whose ``embed_positions`` takes ``kind`` ("offset": the past length; "positions": position ids)."""
-    return lambda side: _PositionPatch(side, side.embed_positions, family, preset, kind)
+    return lambda side: _PositionPatch(side, side.embed_positions, preset, kind)
 
 
-_m2m100 = _fairseq("m2m_100")
-_marian = _embed_positions("marian", "marian", "offset")
-_pegasus_x = _embed_positions("pegasus_x", "whisper", "offset_batched")
+_marian = _embed_positions("marian", "offset")
+_pegasus_x = _embed_positions("whisper", "offset_batched")
 
 
 def _seamless_m4t(side) -> Optional[_PositionPatch]:
     """SeamlessM4T (v1, v2) text encoder and decoder; the text-to-unit encoder adds no PE of its own."""
     if getattr(side, "embed_positions", None) is None:
         return None
-    return _fairseq("seamless_m4t")(side)
+    return _fairseq(side)
 
 
 def _xglm(side) -> _PositionPatch:
     """XGLM: position_ids (past included) + 2 index a fairseq table whose padding row is zero."""
     module = side.embed_positions
-    return _PositionPatch(side, module, "xglm", "fairseq", "positions", module.padding_idx, shift=module.offset)
+    return _PositionPatch(side, module, "fairseq", "positions", module.padding_idx, shift=module.offset)
 
 
 def _xlm(side) -> _PositionPatch:
     if not side.config.sinusoidal_embeddings:
         raise ValueError(f"{type(side).__name__} has learned position embeddings (config.sinusoidal_embeddings=False)")
-    return _PositionPatch(side, side.position_embeddings, "xlm", "xlm", "positions")
+    return _PositionPatch(side, side.position_embeddings, "xlm", "positions")
 
 
 def _distilbert(model) -> _PositionPatch:
     if not model.config.sinusoidal_pos_embds:
         raise ValueError(f"{type(model).__name__} has learned position embeddings (config.sinusoidal_pos_embds=False)")
-    return _PositionPatch(model, model.embeddings.position_embeddings, "distilbert", "xlm", "positions")
+    return _PositionPatch(model, model.embeddings.position_embeddings, "xlm", "positions")
 
 
 # Side class -> family function, matched by name and module ("transformers.models.<family>."), so
 # transformers is never imported here and every head (base, LM head, generation) is covered by its sides.
 _FAMILIES: Dict[Tuple[str, str], Callable[[nn.Module], Optional[_PositionPatch]]] = {
-    ("m2m_100", "M2M100Encoder"): _m2m100,
-    ("m2m_100", "M2M100Decoder"): _m2m100,
-    ("nllb_moe", "NllbMoeEncoder"): _m2m100,
-    ("nllb_moe", "NllbMoeDecoder"): _m2m100,
+    ("m2m_100", "M2M100Encoder"): _fairseq,
+    ("m2m_100", "M2M100Decoder"): _fairseq,
+    ("nllb_moe", "NllbMoeEncoder"): _fairseq,
+    ("nllb_moe", "NllbMoeDecoder"): _fairseq,
     ("marian", "MarianEncoder"): _marian,
     ("marian", "MarianDecoder"): _marian,
     ("pegasus", "PegasusEncoder"): _marian,
     ("pegasus", "PegasusDecoder"): _marian,
-    ("fsmt", "FSMTEncoder"): _fairseq("fsmt", "fsmt"),
-    ("fsmt", "FSMTDecoder"): _fairseq("fsmt", "fsmt"),
-    ("speech_to_text", "Speech2TextEncoder"): _fairseq("speech_to_text"),
-    ("speech_to_text", "Speech2TextDecoder"): _fairseq("speech_to_text"),
+    ("fsmt", "FSMTEncoder"): _fsmt,
+    ("fsmt", "FSMTDecoder"): _fsmt,
+    ("speech_to_text", "Speech2TextEncoder"): _fairseq,
+    ("speech_to_text", "Speech2TextDecoder"): _fairseq,
     ("xlm", "XLMModel"): _xlm,
     ("distilbert", "DistilBertModel"): _distilbert,
-    ("kosmos2", "Kosmos2TextTransformer"): _fairseq("kosmos-2"),
-    ("musicgen", "MusicgenDecoder"): _embed_positions("musicgen", "musicgen", "offset"),
+    ("kosmos2", "Kosmos2TextTransformer"): _fairseq,
+    ("musicgen", "MusicgenDecoder"): _embed_positions("musicgen", "offset"),
     ("xglm", "XGLMModel"): _xglm,
     ("pegasus_x", "PegasusXEncoder"): _pegasus_x,
     ("pegasus_x", "PegasusXDecoder"): _pegasus_x,
@@ -544,7 +512,7 @@ _FAMILIES: Dict[Tuple[str, str], Callable[[nn.Module], Optional[_PositionPatch]]
     ("seamless_m4t", "SeamlessM4TDecoder"): _seamless_m4t,
     ("seamless_m4t_v2", "SeamlessM4Tv2Encoder"): _seamless_m4t,
     ("seamless_m4t_v2", "SeamlessM4Tv2Decoder"): _seamless_m4t,
-    ("whisper", "WhisperEncoder"): _embed_positions("whisper", "whisper", "positions"),
+    ("whisper", "WhisperEncoder"): _embed_positions("whisper", "positions"),
 }
 
 
@@ -563,18 +531,12 @@ def _family_of(module: nn.Module):
 def patch_model(model: nn.Module, *, ignore_table_values: bool = False) -> nn.Module:
     """Make a transformers model compute its sinusoidal PE with posenc_fast, in place; returns ``model``.
 
-    Covers M2M100/NLLB, NLLB-MoE, Marian, Pegasus, FSMT, Speech2Text, XLM and DistilBERT (sinusoidal
-    position embeddings), Kosmos-2, MusicGen, XGLM, PegasusX, SeamlessM4T and v2 (text encoder and decoder), and
-    Whisper (encoder; its decoder's PE is learned), with every head.  Each position module's ``forward``
-    computes the exact PE rows instead of reading its table, on any default device, a model built on
-    ``meta`` included.  A model with no supported module raises ``TypeError`` naming its class; outside
-    ``SUPPORTED_TRANSFORMERS`` it warns and leaves the model unpatched.  A trainable table that is not the
-    sinusoid raises ``ValueError`` (it may have been fine-tuned; ``ignore_table_values=True`` patches
-    anyway, for tables a load broke); a module whose installed code is not what the patch knows is left
-    unpatched with a warning; a module patched already is left as it is.  Tables transformers keeps
-    trainable are frozen, with a warning naming them; one made trainable again is read, as unpatched.
-    Nothing is added, removed or replaced in the module tree; reloading the model undoes the patch.
-    README, "Use it in a Hugging Face model".
+    The position modules of every ``supported_classes()`` side, under any head, compute the exact PE rows instead
+    of reading their tables.  ``TypeError`` for a model with none; ``ValueError`` for a trainable table that is not
+    the sinusoid (``ignore_table_values=True`` patches anyway, for tables a load broke).  Outside
+    ``SUPPORTED_TRANSFORMERS``, or where a module's installed code is not what the patch knows, it warns and leaves
+    it unpatched.  Freezes trainable tables (made trainable again, they are read).  Patching twice changes
+    nothing; reloading undoes it.  docs/presets.md, "Hugging Face models: patch_model".
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"patch_model takes a transformers model (an nn.Module), got {type(model).__name__}")
@@ -599,9 +561,14 @@ def patch_model(model: nn.Module, *, ignore_table_values: bool = False) -> nn.Mo
     prepared = []
     for patch, table_readable in zip(patches, readable):
         try:
+            arguments = _arguments(patch)
             table = _table_of(patch.module)
             name = names.get(id(table), "") if table is not None else ""
-            prepared.append((patch, _prepare(patch, name, table_readable)))
+            width = table.shape[-1] if table is not None else patch.module.embed_dim
+            state = _State(patch.kind, _spec(patch, width), width, patch.zero_position, arguments, patch.shift, name,
+                           table_readable)
+            _verify(patch, state)
+            prepared.append((patch, state))
         except _Unverified as why:
             warnings.warn(f"posenc_fast.patch_model left {type(patch.side).__name__}.{type(patch.module).__name__} "
                           f"unpatched: {why}. The model keeps its own PE there (same outputs).", RuntimeWarning,
