@@ -133,7 +133,7 @@ def test_weight_gradient_writes_every_row_once(monkeypatch, key_dtype, seed):
     ids = ids[torch.randperm(ids.numel(), generator=g)]
     grad_out = torch.randn(ids.numel(), width + 24, generator=g)
     if key_dtype == torch.int64:
-        monkeypatch.setattr(cpu_backend, "sort_ids_for_gradient", _int64_keys)
+        monkeypatch.setattr(_extension, "sort_ids_for_gradient", _int64_keys)
     counted = (ids >= 0) & (ids < vocab) & (ids != padding_idx)
     exact = torch.zeros(vocab, width, dtype=torch.float64)
     exact.index_add_(0, ids[counted], grad_out[counted, :width].double() * embed_scale)

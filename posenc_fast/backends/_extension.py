@@ -1,32 +1,22 @@
-"""What the two compiled backends (``cuda``: ``posenc_fast._C``, ``cpu``: ``posenc_fast._cpu``) share:
-finding their extension (``Lookup``: the lookup's outcome, loading a build from a file path, keeping the
-availability answer constant under ``torch.compile``) and calling its forward.  Both forwards go through
-the binding's one ``ForwardLaunch`` (``bind_forward``): the general path's ``forward`` runs it with every
-per-call argument (``launch_forward``), the prepared launch calls it with the nine that change
-(``prepare_forward``).  The argument helpers (dtype codes, pointers, int64 vectors, dropout) run on every
-general-path call, so they copy or allocate only what the kernels cannot read as given.
-
-An extension is looked for at its backend's first use, never by ``import posenc_fast``:
-
-1. the module ``pip install .`` built (``posenc_fast._C`` where nvcc was found, ``posenc_fast._cpu`` where a
-   C++ compiler was);
-2. an earlier on-demand build in the per-user cache (``posenc_fast._build``);
-3. on the first call that names the backend (``backend="cuda"`` on CUDA tensors, ``backend="cpu"``), where
-   the compiler is present, an on-demand build into that cache, progress on stderr (the backend's
-   ``prepare``; ``POSENC_FAST_BUILD_ON_DEMAND=0`` turns it off).  ``backend="auto"`` never builds."""
+"""What the two compiled backends (``cuda``: ``posenc_fast._C``, ``cpu``: ``posenc_fast._cpu``) share: finding,
+loading and building on demand their extension (``Lookup``; when each happens: docs/cuda_backend.md, "On
+demand", and docs/cpu_backend.md, "Building"), the start of their ``backward``, and the calls into the bindings'
+``ForwardLaunch`` and ``weight_grad`` (csrc/common/launch_arguments.h).  The argument helpers run on every
+general-path call, so they copy or allocate only what the kernels cannot read as given."""
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import sys
 import threading
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 
 from .._validate import check_id_range
-from . import ID_DTYPES, PreparedLaunch, new_buffer
+from . import ID_DTYPES, PreparedLaunch, gradient_rows, new_buffer, sort_ids_for_gradient
 
 
 class Extension(NamedTuple):
@@ -40,13 +30,15 @@ class Lookup:
     """One backend's extension (``posenc_fast.<name>``), looked for once, at its first use and under a lock
     (``find``); calling the lookup gives the outcome.  ``state`` is that outcome, and a prepared launch's
     ``source.state`` (``backends.PreparedLaunch``): the backend replaces it when it builds or loads another
-    extension (``load_build``), tests when they stand one in.  ``cached_build``: the name of the
-    ``posenc_fast._build`` function that gives the path of an earlier on-demand build (None if there is none);
-    ``on_load``: called with each module the lookup loads."""
+    extension (``load_build``), tests when they stand one in.  ``cached_build``, ``build`` and ``needs``: names of
+    ``posenc_fast._build`` functions: the path of an earlier on-demand build (None if there is none), the build
+    into the per-user cache, and what it needs (None where absent: the compiler, the sources); ``failure``: what a
+    failed build's error starts with; ``on_load``: called with each module the lookup loads."""
 
-    def __init__(self, name: str, cached_build: str, missing: str, hint: str, on_load=None):
+    def __init__(self, name: str, cached_build: str, missing: str, hint: str, on_load=None, build: str = "",
+                 needs: Sequence[str] = (), failure: str = ""):
         self.name, self.cached_build, self.missing, self.hint = name, cached_build, missing, hint
-        self.on_load = on_load
+        self.on_load, self.build, self.needs, self.failure = on_load, build, needs, failure
         self.state: Optional[Extension] = None
         self.failed_build: Optional[Extension] = None  # (load_build)
         self._lock = threading.Lock()
@@ -88,6 +80,28 @@ class Lookup:
         if self.failed_build is not None:
             self.state = self.failed_build
         return self.state
+
+    def build_on_demand(self) -> Optional[str]:
+        """Build the missing extension into the per-user cache and load it (progress on stderr); None when it is
+        loaded, else why not."""
+        if self().module is not None:
+            return None
+        from .. import _build
+
+        return self.load_build(getattr(_build, self.build), self.failure).problem
+
+    def prepare(self, device: torch.device, device_type: str, can_run: Callable[[], bool] = lambda: True) -> None:
+        """A backend's ``prepare``: ``build_on_demand`` where the extension is missing for a ``device`` of
+        ``device_type`` that ``can_run()``, nothing is being traced, POSENC_FAST_BUILD_ON_DEMAND is not 0 and
+        what the build ``needs`` is present."""
+        if torch.compiler.is_compiling() or device.type != device_type or self().module is not None:
+            return
+        if not can_run() or os.environ.get("POSENC_FAST_BUILD_ON_DEMAND", "1").strip() == "0":
+            return
+        from .. import _build
+
+        if all(getattr(_build, need)() is not None for need in self.needs):
+            self.build_on_demand()
 
 
 def find(name: str, cached_build, missing: str, hint: str) -> Extension:
@@ -230,6 +244,14 @@ def dropout_arguments(dropout, device: torch.device):
     if seed.device != device:
         raise ValueError(f"the dropout seed is on {seed.device}, the kernels run on {device}")
     return seed.data_ptr(), int(dropout.threshold), float(dropout.scale)
+
+
+def gradient_inputs(lookup: Lookup, grad_out, ids, num_embeddings: int, weight_dtype: torch.dtype) -> tuple:
+    """How both backends' ``backward`` starts: (the extension, ``grad_out`` in the weight's dtype or in fp32, which
+    the kernels take, the sorted ids, their order)."""
+    module = lookup.require()
+    grad_out = gradient_rows(grad_out, weight_dtype if grad_out.dtype == weight_dtype else torch.float32)
+    return (module, grad_out, *sort_ids_for_gradient(ids, num_embeddings))
 
 
 def gradient_arguments(module, backend: str, sorted_ids, order, grad_out, grad_weight, padding_idx, embed_scale,

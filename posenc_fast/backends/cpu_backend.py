@@ -1,14 +1,5 @@
-"""CPU backend: the C++ kernels of csrc/cpu/cpu_kernels.cpp, launched through ``posenc_fast._cpu``.
-
-``_cpu`` is a pybind11 module that takes host pointers (as ints), sizes, strides, dtype codes
-and a thread count; it does not link libtorch, so one build works with any torch version.  It
-shares the CUDA kernels' exact-angle math and Philox dropout mask (csrc/common/exact_angle.cuh,
-csrc/common/philox.cuh), runs on ``torch.get_num_threads()`` threads, and is compiled per instruction
-set (AVX-512, AVX2, baseline; the best the CPU has is picked at import).  The weight gradient's
-stable sort stays in PyTorch (``sort_ids_for_gradient``); the kernel sums each id's run in order.
-How the extension is found (or built on demand): ``_extension``; without it, ``backend="auto"`` runs the
-torch backend.
-"""
+"""CPU backend: the C++ kernels of csrc/cpu/ through ``posenc_fast._cpu`` (docs/cpu_backend.md); finding or
+building the extension: ``_extension``.  Without it, ``backend="auto"`` runs the torch backend."""
 
 from __future__ import annotations
 
@@ -17,10 +8,10 @@ from typing import Optional
 
 import torch
 
-from . import Dropout, KernelParams, PreparedLaunch, _extension, gradient_rows, new_buffer, sort_ids_for_gradient
+from . import Dropout, KernelParams, PreparedLaunch, _extension, new_buffer
 from ._extension import Lookup
 from ._extension import constant_under_compile as _constant_under_compile
-from ._extension import gradient_arguments
+from ._extension import gradient_arguments, gradient_inputs
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FLOAT64_MATH = True  # precision="float64": float64 arithmetic and polynomials, one rounding
@@ -53,7 +44,9 @@ def _after_fork_in_child() -> None:
         _pool_in_a_forked_child(state.module)
 
 
-_lookup = Lookup("_cpu", "cached_cpu_extension", _MISSING, _BUILD_HINT, on_load=_pool_in_a_forked_child)
+_lookup = Lookup("_cpu", "cached_cpu_extension", _MISSING, _BUILD_HINT, on_load=_pool_in_a_forked_child,
+                 build="build_cpu_in_cache", needs=("find_cxx", "cpu_source_dir"),
+                 failure="backend='cpu': the CPU extension is not installed and building it on demand failed")
 if hasattr(os, "register_at_fork"):  # (not on Windows, which has no fork)
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
@@ -70,28 +63,14 @@ def extension_problem() -> Optional[str]:
 
 
 def build_on_demand() -> Optional[str]:
-    """Build the extension into the per-user cache if it is missing and load it (progress on stderr);
-    None when it is loaded, else why not.  Used by ``prepare`` and by tests from a source checkout."""
-    if extension() is not None:
-        return None
-    from .. import _build
-
-    return _lookup.load_build(_build.build_cpu_in_cache, "backend='cpu': the CPU extension is not installed and "
-                              "building it on demand failed").problem
+    """Build the extension into the per-user cache if it is missing and load it; None when it is loaded, else
+    why not.  Used by ``prepare`` and by tests from a source checkout."""
+    return _lookup.build_on_demand()
 
 
 def prepare(device: torch.device) -> None:
-    """Called before ``available`` when a user asks for backend='cpu' by name: if the extension is
-    missing and a C++ compiler is present, build it once into the per-user cache."""
-    if torch.compiler.is_compiling() or device.type != "cpu" or extension() is not None:
-        return
-    if os.environ.get("POSENC_FAST_BUILD_ON_DEMAND", "1").strip() == "0":
-        return
-    from .. import _build
-
-    if _build.find_cxx() is None or _build.cpu_source_dir() is None:
-        return
-    build_on_demand()
+    """Before ``available`` when backend='cpu' is asked for by name: the on-demand build (``Lookup.prepare``)."""
+    _lookup.prepare(device, "cpu")
 
 
 def available(device: torch.device) -> Optional[str]:
@@ -122,10 +101,7 @@ def backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_id
         return torch.zeros((num_embeddings, token_width), dtype=weight_dtype, device=grad_out.device)
     # Not zero-filled here: the kernel writes every row, zeros in parallel (csrc/cpu/cpu_kernels.cpp).
     grad_weight = new_buffer((num_embeddings, token_width), weight_dtype, grad_out.device)
-    module = _lookup.require()
-    # The kernel takes the gradient in the weight's dtype or in fp32.
-    grad_out = gradient_rows(grad_out, weight_dtype if grad_out.dtype == weight_dtype else torch.float32)
-    sorted_ids, order = sort_ids_for_gradient(ids, num_embeddings)
+    module, grad_out, sorted_ids, order = gradient_inputs(_lookup, grad_out, ids, num_embeddings, weight_dtype)
     module.weight_grad(*gradient_arguments(module, "cpu", sorted_ids, order, grad_out, grad_weight, padding_idx,
                                            embed_scale, dropout), torch.get_num_threads())
     return grad_weight

@@ -1,28 +1,17 @@
-"""CUDA C++ backend: the kernels of csrc/ launched through ``posenc_fast._C``.
-
-``_C`` is a pybind11 module that takes device pointers (as ints), sizes, strides, dtype
-codes, a device index and the current CUDA stream handle; it does not link libtorch, so one
-build works with any torch version.  Same semantics and algorithms as the Triton backend; the
-weight gradient's stable sort stays in PyTorch (``sort_ids_for_gradient``).  The kernels draw
-the dropout mask themselves from the seed's device pointer, in the forward and again in the
-weight gradient.  How the extension is found (or built on demand): ``_extension``.
-
-Tests without a GPU load a host-emulation build instead (``use_host_emulation``): the same
-kernel source compiled for the CPU, so that backend="cuda" runs on CPU tensors there.
-"""
+"""CUDA C++ backend: the kernels of csrc/ through ``posenc_fast._C`` (docs/cuda_backend.md); finding or building
+the extension: ``_extension``.  Tests without a GPU load the kernels compiled for the host instead
+(``use_host_emulation``), so that backend="cuda" runs on CPU tensors there."""
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 
-from . import (Dropout, KernelParams, PreparedLaunch, _extension, current_stream, current_stream_function,
-               gradient_rows, new_buffer, sort_ids_for_gradient)
+from . import Dropout, KernelParams, PreparedLaunch, _extension, current_stream, current_stream_function, new_buffer
 from ._extension import Extension, Lookup
 from ._extension import constant_under_compile as _constant_under_compile
-from ._extension import gradient_arguments, pointer
+from ._extension import gradient_arguments, gradient_inputs, pointer
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FLOAT64_MATH = True  # precision="float64": the kernels' float64 variant (longer polynomials, one rounding)
@@ -39,7 +28,9 @@ _BUILD_HINT = (
 )
 
 
-_lookup = Lookup("_C", "cached_extension", _MISSING, _BUILD_HINT)
+_lookup = Lookup("_C", "cached_extension", _MISSING, _BUILD_HINT, build="build_in_cache",
+                 needs=("find_nvcc", "package_source_dir"),
+                 failure="backend='cuda': the CUDA extension is not installed and building it on demand failed")
 # True while a host-emulation build of the kernels is loaded (tests without a GPU, see
 # use_host_emulation): the backend then runs on CPU tensors, and only on them.
 _host_emulation = False
@@ -120,20 +111,9 @@ def available(device: torch.device) -> Optional[str]:
 
 
 def prepare(device: torch.device) -> None:
-    """Called before ``available`` when a user asks for backend='cuda' by name: if the extension is
-    missing and nvcc is present, build it once into the per-user cache (progress on stderr)."""
-    if torch.compiler.is_compiling() or device.type != "cuda" or extension() is not None:
-        return
-    if not torch.cuda.is_available():
-        return  # nothing could run it; available() explains
-    if os.environ.get("POSENC_FAST_BUILD_ON_DEMAND", "1").strip() == "0":
-        return
-    from .. import _build
-
-    if _build.find_nvcc() is None or _build.package_source_dir() is None:
-        return
-    _lookup.load_build(_build.build_in_cache, "backend='cuda': the CUDA extension is not installed and building "
-                       "it on demand failed")
+    """Before ``available`` when backend='cuda' is asked for by name: the on-demand build (``Lookup.prepare``),
+    where a GPU could run it (else ``available`` explains)."""
+    _lookup.prepare(device, "cuda", torch.cuda.is_available)
 
 
 def use_host_emulation(path: Optional[str]) -> None:
@@ -184,10 +164,7 @@ def backward(grad_out, ids, num_embeddings, token_width, embed_scale, padding_id
     num_tokens = ids.numel()
     if num_tokens == 0 or num_embeddings == 0 or token_width == 0:
         return grad_weight
-    module = _lookup.require()
-    # The kernels take the gradient in the weight's dtype or in fp32.
-    grad_out = gradient_rows(grad_out, weight_dtype if grad_out.dtype == weight_dtype else torch.float32)
-    sorted_ids, order = sort_ids_for_gradient(ids, num_embeddings)
+    module, grad_out, sorted_ids, order = gradient_inputs(_lookup, grad_out, ids, num_embeddings, weight_dtype)
     chunk = max(int(GRAD_CHUNK), 1)
     partials = new_buffer(((num_tokens + chunk - 1) // chunk, 2, token_width), torch.float32, grad_out.device)
     stream, device = _stream_and_device(grad_out)
