@@ -1,15 +1,8 @@
-"""Triton backend: launches the kernels in ``triton_kernels`` (CUDA GPUs, or CPU through
-Triton's interpreter when TRITON_INTERPRET=1 is set before the first launch).
-
-Triton decides between compiling and interpreting when a kernel is *defined*, so the kernel
-module is imported at the first launch (never by ``import posenc_fast``), under a lock, and the
-mode it was defined in is remembered.
-
-Triton's interpreter is not thread-safe (each launch patches ``triton.language`` module-wide and
-runs on one global builder holding the grid index), so interpreted launches are serialised;
-compiled launches are not.  Prepared launches on a GPU skip the JIT after a specialization's
-first call (``triton_launch``).
-"""
+"""Triton backend: launches the kernels in ``triton_kernels`` on CUDA GPUs, or on CPU through Triton's
+interpreter (TRITON_INTERPRET=1 before the first launch).  The kernel module is imported at the first launch,
+under a lock, and interpreted launches are serialised (docs/design.md, "torch integration" and "Transforms,
+TorchScript, threads"); prepared launches on a GPU skip the JIT after a specialization's first call
+(``triton_launch``)."""
 
 from __future__ import annotations
 
@@ -56,7 +49,7 @@ class _Kernels:
 
 _kernels_interpreted: Optional[bool] = None  # whether they were defined under TRITON_INTERPRET=1
 _load_lock = threading.Lock()
-_interpreter_lock = threading.Lock()  # one interpreted launch at a time (see the module docstring)
+_interpreter_lock = threading.Lock()  # one interpreted launch at a time: the interpreter is not thread-safe
 
 
 def interpreting() -> bool:
@@ -226,6 +219,27 @@ def _one_at_a_time_if_interpreted(function):
     return call
 
 
+def _forward_arguments(params: KernelParams, num_tokens: int, table_rows: int, weight_row_stride: int,
+                       out_row_stride: int, position_source: int, element_size: int, num_turns: int,
+                       software_bf16, dropout=None):
+    """``forward_kernel``'s grid, its arguments after ``seq_len``, and its constexprs and launch options."""
+    tiles = _forward_tiles(params, num_tokens, element_size)
+    grid, num_copy_blocks = _forward_grid(params, tiles, num_tokens)
+    columns = params.columns
+    arguments_after = (
+        num_tokens, table_rows, weight_row_stride, out_row_stride, params.token_width, params.pe_width,
+        params.num_pairs, num_turns, columns.sin_base, columns.num_sin, columns.cos_base, columns.num_cos,
+        params.pe_zero_id, num_copy_blocks, params.embed_scale, params.pe_scale,
+        0 if dropout is None else dropout.threshold, 1.0 if dropout is None else dropout.scale)
+    constexprs = dict(
+        CONCAT=params.concat, INTERLEAVED=columns.interleaved, POSITION_SOURCE=position_source,
+        BLOCK_T=tiles.block_t, BLOCK_P=tiles.block_p, SOFTWARE_BF16=software_bf16, FLOAT64=params.float64_math,
+        DROPOUT=dropout is not None, GROUPED=dropout is not None and _dropout_grouped(params, tiles.block_p),
+        WIDE_INDEX=_needs_wide_index(num_tokens, tiles.block_t, out_row_stride, table_rows, weight_row_stride),
+        ZERO_COS_TAIL=columns.num_cos > params.num_pairs, num_warps=tiles.warps, **compile_options())
+    return grid, arguments_after, constexprs
+
+
 @_one_at_a_time_if_interpreted
 def forward(ids, weight, turns, positions, offsets, offset, seq_len, params: KernelParams, dropout):
     num_tokens = ids.numel()
@@ -235,62 +249,39 @@ def forward(ids, weight, turns, positions, offsets, offset, seq_len, params: Ker
     kernels = _load_kernels()
     if weight.stride(1) != 1:
         weight = weight.contiguous()
-    tiles = _forward_tiles(params, num_tokens, weight.element_size())
-    block_p = tiles.block_p
-    grid, num_copy_blocks = _forward_grid(params, tiles, num_tokens)
     position_source = 2 if positions is not None else (1 if offsets is not None else 0)
-    columns = params.columns
+    grid, arguments_after, constexprs = _forward_arguments(
+        params, num_tokens, weight.shape[0], weight.stride(0), out.stride(0), position_source, weight.element_size(),
+        turns.numel(), _kernels_interpreted, dropout)
     turn_low, turn_high = _turn_words(turns)
-    kernels.forward_kernel[grid](
-        ids, weight, out, turns, turn_low, turn_high, positions, offsets, None if dropout is None else dropout.seed,
-        offset, max(seq_len, 1), num_tokens, weight.shape[0], weight.stride(0), out.stride(0),
-        params.token_width, params.pe_width, params.num_pairs, turns.numel(),
-        columns.sin_base, columns.num_sin, columns.cos_base, columns.num_cos, params.pe_zero_id,
-        num_copy_blocks, params.embed_scale, params.pe_scale,
-        0 if dropout is None else dropout.threshold, 1.0 if dropout is None else dropout.scale,
-        CONCAT=params.concat, INTERLEAVED=columns.interleaved, POSITION_SOURCE=position_source,
-        BLOCK_T=tiles.block_t, BLOCK_P=block_p, SOFTWARE_BF16=_kernels_interpreted, FLOAT64=params.float64_math,
-        DROPOUT=dropout is not None, GROUPED=dropout is not None and _dropout_grouped(params, block_p),
-        WIDE_INDEX=_needs_wide_index(num_tokens, tiles.block_t, out.stride(0), weight.shape[0], weight.stride(0)),
-        ZERO_COS_TAIL=columns.num_cos > params.num_pairs,
-        num_warps=tiles.warps, **compile_options(),
-    )
+    kernels.forward_kernel[grid](ids, weight, out, turns, turn_low, turn_high, positions, offsets,
+                                 None if dropout is None else dropout.seed, offset, max(seq_len, 1), *arguments_after,
+                                 **constexprs)
     return out
 
 
 def prepare_forward(dtype, num_rows: int, device, turns, params: KernelParams) -> Optional[PreparedLaunch]:
-    """``forward_kernel``'s launch for a table of ``dtype`` on ``device`` (``posenc_fast._prepared``).
-
-    What ``_forward`` works out per call is done here once from ``params`` (turn words, columns,
-    constexpr flags), and once per token count and table size (tiles, grid, index width).  On a GPU
-    only a specialization's first call goes through Triton's JIT (``triton_launch.KeptLaunches``)."""
+    """``forward_kernel``'s launch for a table of ``dtype`` on ``device`` (``posenc_fast._prepared``): what
+    ``forward`` works out per call is done here once (turn words), and once per token count and table size
+    (``_forward_arguments``).  On a GPU only a specialization's first call goes through Triton's JIT
+    (``triton_launch.KeptLaunches``)."""
     kernels = _load_kernels()
     interpreted = _kernels_interpreted
     turn_low, turn_high = _turn_words(turns)
-    columns = params.columns
     element_size = torch.empty((), dtype=dtype).element_size()
     # (num_tokens, table rows, row stride, position source) -> grid and arguments; a decoding loop has one or two
     shapes = {}
     # For the compiled launcher: addresses, stable because the launch keeps the tensors alive and the spec's
     # cached turns tensor is never resized.
     turns_address, turn_low_address, turn_high_address = turns.data_ptr(), turn_low.data_ptr(), turn_high.data_ptr()
-    fixed_middle = (params.token_width, params.pe_width, params.num_pairs, turns.numel(), columns.sin_base,
-                    columns.num_sin, columns.cos_base, columns.num_cos, params.pe_zero_id)
-    fixed_flags = dict(CONCAT=params.concat, INTERLEAVED=columns.interleaved,
-                       SOFTWARE_BF16=interpreted, FLOAT64=params.float64_math, DROPOUT=False, GROUPED=False,
-                       ZERO_COS_TAIL=columns.num_cos > params.num_pairs, **compile_options())
 
     def shape_for(key):
         shape = shapes.get(key)
         if shape is None:
             num_tokens, table_rows, weight_row_stride, position_source = key
-            tiles = _forward_tiles(params, num_tokens, element_size)
-            grid, num_copy = _forward_grid(params, tiles, num_tokens)
-            wide = _needs_wide_index(num_tokens, tiles.block_t, params.width, table_rows, weight_row_stride)
-            arguments_after = (num_tokens, table_rows, weight_row_stride, params.width, *fixed_middle, num_copy,
-                               params.embed_scale, params.pe_scale, 0, 1.0)
-            constexprs = dict(fixed_flags, POSITION_SOURCE=position_source, BLOCK_T=tiles.block_t,
-                              BLOCK_P=tiles.block_p, WIDE_INDEX=wide, num_warps=tiles.warps)
+            grid, arguments_after, constexprs = _forward_arguments(
+                params, num_tokens, table_rows, weight_row_stride, params.width, position_source, element_size,
+                turns.numel(), interpreted)
             if len(shapes) >= 64:
                 shapes.clear()
             # (The compiled launcher takes the constexprs too, after the others, in signature order.)
@@ -310,7 +301,7 @@ def prepare_forward(dtype, num_rows: int, device, turns, params: KernelParams) -
         if num_tokens == 0:
             return
         # The rows the kernel may read: the table's (an embedding), or x's own (add_sinusoidal, whose launch
-        # is prepared for any row count), as _forward passes them.
+        # is prepared for any row count), as ``forward`` passes them.
         table_rows = weight.numel() // weight_row_stride if weight_row_stride else num_rows
         if seq_len < 1:
             seq_len = 1

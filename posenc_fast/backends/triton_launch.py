@@ -1,17 +1,8 @@
 """Kept Triton kernels: a prepared launch's repeated calls on a GPU launch the compiled kernel that Triton's
-JIT returned for the same specialization, through that kernel's own launch function.
-
-Triton's JIT call (binding the arguments, specialising them, looking up its cache) is most of a small
-launch's host time (docs/performance.md), so it runs once per specialization.  The key of a call
-(``int_specialization`` and the prepared launch's alignment flags) must be at least as fine as Triton's
-own specialization; tests/test_triton_backend.py checks it against the installed Triton, and the launch
-against the JIT's on a stand-in CUDA driver (tests/fake_driver_launches.py).
-
-Only plain launches take this path: the JIT serves every call while a setting it reads per call is in force
-(debug, an instrumentation mode such as Proton's, a stages-inspection hook, a pre-run hook, a replaced
-``JITFunction.run`` or ``CudaLauncher.__call__``), on another current device than the prepared one, on ROCm,
-and on Triton releases outside ``TESTED_TRITON`` (whose internals this module reads).
-"""
+JIT returned for the same specialization, through that kernel's own launch function (docs/design.md, "torch
+integration": why, which launches take this path, and how the tests check it).  The key of a call
+(``int_specialization`` and the prepared launch's alignment flags) must be at least as fine as Triton's own
+specialization."""
 
 from __future__ import annotations
 
@@ -78,7 +69,7 @@ class KeptLaunches:
 
     def _plain(self) -> bool:
         """Whether the JIT would launch the kept kernel now as it did: on the prepared device, with no
-        per-call setting of the JIT's in force (module docstring)."""
+        per-call setting of the JIT's in force (docs/design.md)."""
         runtime = self._runtime
         return (self._current_device() == self._device_index and not runtime.debug
                 and not getattr(self._compilation, "instrumentation_mode", "")
