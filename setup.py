@@ -1,30 +1,14 @@
-"""The CUDA C++ extension of posenc_fast: what ``pip install .`` adds to the metadata in pyproject.toml.
+"""The compiled extensions of posenc_fast: what ``pip install .`` adds to the metadata in pyproject.toml.
 
-``posenc_fast._C`` (backend="cuda") is compiled from csrc/ with nvcc when the CUDA toolkit is
-found (CUDA_HOME or CUDA_PATH, PATH, /usr/local/cuda); no GPU is needed to build it, and it
-does not link libtorch (docs/cuda_backend.md):
-
-    POSENC_FAST_BUILD_CUDA=0          install without the extension
-    POSENC_FAST_BUILD_CUDA=1          the extension is required: no nvcc is an error
-    (unset)                           build it if nvcc is found, else install without it
-    POSENC_FAST_CUDA_ARCHS="80;90"    target GPUs (default "80;86;89;90+PTX")
-    MAX_JOBS=4                        parallel compile jobs (ninja)
-    POSENC_FAST_BUILD_PROGRESS=0      no progress lines on the terminal while pip hides the build's output
-
-The CPU extension ``posenc_fast._cpu`` (backend="cpu", what "auto" runs on CPU tensors) needs only
-a C++17 compiler (docs/cpu_backend.md): POSENC_FAST_BUILD_CPU=0 skips it, =1 makes a missing or
-failing compiler an error; unset, it is built when c++/g++/clang++ is found, else left out.
-
-The build logic lives in posenc_fast/_build.py (standard library only), shared with the
-on-demand build (``python -m posenc_fast._build``).  Builds are cached per user, keyed by the
-sources, the Python ABI, the nvcc version and the archs: installing again (``pip install
-".[test]"`` after ``pip install .``) copies the cached module instead of compiling again.
+``posenc_fast._C`` (backend="cuda") is built with nvcc and ``posenc_fast._cpu`` (backend="cpu") with a C++17
+compiler, each where its compiler is found, by posenc_fast/_build.py through the per-user build cache.  The
+knobs (POSENC_FAST_BUILD_CUDA, POSENC_FAST_CUDA_ARCHS, POSENC_FAST_BUILD_CPU, ...): docs/cuda_backend.md and
+docs/cpu_backend.md, "Building".
 """
 
 import importlib.util
 import os
 import sys
-import sysconfig
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
@@ -126,7 +110,7 @@ class BuildPyWithSources(build_py):
         # BUILD_CPU=0 in a checkout installed before), would be packed into the wheel again.
         built_now = {ext.name.rsplit(".", 1)[1] for ext in ext_modules}
         for name in ("_C", "_cpu"):
-            stale = os.path.join(self.build_lib, "posenc_fast", name + sysconfig.get_config_var("EXT_SUFFIX"))
+            stale = os.path.join(self.build_lib, "posenc_fast", _build.extension_filename(name))
             if name not in built_now and os.path.exists(stale):
                 os.remove(stale)
         target = os.path.join(self.build_lib, "posenc_fast", "_csrc")

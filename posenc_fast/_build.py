@@ -1,27 +1,12 @@
-"""Building the CUDA extension ``posenc_fast._C`` from ``csrc/``: shared by setup.py and the on-demand build.
+"""Building the extensions ``posenc_fast._C`` (CUDA) and, in the section at the end, ``posenc_fast._cpu`` from
+csrc/: shared by setup.py and the on-demand build.
 
     pip install pybind11 ninja              # what the on-demand build needs (ninja: optional, parallel)
     python -m posenc_fast._build            # build (or find) the cached extension, print its path
 
-Standard library only: setup.py loads this file by path inside pip's isolated build
-environment, where neither torch nor posenc_fast is importable.  What it owns:
-
-- the environment knobs: ``POSENC_FAST_BUILD_CUDA`` (0: skip, 1: required, unset: if nvcc is
-  found), ``POSENC_FAST_CUDA_ARCHS`` (e.g. ``"80;90"``), ``CUDA_HOME`` / ``CUDA_PATH``;
-- finding nvcc, parsing the architecture list into ``-gencode`` flags;
-- the compile and link commands (``BuildPlan``, for every extension and the host emulation), run
-  through ninja when it is installed (parallel, incremental), else the compiles side by side;
-- the per-user build cache, ``<cache root>/cuda-<sources and Python ABI>/<nvcc version and archs>/``
-  (``build_cached``).  ``pip install`` builds there and copies the module into the wheel, so
-  reinstalling the same sources does not compile again; an installed package without the
-  extension takes a build from there (``cached_extension``, whatever ``POSENC_FAST_CUDA_ARCHS``
-  says now) or makes one on demand when nvcc is present.
-
-The extension takes raw device pointers, with no libtorch or ATen headers, so one build serves
-every torch version.
-
-Also the CPU extension ``posenc_fast._cpu`` (section at the end): any C++17 compiler, the kernel
-compiled once per instruction set, ``POSENC_FAST_BUILD_CPU``, and its own per-user cache.
+Standard library only: setup.py loads this file by path inside pip's isolated build environment, where
+neither torch nor posenc_fast is importable.  The knobs, the per-user build cache and the flags:
+docs/cuda_backend.md and docs/cpu_backend.md, "Building".
 """
 
 from __future__ import annotations
@@ -152,9 +137,9 @@ def nvcc_version(nvcc: str) -> str:
     return match.group(0) if match else out.strip().splitlines()[-1]
 
 
-def extension_filename() -> str:
-    """``_C.cpython-311-x86_64-linux-gnu.so`` for the running interpreter."""
-    return EXTENSION_NAME + sysconfig.get_config_var("EXT_SUFFIX")
+def extension_filename(name: str = EXTENSION_NAME) -> str:
+    """``_C.cpython-311-x86_64-linux-gnu.so`` (or ``name``'s) for the running interpreter."""
+    return name + sysconfig.get_config_var("EXT_SUFFIX")
 
 
 def _include_dirs() -> List[str]:
@@ -358,6 +343,15 @@ def _digest_files(source_dir: str, names: Sequence[str]):
     return digest
 
 
+def _compiler_cache_dir(kind: str, source_dir: str, names: Sequence[str], compiler: str, extra: tuple,
+                        env: Mapping[str, str]) -> str:
+    """``<cache root>/<kind>-<hash>``, one build per content of ``names``, ``compiler --version`` and ``extra``."""
+    digest = _digest_files(source_dir, names)
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    digest.update(repr((version, *extra)).encode())
+    return os.path.join(cache_root(env), f"{kind}-{digest.hexdigest()[:16]}")
+
+
 def source_key(source_dir: str) -> str:
     """Changes whenever the sources or the Python ABI change (the first level of the cache)."""
     digest = _digest_files(source_dir, SOURCES + HEADERS)
@@ -525,9 +519,6 @@ def build_host_emulation(env: Mapping[str, str] = os.environ, log=sys.stderr) ->
     compiler = env.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if compiler is None:
         raise RuntimeError("host emulation needs a C++ compiler (c++ or $CXX)")
-    digest = _digest_files(source_dir, SOURCES + HEADERS + EMULATION_HEADERS)
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    digest.update(repr((version, root, extension_filename())).encode())
     flags = ["-std=c++17", "-O1", "-fPIC", "-DPOSENC_FAST_HOST_EMULATION", f"-I{source_dir}",
              f"-I{os.path.join(root, 'include')}"] + [f"-I{d}" for d in _include_dirs()]
     libdirs = [os.path.join(root, d) for d in ("lib64", "lib", os.path.join("targets", "x86_64-linux", "lib"))]
@@ -540,8 +531,9 @@ def build_host_emulation(env: Mapping[str, str] = os.environ, log=sys.stderr) ->
         plan = _plan([compiler, "-x", "c++"], units, HEADERS + EMULATION_HEADERS, source_dir, build_dir, output, link,
                      ["-l:libcudart_static.a", "-ldl", "-lpthread", "-lrt"])
         run_build(plan, build_dir, log)
-    return _build_once(os.path.join(cache_root(env), "host-emulation-" + digest.hexdigest()[:16]), extension_filename(),
-                       "the host emulation", build, log)
+    directory = _compiler_cache_dir("host-emulation", source_dir, SOURCES + HEADERS + EMULATION_HEADERS, compiler,
+                                    (root, extension_filename()), env)
+    return _build_once(directory, extension_filename(), "the host emulation", build, log)
 
 
 # ---- the CPU extension posenc_fast._cpu (csrc/cpu/): any C++17 compiler, no CUDA ----
@@ -578,7 +570,7 @@ def find_cxx(env: Mapping[str, str] = os.environ) -> Optional[str]:
 
 
 def cpu_extension_filename() -> str:
-    return CPU_EXTENSION_NAME + sysconfig.get_config_var("EXT_SUFFIX")
+    return extension_filename(CPU_EXTENSION_NAME)
 
 
 def _x86() -> bool:
@@ -617,10 +609,8 @@ def cpu_source_dir() -> Optional[str]:
 
 
 def _cpu_cache_dir(source_dir: str, cxx: str, env: Mapping[str, str]) -> str:
-    digest = _digest_files(source_dir, CPU_SOURCES + CPU_HEADERS)
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    digest.update(repr((version, [v for v in CPU_X86_VARIANTS], cpu_extension_filename())).encode())
-    return os.path.join(cache_root(env), "cpu-" + digest.hexdigest()[:16])
+    return _compiler_cache_dir("cpu", source_dir, CPU_SOURCES + CPU_HEADERS, cxx,
+                               (list(CPU_X86_VARIANTS), cpu_extension_filename()), env)
 
 
 def cached_cpu_extension(env: Mapping[str, str] = os.environ) -> Optional[str]:

@@ -1,11 +1,6 @@
-// Exact-angle sin and cos from a fixed-point turn (docs/design.md, "Numerics: exact angles").
-//
-// The phase of pair i at position p is the wrapping 64-bit product p * R_i: the fractional turn
-// scaled by 2^64, exact for every int64 position.  Its top two bits (after adding 1/8 turn) give
-// the nearest quarter turn exactly; the remainder becomes an angle |a| <= pi/4 for Taylor
-// polynomials (fp32: to x^9 / x^10, truncation < 2e-9; float64: to x^17 / x^18, < 1e-19), then an
-// exact rotation by the quadrant.  Same reduction and polynomials as
-// triton_kernels.sin_cos_of_turns; no math-library sin/cos, so results do not depend on one.
+// Exact-angle sin and cos from a fixed-point turn (docs/design.md, "Numerics: exact angles"): the same
+// reduction and polynomials as triton_kernels.sin_cos_of_turns, and no math-library sin/cos, so results do not
+// depend on one.
 #pragma once
 
 #include <cstdint>

@@ -1,9 +1,6 @@
-// Function qualifiers for the code shared by the CUDA kernels and the CPU kernel: the exact-angle
-// math (exact_angle.cuh) and the dropout mask (philox.cuh).
-//
-// nvcc, and the host-emulation build of the CUDA kernels, take them from the CUDA headers
-// (platform.cuh).  A plain C++ compiler building the CPU backend (cpu_kernels.cpp) has no CUDA
-// headers: it gets stand-ins, so the same functions compile as ordinary, always-inlined C++.
+// Function qualifiers for the code the CUDA and CPU kernels share (exact_angle.cuh, philox.cuh): the CUDA
+// headers' under nvcc and in the host emulation, always-inlined stand-ins under a plain C++ compiler
+// (docs/cpu_backend.md, "How it works").
 #pragma once
 
 #if defined(__CUDACC__) || defined(POSENC_FAST_HOST_EMULATION)

@@ -1,17 +1,7 @@
-// What both bindings (binding.cpp for posenc_fast._C, cpu_binding.cpp for posenc_fast._cpu) share: the
-// dtype-code checks, the forward's one entry, ForwardLaunch, and the weight gradient's, each described once
-// with its arguments' types, order and Python names:
-//   ForwardLaunch(dtype, turns, num_turns, num_embeddings, token_width, pe_width, concat, interleaved,
-//                 sin_base, num_sin, cos_base, num_cos, pe_zero_id, embed_scale, pe_scale, float64_math, <device's>)
-//   .__call__(ids, ids_dtype, weight, weight_row_stride, out, offset, seq_len, num_tokens, <last>)
-//   .run(ids, ids_dtype, weight, weight_row_stride, out, positions, offsets, offset, seq_len, num_tokens,
-//        dropout_seed, dropout_threshold, dropout_scale, <last>)
-//   weight_grad(sorted_ids, sorted_ids_dtype, order, grad_out, grad_out_row_stride, grad_dtype, grad_weight,
-//               weight_dtype, num_tokens, num_embeddings, token_width, padding_idx, embed_scale, dropout_seed,
-//               dropout_threshold, dropout_scale, <device's>)
-// Each binding appends only its device's own arguments (CUDA: the device, and the stream last; CPU: the thread
-// count last); pybind11 checks its signatures against these, so a mismatch does not compile.  Pointers are
-// Python ints (uintptr_t), dtypes the modules' codes (FLOAT32, ..., INT64).
+// What both bindings (cuda/binding.cpp, cpu/cpu_binding.cpp) share: the dtype-code checks and the Python
+// signatures of ForwardLaunch and weight_grad (def_forward_launch, def_weight_grad), to which each binding
+// appends only its device's own arguments (CUDA: the device, and the stream last; CPU: the thread count last);
+// a binding whose device part takes other types does not compile.
 #pragma once
 
 #include <pybind11/pybind11.h>

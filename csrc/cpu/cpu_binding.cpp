@@ -1,14 +1,7 @@
-// posenc_fast._cpu: the pybind11 binding of the CPU kernels (cpu_kernels.h), their thread pool, and
-// the run-time choice of instruction-set variant.
-//
-// Like binding.cpp it does not link libtorch: arguments are host pointers (Python ints), sizes,
-// strides and dtype codes, so one build works with any torch version.  Validation happens in Python;
-// here only the codes are checked.  The GIL is released while the kernels run.
-//
-// Threads: the kernels run on the OpenMP runtime the process already has loaded (torch's libgomp, or
-// an LLVM/Intel libomp exporting the same GOMP_ entry points), never one loaded by us, so they share
-// torch's worker threads instead of competing with them for the same cores.  Where no OpenMP runtime
-// is loaded, a small pool of std::threads does the job.
+// posenc_fast._cpu: the pybind11 binding of the CPU kernels (cpu_kernels.h), their threads, and the run-time
+// choice of instruction-set variant (docs/cpu_backend.md).  The kernels run on the OpenMP runtime the process
+// already has (torch's), never one loaded here, so they share its worker threads; without one, on a std::thread
+// pool.  The GIL is released while they run.
 #include <pybind11/pybind11.h>
 
 #include <unistd.h>
@@ -58,11 +51,10 @@ struct ChunkedJob {
   }
 };
 
-// Workers wait for a job's generation number, run their share of the ChunkedJob, and report back.  One job at a time; a call that finds the pool busy (another Python
-// thread, the GIL being released) runs on its own thread instead of waiting.
-//
-// Waiting spins briefly before it blocks: waking a blocked thread is a large share of a short call,
-// and back-to-back calls (a model's layers) find the workers still spinning.
+// Workers wait for a job's generation number, run their share of the ChunkedJob, and report back.  One job at
+// a time; a call that finds the pool busy (another Python thread, the GIL being released) runs on its own
+// thread instead of waiting.  Waiting spins briefly before it blocks: waking a blocked thread is a large share
+// of a short call, and back-to-back calls (a model's layers) find the workers still spinning.
 class ThreadPool {
  public:
   void run(int64_t num_items, int64_t grain, int num_threads, void (*fn)(void*, int64_t, int64_t),

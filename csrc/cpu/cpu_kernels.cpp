@@ -1,20 +1,7 @@
-// CPU kernels: the fused forward and the deterministic weight gradient (cpu_kernels.h), with the
-// exact-angle math of the CUDA kernels (exact_angle.cuh) and their Philox dropout mask (philox.cuh).
-//
-// Forward, one token row at a time: the sin and cos of every pair slot at the token's position (a loop
-// the compiler vectorises, one SIMD lane per pair), then the PE row, the scaled token row, dropout and
-// one rounding, all on one row in L1: only the weight and output rows touch memory.  Where the batch is
-// likely to repeat positions, the work is split by position column instead (ForwardPositions).  The
-// first lines of upcoming weight rows are prefetched while sins and coses are computed: the hardware
-// prefetchers cannot know which row comes next, and prefetching whole rows fills the line-fill buffers.
-//
-// Weight gradient: a work item is a run of equal sorted ids and a block of columns.  The rows no run
-// writes are zeroed here in parallel, not the whole buffer by the caller: first touch is most of a
-// large buffer's cost.
-//
-// Compiled once per instruction set (POSENC_CPU_ISA; flags in posenc_fast/_build.py: CPU_X86_VARIANTS),
-// each into its own namespace, with the shared headers' functions always inlined, so no code compiled
-// for one variant can be linked into another.
+// CPU kernels: the fused forward and the deterministic weight gradient (cpu_kernels.h; design:
+// docs/cpu_backend.md).  Compiled once per instruction set (POSENC_CPU_ISA; flags: posenc_fast/_build.py), each
+// into its own namespace, with the shared headers' functions always inlined, so no code compiled for one
+// variant can be linked into another.
 #include "cpu/cpu_kernels.h"
 
 #include <cstdint>
@@ -492,14 +479,9 @@ struct ForwardTokens {
   }
 };
 
-// Position-major, when the batch's sequences are likely to share their positions (a scalar offset, or
-// sequences of kPositionBlock tokens or more).  Column j's sin/cos row is made once, at the position of
-// the item's first sequence, and serves every token of column j at that position; a token at another
-// position remakes it.  The PE depends on the position alone, so results equal the token-major path's.
-//
-// A work item (position_work) takes its columns kPositionBlock at a time: the block's PE rows first,
-// then each sequence's rows of that block, so that every thread writes runs of contiguous output rows,
-// which the hardware prefetchers and write-combining follow.
+// Position-major, when the batch's sequences are likely to share their positions (docs/cpu_backend.md,
+// "Position-major when positions repeat"): a work item (position_work) takes its columns kPositionBlock at a
+// time, the block's PE rows first, then each sequence's rows of that block.
 constexpr int64_t kPositionBlock = 8;
 
 template <typename T, typename Math, typename IdT>
@@ -670,12 +652,10 @@ POSENC_INLINE void zero_rows(const CpuWeightGradArgs& a, int64_t begin, int64_t 
   std::memset(static_cast<void*>(rows), 0, static_cast<size_t>((end - begin) * a.token_width) * sizeof(W));
 }
 
-// One work item's sum: the run's tokens' gradient columns [col0, col0 + count) in sorted order, in fp32,
-// started from its first token (no zeroed accumulator), scaled once and stored.  A run longer than
-// kRunBlock tokens sums blocks of kRunBlock in fp32 and their sums in float64: its error is bounded by a
-// block's length, not the run's (a frequent id's run can be thousands of tokens long).  kColumns is kGradColumns
-// for a full block (constant loop bounds) or 0 for a row's narrower last block.  The next token's columns
-// are prefetched: a run's tokens are rows far apart in grad_out, which no hardware prefetcher predicts.
+// One work item's sum (docs/cpu_backend.md, "Deterministic weight gradient"): the run's tokens' gradient
+// columns [col0, col0 + count) in sorted order, blocks of kRunBlock tokens in fp32 and their sums in float64.
+// kColumns is kGradColumns for a full block (constant loop bounds) or 0 for a row's narrower last block.  The
+// next token's columns are prefetched: a run's tokens are rows far apart in grad_out.
 constexpr int64_t kRunBlock = 32;
 
 template <typename G, typename W, int64_t kColumns>
@@ -789,16 +769,14 @@ struct ZeroUnwrittenRows {
   }
 };
 
-template <typename G, typename W>
+template <typename G, typename W, typename KeyT>
 const char* weight_grad_typed(const CpuWeightGradArgs& a) {
-  const bool keys64 = a.sorted_ids_dtype == DType::kInt64;
-  if (!keys64 && a.sorted_ids_dtype != DType::kInt32) return "sorted_ids: dtype code is not INT32 or INT64";
   Scratch<int64_t> starts(a.num_tokens + 1);
   if (starts.failed) return "out of memory (runs)";
   int64_t num_runs = 0;
   int64_t previous = -1;
   for (int64_t i = 0; i < a.num_tokens; ++i) {
-    const int64_t id = keys64 ? sorted_id<int64_t>(a, i) : sorted_id<int32_t>(a, i);
+    const int64_t id = sorted_id<KeyT>(a, i);
     if (i == 0 || id != previous) starts.data[num_runs++] = i;
     previous = id;
   }
@@ -812,27 +790,26 @@ const char* weight_grad_typed(const CpuWeightGradArgs& a) {
   p.scale = static_cast<float>(dropout ? a.embed_scale * a.dropout_scale : a.embed_scale);
   p.mask = dropout ? DropoutMask::load(a.dropout_seed, a.dropout_threshold) : DropoutMask{};
   const int64_t zero_grain = max_of(1, (int64_t(1) << 18) / max_of(1, a.token_width));
-  if (keys64) {
-    parallel_for(a.num_embeddings, zero_grain, a.num_threads, &ZeroUnwrittenRows<W, int64_t>::run, &p);
-  } else {
-    parallel_for(a.num_embeddings, zero_grain, a.num_threads, &ZeroUnwrittenRows<W, int32_t>::run, &p);
-  }
+  parallel_for(a.num_embeddings, zero_grain, a.num_threads, &ZeroUnwrittenRows<W, KeyT>::run, &p);
   const int64_t items = num_runs * p.column_blocks;
   const int64_t grain = kGradChunkColumns / min_of(a.token_width, kGradColumns);  // items (token_width >= 1 here)
-  if (keys64) {
-    parallel_for(items, grain, a.num_threads, &GradItems<G, W, int64_t>::run, &p);
-  } else {
-    parallel_for(items, grain, a.num_threads, &GradItems<G, W, int32_t>::run, &p);
-  }
+  parallel_for(items, grain, a.num_threads, &GradItems<G, W, KeyT>::run, &p);
   return nullptr;
+}
+
+template <typename G, typename W>
+const char* weight_grad_keyed(const CpuWeightGradArgs& a) {
+  if (a.sorted_ids_dtype == DType::kInt64) return weight_grad_typed<G, W, int64_t>(a);
+  if (a.sorted_ids_dtype == DType::kInt32) return weight_grad_typed<G, W, int32_t>(a);
+  return "sorted_ids: dtype code is not INT32 or INT64";
 }
 
 template <typename W>
 const char* weight_grad_of_weight(const CpuWeightGradArgs& a) {
-  if (a.grad_dtype == DType::kFloat32) return weight_grad_typed<float, W>(a);
+  if (a.grad_dtype == DType::kFloat32) return weight_grad_keyed<float, W>(a);
   if (a.grad_dtype != a.weight_dtype) return "grad_out must have the weight's dtype or FLOAT32";
-  if (a.grad_dtype == DType::kFloat16) return weight_grad_typed<Float16, W>(a);
-  return weight_grad_typed<BFloat16, W>(a);
+  if (a.grad_dtype == DType::kFloat16) return weight_grad_keyed<Float16, W>(a);
+  return weight_grad_keyed<BFloat16, W>(a);
 }
 
 }  // namespace

@@ -1,14 +1,6 @@
-// The framework-free interface of the CPU backend (posenc_fast._cpu): plain structs of host
-// pointers, sizes and dtype codes in, an error message (nullptr: success) out.  Nothing here knows
-// about Python or PyTorch; cpu_binding.cpp is the one thin caller.
-//
-// Semantics are those of posenc_fast/reference.py, with the algorithms of the CUDA kernels
-// (posenc.h): the same exact-angle sin/cos (exact_angle.cuh), the same Philox dropout mask
-// (philox.cuh), fp32 (or float64) arithmetic rounded once at the store, and a weight gradient
-// summed in fp32 in sorted-token order, so bitwise reproducible whatever the thread count.
-//
-// cpu_kernels.cpp is compiled once per instruction-set variant (POSENC_CPU_ISA names the
-// namespace: isa_baseline, isa_avx2, isa_avx512); cpu_binding.cpp picks one at run time.
+// The framework-free interface of the CPU kernels: the argument blocks of common/kernel_args.h in, an error
+// message (nullptr: success) out; cpu_binding.cpp is the one caller.  Design: docs/cpu_backend.md.
+// cpu_kernels.cpp is compiled once per instruction set (POSENC_CPU_ISA names the namespace).
 #pragma once
 
 #include <cstdint>

@@ -1,11 +1,6 @@
-// posenc_fast._C: the pybind11 binding of the CUDA core (posenc.h).
-//
-// It deliberately does not link libtorch or include ATen: arguments are device pointers (Python
-// ints), sizes, strides, dtype codes, a device index and a CUDA stream handle
-// (torch.cuda.current_stream().cuda_stream).  So one build works with any torch version, and the
-// module imports on a machine without a GPU or driver (the CUDA runtime is linked statically and
-// loads the driver only when first used).  Input validation happens in Python before the call;
-// here only the codes are checked, and every CUDA error becomes a Python RuntimeError.
+// posenc_fast._C: the pybind11 binding of the CUDA kernels (posenc.h).  No libtorch or ATen: pointers are Python
+// ints (docs/cuda_backend.md).  Python validates the inputs; here only the codes are checked, and every CUDA
+// error becomes a RuntimeError.
 #include <pybind11/pybind11.h>
 
 #include <cstdint>

@@ -1,17 +1,6 @@
-// Forward kernel: gather the token row, compute the exact-angle sinusoid in registers, add or
-// concatenate, round once, store.  One pass over memory; no table of positions exists.
-//
-// A row of the output is cut into "units", one thread's share each: 16 bytes of token columns
-// (concat), or the PE columns of whole (sin, cos) pairs, interleaved or as two spans (block layouts),
-// so that each pair's sincos is computed once.  In add mode a PE unit also reads the token columns it
-// overwrites.  Threads cover consecutive units of a row in x (coalesced) and tokens in y; each takes K
-// tokens and issues all their loads before it uses any.  The dropout mask depends only on (token,
-// column), so no unit needs another's.
-//
-// Every token, row and column index is 64-bit: outputs beyond 2^31 elements are addressed exactly.
-//
-// forward_fp32.cu, forward_fp16.cu and forward_bf16.cu each instantiate one weight dtype (to compile
-// in parallel); forward.cu dispatches.
+// The forward kernel template: gather the token row, compute the exact-angle sinusoid in registers, add or
+// concatenate, round once, store (design: docs/cuda_backend.md, "Forward").  forward_fp32.cu, forward_fp16.cu
+// and forward_bf16.cu each instantiate one weight dtype (to compile in parallel); forward.cu dispatches.
 #pragma once
 
 #include <cstdint>

@@ -1,10 +1,6 @@
-// The one place the kernels meet the platform: kernel launch, and (only for tests) a host stand-in.
-//
-// Built by nvcc, `launch` is an ordinary <<<grid, block, 0, stream>>> launch followed by the launch
-// check.  Built by a host C++ compiler with POSENC_FAST_HOST_EMULATION (csrc/cuda/emulation/), the same
-// kernel code runs on the CPU, one thread after another; the kernels use no shared memory and no
-// barriers, so this is their exact semantics.  That lets machines without a GPU test the kernels'
-// indexing, layouts and numerics against the reference (tests/test_cuda_build.py).
+// The one place the kernels meet the platform: the kernel launch, or, built by a host C++ compiler with
+// POSENC_FAST_HOST_EMULATION (tests without a GPU: docs/cuda_backend.md, "Tests"), the same kernels run on the
+// CPU one thread after another.
 #pragma once
 
 #include <cuda_runtime_api.h>

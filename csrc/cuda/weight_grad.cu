@@ -1,20 +1,7 @@
-// Weight gradient: deterministic, sort-based, no atomics (docs/design.md, "Backward").  The caller
-// sorts the ids stably (out-of-range ids become the sentinel num_embeddings), as int32 keys when they fit.
-//
-// Stage 1 (grad_chunk_kernel): each work item takes `chunk` consecutive sorted tokens and a span
-//   of columns, and walks them in order summing runs of equal ids in fp32.  A run wholly inside
-//   the chunk is final and written once (times embed_scale, rounded to the weight dtype).  A run
-//   crossing the chunk's start leaves its partial sum in slot 0; one that starts here and crosses
-//   the end leaves it in slot 1.
-// Stage 2 (grad_carry_kernel): the chunk where a crossing run starts owns it and adds its slot 1
-//   and slot 0 of each following chunk the run covers, in order.  A galloping search for the run's
-//   end and batched partial loads keep a hot id's cost to a few round trips, not one per chunk.
-// Every sum's order is fixed by the sorted order, so results are bitwise reproducible.  Same scheme
-// as the Triton backend.
-//
-// With dropout (kDropout), stage 1 zeroes each gradient element the forward dropped, as the row is
-// read (philox.cuh).  A thread's first column is a multiple of its 4 or 8 columns, so its groups of
-// four are whole.  The dropout scale is folded into embed_scale.
+// Weight gradient, deterministic and sort-based, in two stages (design: docs/cuda_backend.md, "Weight
+// gradient"; docs/design.md, "Backward").  The caller sorts the ids stably.  With dropout (kDropout), stage 1
+// zeroes each element the forward dropped as the row is read; a thread's first column is a multiple of its 4 or 8
+// columns, so its groups of four are whole.
 #include <cstdint>
 
 #include "cuda/memory_access.cuh"
