@@ -423,6 +423,29 @@ def test_weight_gradient_binding_refuses_bad_arguments_before_reading_memory(bad
                            1.0, 0, 0, 1.0, 1)
 
 
+@pytest.mark.parametrize("binding", ["cpu", "cuda host emulation"])
+@pytest.mark.parametrize("token_width,pe_width,concat", [(0, 0, False), (0, 0, True), (0, 4, False), (-2, 1, True)])
+def test_forward_binding_refuses_rows_without_columns(binding, token_width, pe_width, concat):
+    """A ``ForwardLaunch`` made directly for rows with no output column is refused when it is made, with a
+    ValueError naming the widths: the CUDA launch divides a row into units (the host emulation died of SIGFPE)."""
+    if binding == "cpu":
+        module = cpu_backend.extension()
+    else:
+        from cases import cuda_host_emulation_problem
+        from posenc_fast.backends import cuda_backend
+
+        problem = cuda_host_emulation_problem()
+        if problem is not None:
+            pytest.skip(problem)
+        module = cuda_backend.extension()
+    extra = (0,) if binding != "cpu" else ()  # the CUDA binding's device index
+    with pytest.raises(ValueError, match=f"token_width {token_width} and pe_width {pe_width} give no output"):
+        launch = module.ForwardLaunch(module.FLOAT32, 256, 0, 4, token_width, pe_width, concat, True, 0, 0, 1, 0, -1,
+                                      1.0, 1.0, False, *extra)
+        ids, weight, out = (torch.zeros(2, dtype=torch.int64), torch.zeros(4, 1), torch.zeros(2, 1))
+        launch(ids.data_ptr(), module.INT64, weight.data_ptr(), 0, out.data_ptr(), 0, 2, 2, 1 - len(extra))
+
+
 @pytest.fixture(params=["openmp", "pool"])
 def threading(request):
     """Each way the kernels get their threads: the process's OpenMP runtime (torch's workers) and

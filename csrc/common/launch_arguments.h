@@ -52,6 +52,11 @@ class ForwardLaunch {
                 int64_t num_cos, int64_t pe_zero_id, double embed_scale, double pe_scale, bool float64_math,
                 Extra... extra)
       : device_(extra...) {
+    // The launches divide a row into units: a row with no columns would divide by zero.
+    if (token_width < 0 || pe_width < 0 || (concat ? token_width + pe_width : token_width) < 1) {
+      throw py::value_error("ForwardLaunch: token_width " + std::to_string(token_width) + " and pe_width " +
+                            std::to_string(pe_width) + " give no output column");
+    }
     args_.dtype = float_code(dtype, "weight");
     args_.turns = pointer<const int64_t>(turns);
     args_.num_turns = num_turns;
