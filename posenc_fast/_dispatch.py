@@ -19,15 +19,11 @@ def jit_tracing() -> bool:
 
 
 def eager_call(ids, weight) -> bool:
-    """Whether the call may run the op's implementation without torch.library: eager, on plain
-    tensors, with nothing tracing (torch.compile, torch.export, jit.trace), transforming (torch.func,
-    vmap, forward-mode AD) or intercepting (a dispatch mode) it.
-
-    Such a call skips the dispatcher and the custom op's autograd wrapper (autograd goes through
-    ``ops.EmbeddingFunction``), most of a decoding step's host time (bench/host_overhead.py); it runs
-    the same implementation with the same checks.  A tensor kept from a finished torch.func transform
-    is still a functorch wrapper, though its type is ``torch.Tensor``: such a call takes the op, whose
-    dispatcher unwraps it; so does a legacy-vmap batched tensor.
+    """Whether the call may run the op's implementation without torch.library (its dispatcher and autograd
+    wrapper: most of a decoding step's host time): eager, on plain tensors, with nothing tracing,
+    transforming or intercepting it.  A tensor kept from a finished torch.func transform is still a functorch
+    wrapper, though its type is ``torch.Tensor``: such a call takes the op, whose dispatcher unwraps it; so
+    does a legacy-vmap batched tensor.
     """
     return (type(ids) is _TENSOR and (type(weight) is _PARAMETER or type(weight) is _TENSOR)
             and not _is_compiling() and not _is_tracing() and not _functorch_transforms_active()
@@ -114,9 +110,7 @@ def _check_function_transforms() -> None:
 
 
 BACKENDS = {"torch": torch_backend, "triton": triton_backend, "cuda": cuda_backend, "cpu": cpu_backend}
-# "auto" tries these in order for each device type: the native extension where it is built, then (on CUDA)
-# Triton, then the torch reference.  Why the CUDA extension comes before Triton: docs/cuda_backend.md,
-# "Choosing it".
+# What "auto" tries, in order, per device type (why cuda before triton: docs/cuda_backend.md, "Choosing it").
 _AUTO_ORDER = {"cuda": ("cuda", "triton", "torch"), "cpu": ("cpu", "torch")}
 _DEFAULT_AUTO = ("torch",)
 

@@ -1,9 +1,6 @@
 """Host side of the fused dropout: the integer keep threshold and the scale every backend uses, and the
-per-call seed drawn from torch's generator (``dropout_p`` itself is checked in ``_validate``).
-
-The mask itself is defined by ``reference.dropout_keep`` (Philox4x32-10 of the seed and the
-element's place), so forward and backward, and every backend, draw the same one and none is stored.
-"""
+per-call seed drawn from torch's generator (``dropout_p`` itself is checked in ``_validate``).  The mask is
+``reference.dropout_keep`` (docs/design.md, "Fused dropout")."""
 
 from __future__ import annotations
 
@@ -36,11 +33,8 @@ def scale_of(p: float) -> float:
 
 
 def draw_seed(device: torch.device) -> torch.Tensor:
-    """A fresh seed in [0, 2**63) from torch's generator for ``device``, on the device.
-
-    Drawn by a device op, not on the host: no synchronisation, a CUDA graph replays it
-    with a new value each time, and ``torch.manual_seed`` makes the sequence reproducible.
-    """
+    """A fresh seed in [0, 2**63) from torch's generator for ``device``, drawn on the device: no sync, a new
+    value at each CUDA graph replay, reproducible under ``torch.manual_seed``."""
     return torch.randint(0, 2**63 - 1, (1,), dtype=torch.int64, device=device)  # out of place: traceable
 
 

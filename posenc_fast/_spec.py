@@ -2,13 +2,9 @@
 
 A :class:`PESpec` is the complete, immutable description of *what* is computed (mode, widths,
 layout, frequencies, scales, padding row).  Backends turn it into plain numbers and pointers;
-none derives frequencies or layout rules on its own.
-
-Exact angles (docs/design.md, "Numerics"): the angle of pair ``i`` at integer position ``p`` is
-``2*pi * p * r_i`` with ``r_i = w_i / (2*pi)`` turns per position.  Only the fractional part of
-``p * r_i`` matters, so the spec stores ``R_i = round(r_i * 2**64) mod 2**64`` (as a two's-complement
-int64) and every backend computes ``p * R_i`` with a wrapping 64-bit multiply: the fractional turn,
-exact to 2**-64 per unit of position, for every int64 ``p``.
+none derives frequencies or layout rules on its own.  Frequencies are fixed-point turns
+``R_i = round(w_i / 2pi * 2**64)`` (int64); ``p * R_i``, a wrapping multiply, is the exact fractional turn
+(docs/design.md, "Numerics").
 """
 
 from __future__ import annotations
@@ -28,13 +24,10 @@ LAYOUTS = ("interleaved", "split", "split_cos_first")
 
 # Largest |embed_scale| and |pe_scale|: the kernels multiply in float32, where a larger scale is inf.
 MAX_SCALE = 3.4028234663852886e38  # torch.finfo(torch.float32).max
-# Widest output row (d_model): the launch grids of the forward and the weight gradient (Triton and CUDA)
-# cover a row with at most 65535 column blocks; 2**22 columns keeps every backend well inside that.
+# Widest output row (d_model): the Triton and CUDA launch grids cover a row with at most 65535 column blocks.
 MAX_ROW_WIDTH = 1 << 22
 
-# 2*pi * 10**60, rounded to an integer: R_i is computed in exact integer arithmetic (float64 would
-# round it to 2**-53 relative, an error that grows with p), and plain Python ints stay traceable by
-# torch.compile.
+# 2*pi * 10**60 as an integer: R_i in exact integer arithmetic (docs/design.md, "Numerics").
 _TWO_PI_E60 = 6283185307179586476925286766559005768394338798750211641949889
 _E60 = 10**60
 _TWO_POW_64 = 1 << 64
@@ -63,13 +56,8 @@ def default_frequencies(pe_width: int, base: float = 10000.0, count: Optional[in
 
 @host_cache
 def turns_fixed_point(frequencies: Tuple[float, ...]) -> Tuple[int, ...]:
-    """``round(w_i / (2 pi) * 2**64)`` reduced to a two's-complement int64, for each frequency.
-
-    Each float64 frequency is taken as the exact rational it is; 2*pi carries 60
-    digits, so the only rounding that matters is the final one to an integer.
-    Negative and large (> 2*pi) frequencies wrap correctly because only the turn
-    modulo 1 matters.
-    """
+    """``round(w_i / (2 pi) * 2**64)`` as a two's-complement int64, per frequency (each float64 ``w_i`` an exact
+    rational).  Negative and large (> 2*pi) frequencies wrap correctly: only the turn modulo 1 matters."""
     out = []
     for w in frequencies:
         numerator, denominator = float(w).as_integer_ratio()
@@ -178,8 +166,7 @@ class PESpec:
     padding_idx: Optional[int] = None  # normalised to [0, num_embeddings) or None
     zero_pe_at_padding: bool = False  # tokens equal to padding_idx get no PE (fairseq)
     precision: str = "float32"  # "float64": correctly rounded fp32 outputs (slower on consumer GPUs)
-    # Derived from the fields above, not compared or pickled: R_i for each frequency, the column layout, the
-    # kernels' parameters (without and with the PE zeroed at padding) and device copies of R (turns_tensor).
+    # Derived from the fields above, not compared or pickled (_kernel_params: without, with the PE zeroed at padding).
     turns_fixed_point: Tuple[int, ...] = dataclasses.field(init=False, compare=False, repr=False)
     columns: PEColumns = dataclasses.field(init=False, compare=False, repr=False)
     _kernel_params: Tuple[KernelParams, KernelParams] = dataclasses.field(init=False, compare=False, repr=False)
@@ -216,12 +203,8 @@ class PESpec:
         return self.token_width + self.pe_width if self.mode == "concat" else self.token_width
 
     def turns_tensor(self, device) -> torch.Tensor:
-        """The int64 ``R_i`` on ``device``, cached: one host-to-device copy per (spec, device).
-
-        The cache is process-wide (layers with equal parameters share a spec), so it holds plain tensors
-        only: under a dispatch mode (fake tensors, make_fx's proxies, a user's mode) the tensor is made
-        under that mode and not kept; under torch.compile it is a graph constant; under a torch.func
-        transform, inference mode or jit.trace it is made outside them (a trace holds it as a constant)."""
+        """The int64 ``R_i`` on ``device``, cached: one host-to-device copy per (spec, device).  The cache is
+        process-wide, so it holds plain tensors only (docs/design.md, "No state left behind")."""
         cached = self._turns_by_device.get(device)  # a torch.device already (weight.device): no conversion
         if cached is None:
             device = torch.device(device)

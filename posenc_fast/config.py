@@ -1,16 +1,10 @@
-"""Runtime switches: the host-side id range check.
+"""Runtime switches: the host-side id range check, ``check_ids``.
 
-``check_ids``: before a forward launch, the ids are range-checked on the host (one
-reduction and one device-to-host copy on GPU), so that an out-of-range id raises
-``IndexError`` naming it.  The switch also covers the ``cu_seqlens`` check
-(``positions.packed_positions``); both are skipped while a CUDA graph is being captured.
-
-Turn it off for the fastest hot path with ``posenc_fast.set_id_check(False)``, the
-``posenc_fast.id_check(False)`` context manager, or ``POSENC_FAST_CHECK_IDS=0`` in the
-environment.  The switch is process-wide, not per thread: the context manager restores
-the previous value on exit, so threads that toggle it concurrently can see each other's
-setting.  With the check off, every kernel still guards its accesses: an out-of-range id
-reads nothing, contributes a zero token vector and receives no gradient.
+Before a forward launch the ids are range-checked (one reduction and one device-to-host copy on GPU), so
+that an out-of-range id raises ``IndexError`` naming it; the switch also covers the ``cu_seqlens`` check
+(docs/design.md, "Hostile input").  Off: ``posenc_fast.set_id_check(False)``, the ``id_check(False)``
+context manager, or ``POSENC_FAST_CHECK_IDS=0``.  The switch is process-wide, not per thread: threads that
+toggle it concurrently can see each other's setting.
 """
 
 from __future__ import annotations

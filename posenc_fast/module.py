@@ -96,17 +96,15 @@ class SinusoidalEmbedding(nn.Module):
         self.d_model = d_model
         self.backend = backend
         self.weight = nn.Parameter(torch.empty((rows, token_width), device=device, dtype=dtype))
-        # The fixed-point frequencies are not a buffer: they follow from the spec and are cached per
-        # device there (``PESpec.turns_tensor``), so no cast (.half(), .type()), to_empty(), meta-device
-        # or FSDP deferred init can leave them wrong, and load_state_dict has nothing to restore.
+        # The frequencies are not a buffer but cached per device on the spec (``PESpec.turns_tensor``), so no
+        # cast, to_empty() or FSDP deferred init can leave them wrong (docs/design.md, "torch integration").
         self.reset_parameters()
         self._prepare_turns()
         self._prepared = None  # in the instance from the start: a compiled module's guards see no change later
 
-    # The prepared launch of the last eager call (posenc_fast._prepared); a class default
-    # so that modules unpickled from older versions have it too.
+    # Class defaults for modules pickled by older versions: the last eager call's launch (_prepared), sparse.
     _prepared: Optional[PreparedForward] = None
-    sparse: bool = False  # (the same for modules pickled before the option existed)
+    sparse: bool = False
 
     def _prepare_turns(self) -> None:
         """Copy the frequencies to the weight's device now rather than in the first forward (which may
@@ -174,15 +172,13 @@ class SinusoidalEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor, positions: Optional[torch.Tensor] = None,
                 offset: Union[int, torch.Tensor] = 0, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
-        # The weight from its registry, skipping nn.Module.__getattr__ (host time on every decoding step:
-        # bench/host_overhead.py).  Read by item, so that a registry that gathers on access (DeepSpeed
-        # ZeRO-3's) still does; a weight that is not registered (a parametrization's property, the legacy
-        # torch.nn.utils.weight_norm's plain attribute) is read as an attribute.
+        # The weight from its registry, skipping nn.Module.__getattr__'s host time; read by item, so that a
+        # registry that gathers on access (DeepSpeed ZeRO-3's) still does.  An unregistered weight (a
+        # parametrization's property, the legacy weight_norm's plain attribute) is read as an attribute.
         parameters = self._parameters
         weight = parameters["weight"] if "weight" in parameters else self.weight
         spec, backend, dropout = self.spec, self.backend, self.dropout
-        # A plain eager call (_dispatch.eager_call) runs the prepared launch (posenc_fast._prepared); anything it
-        # does not serve takes the general path, where torch.compile and jit.trace see the op and its checks.
+        # A plain eager call runs its prepared launch; the rest takes the general path (docs/architecture.md).
         if (cu_seqlens is None and self.position_rule == "offset" and self.vocab_range is None
                 and eager_call(ids, weight)):
             out = run_embedding(self, spec, backend, dropout, self.training, self.sparse, weight, ids, offset,

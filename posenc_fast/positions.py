@@ -1,8 +1,5 @@
-"""Position rules other libraries use, computed on the ids' device without a host sync.
-
-They produce the integer ``positions`` the op takes, so the kernels never need to know
-which rule a model uses.
-"""
+"""Position rules other libraries use, computed on the ids' device without a host sync: they produce the
+integer ``positions`` the op takes, so the kernels never need to know which rule a model uses."""
 
 from __future__ import annotations
 

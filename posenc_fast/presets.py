@@ -1,14 +1,12 @@
 """Presets: the sinusoid, scaling and position rule of the libraries users come from.
 
-A preset is host-side data (a frequency recipe, a column layout, scales, a position
-rule, a precision); the kernels stay library-agnostic.  Adding a library is one entry in
-``_REGISTRY``, naming the code it reproduces.  Frequencies are computed in float64 from
-the library's own formula and angles are exact (docs/design.md), so a preset matches the
-library's float64 math and is more accurate than the library's own fp32 table.  Marian
-and XLM build their tables in float64 and round once, so their presets compute in float64
-too (``precision="float64"``: the same fp32 outputs, but at rounding midpoints within float64's
-error: docs/presets.md); ``precision="float32"`` is faster on GPUs with little fp64 throughput,
-at the cost of fp32 rounding error.
+A preset is host-side data (a frequency recipe, a column layout, scales, a position rule, a precision);
+the kernels stay library-agnostic.  Adding a library is one ``_register`` entry, naming the code it reproduces.
+Frequencies come from the library's own formula in float64 and angles are exact (docs/design.md), so a preset
+matches the library's float64 math and is more accurate than its fp32 table.  Marian and XLM build their tables
+in float64 and round once, so their presets do too (``precision="float64"``: the same fp32 outputs but at
+rounding midpoints within float64's error, docs/presets.md); ``precision="float32"`` is faster on GPUs with
+little fp64 throughput, at fp32 rounding error.
 
     layer = SinusoidalEmbedding.from_preset("fairseq", vocab, 512, padding_idx=1)
     posenc_fast.presets.get("whisper").kwargs(384)     # for the functional API

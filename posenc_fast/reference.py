@@ -139,10 +139,8 @@ _U32 = 0xFFFFFFFF
 
 
 def _mulhilo32(multiplier: int, x: torch.Tensor):
-    """(high, low) 32-bit halves of ``multiplier * x`` for a u32 constant and u32 values held in int64.
-
-    int64 cannot hold a 64-bit product, so the constant is split into 16-bit halves
-    (each partial product is below 2**48)."""
+    """(high, low) 32-bit halves of ``multiplier * x`` (u32 values in int64), from the constant's 16-bit halves:
+    int64 cannot hold the 64-bit product."""
     low_product = x * (multiplier & 0xFFFF)
     high_product = x * (multiplier >> 16)
     middle = low_product + ((high_product & 0xFFFF) << 16)
@@ -179,8 +177,7 @@ def dropout_keep(seed: torch.Tensor, num_tokens: int, width: int, threshold: int
     seed = seed.reshape(()).to(torch.int64)
     key = torch.stack([seed & _U32, (seed >> 32) & _U32])
     groups = torch.arange((width + 3) // 4, dtype=torch.int64, device=seed.device).reshape(1, -1)
-    # Rows in slices of ~2**18 Philox calls: int64 temporaries of the whole output would be many
-    # times its size.
+    # Rows in slices of ~2**18 Philox calls: int64 temporaries of the whole output would be many times its size.
     rows_per_slice = max(1, 2**18 // max(groups.shape[1], 1))
     slices = []
     for start in range(first_token, first_token + num_tokens, rows_per_slice):

@@ -32,13 +32,9 @@ POISON_OUTPUTS = False
 
 
 def sort_ids_for_gradient(ids: torch.Tensor, num_embeddings: int):
-    """Stable sort of the ids, the first step of every deterministic weight gradient.
-
-    Out-of-range ids (possible only with the range check off) become the sentinel
-    ``num_embeddings`` and sort last, where the kernels drop them.  Keys are int32 whenever
-    the vocabulary allows: a radix sort's passes, and its traffic, scale with the key width.
-    Returns ``(sorted_ids, order)``.
-    """
+    """``(sorted_ids, order)``: the stable sort every deterministic weight gradient starts with, out-of-range
+    ids as the sentinel ``num_embeddings`` (sorted last, dropped by the kernels).  Keys are int32 whenever
+    the vocabulary allows: a radix sort's passes, and its traffic, scale with the key width."""
     key_dtype = torch.int32 if num_embeddings < 2**31 - 1 else torch.int64
     source = ids if key_dtype == torch.int32 else ids.to(torch.int64)  # clamp before narrowing
     # The ids clamped to [-1, V], then -1 taken to V by the remainder modulo V + 1 (a remainder has the
@@ -82,9 +78,7 @@ class PreparedLaunch(NamedTuple):
     ``weight_row_stride`` elements apart, and ``out`` to fill (``num_tokens`` rows of the layer's width); with
     ``check_ids``, the ids are first range-checked against the prepared row count (``_validate.check_id_range``).
     ``positions``, where given, is a contiguous int64 tensor of ``num_tokens`` positions, and ``offset`` is 0.
-    It is current while ``source.state is state``: the backend gives ``source`` a new ``state`` when its
-    compiled code changes (another extension or kernel module), so that checking it on every call is an
-    attribute read, not a call."""
+    It is current while ``source.state is state`` (docs/architecture.md): one attribute read per call."""
 
     launch: Callable
     last_argument: Callable[[], int]  # asked per call: the CUDA stream handle, or the CPU thread count

@@ -1,8 +1,5 @@
-"""Torch backend: the reference definition run as an op (float64 inside, rounded as the reference rounds).
-
-The CPU path of the library and the fallback when no GPU kernel applies.  It
-materialises a float64 PE for the batch, so it is exact but not fast.
-"""
+"""Torch backend: the reference definition run as an op (float64 inside, rounded as the reference rounds);
+the fallback where no compiled backend applies.  It materialises a float64 PE for the batch: exact, not fast."""
 
 from __future__ import annotations
 

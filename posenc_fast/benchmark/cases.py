@@ -178,20 +178,9 @@ def for_device(case: Case, device: torch.device) -> Case:
 
 
 def bytes_moved(op: str, case: Case) -> int:
-    """The fewest bytes ``op`` must move through device memory for ``case`` (each input read once,
-    each output written once), with N tokens, width D, token width T (D, or D - d_pos in concat),
-    vocabulary V, element size e and 8-byte ids:
-
-    - forward = 8N (ids) + N*T*e (one gathered table row per token) + N*D*e (the output); the
-      positions and the PE are computed, not read.
-    - backward = N*T*e (grad_out's token columns: PE columns feed no parameter) + 8N (ids) + V*T*e
-      (the dense weight gradient, written once, zero rows included: a separate zero fill, like
-      sorting the ids, is traffic an implementation adds).
-    - step = forward + backward.
-
-    Where the table is not much larger than L2, repeated ids hit in L2, so GB/s by this model can
-    exceed the copy bandwidth (docs/performance.md, "The byte model").
-    """
+    """The fewest bytes ``op`` must move through device memory for ``case``, each input read once and each
+    output written once: docs/performance.md, "The byte model" (the backward reads only grad_out's token
+    columns: PE columns feed no parameter)."""
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}; expected one of {OPS}")
     e = case.dtype.itemsize

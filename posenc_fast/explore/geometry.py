@@ -1,8 +1,5 @@
-"""Geometry of the sinusoidal PE, computed in float64: the numbers behind the "why sin *and* cos" and
-"does adding distort the token vector" questions (R(k) with PE(t + k) = R(k) PE(t), <PE(t), PE(t + k)>
-against k, PE vs token norms).  Plain torch; ``plots`` draws these numbers.  PE tables come from
-:func:`posenc_fast.reference.sinusoidal_table`.
-"""
+"""Geometry of the sinusoidal PE in float64 (docs/explore.md): R(k) with PE(t + k) = R(k) PE(t), <PE(t), PE(t + k)>
+against k, PE vs token norms.  ``plots`` draws these numbers."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
 """PNG figures for the explore commands: the drawing only, every number from ``geometry``, ``subspace``
-or ``experiment``.  matplotlib is optional (extra ``plot``), so it is imported in :func:`_figure`, never
-at module import; figures use ``matplotlib.figure.Figure``, so no pyplot state or interactive backend is
-touched.
-"""
+or ``experiment``.  matplotlib (optional) is imported in :func:`_figure`, never at module import; figures are
+``matplotlib.figure.Figure``s, so no pyplot state or interactive backend is touched."""
 
 from __future__ import annotations
 
