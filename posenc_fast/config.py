@@ -1,10 +1,10 @@
 """Runtime switches: the host-side id range check, ``check_ids``.
 
 Before a forward launch the ids are range-checked (one reduction and one device-to-host copy on GPU), so
-that an out-of-range id raises ``IndexError`` naming it; the switch also covers the ``cu_seqlens`` check
-(docs/design.md, "Hostile input").  Off: ``posenc_fast.set_id_check(False)``, the ``id_check(False)``
-context manager, or ``POSENC_FAST_CHECK_IDS=0``.  The switch is process-wide, not per thread: threads that
-toggle it concurrently can see each other's setting.
+that an out-of-range id raises ``IndexError`` naming it; the switch also covers the ``cu_seqlens`` check.
+With it off the kernels still mask every access (docs/design.md, "torch integration").  Off:
+``posenc_fast.set_id_check(False)``, the ``id_check(False)`` context manager, or ``POSENC_FAST_CHECK_IDS=0``.
+The switch is process-wide, not per thread: threads that toggle it concurrently can see each other's setting.
 """
 
 from __future__ import annotations

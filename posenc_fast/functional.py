@@ -25,7 +25,8 @@ from .presets import POSITION_RULES
 def _quiet_under_jit_trace(function):
     """Silence jit.trace's TracerWarnings for this call only: every size the layer reads warns, yet those are
     constants of a layer (what varies reaches the output through tensors: ``_refuse_jit_trace``).  It wraps
-    the general paths only, so that a prepared launch does not pay for it."""
+    the general paths only, so that a prepared launch does not pay for it: before them the public functions
+    read nothing that warns, and under jit.trace they skip the prepared launch."""
     @functools.wraps(function)
     def call(*args, **kwargs):
         if not _jit_tracing():
@@ -134,7 +135,8 @@ def _positions_by_rule(ids, spec: PESpec, positions, offset, cu_seqlens, positio
 def _refuse_jit_trace(positions, offset, cu_seqlens) -> None:
     """Under jit.trace, refuse a call whose positions derive from its length, an offset or ``cu_seqlens``,
     which the tracer would bake in as constants.  Explicit ``positions`` (patch_model's position modules pass
-    them) take the standard-ops form, which reads only tensors and sizes: right at every shape."""
+    them) take the standard-ops form, which reads only tensors and sizes: right at every shape.  Runs before the
+    call's validation."""
     if not _jit_tracing():
         return
     if isinstance(positions, torch.Tensor) and cu_seqlens is None and isinstance(offset, int) and offset == 0:

@@ -1,6 +1,6 @@
 """Kept Triton kernels: a prepared launch's repeated calls on a GPU launch the compiled kernel that Triton's
-JIT returned for the same specialization, through that kernel's own launch function (docs/design.md, "torch
-integration": why, which launches take this path, and how the tests check it).  The key of a call
+JIT returned for the same specialization, through that kernel's own launch function (docs/design.md, "Hostile
+input", the prepared launches: why, which launches take this path, and how the tests check it).  The key of a call
 (``int_specialization`` and the prepared launch's alignment flags) must be at least as fine as Triton's own
 specialization."""
 

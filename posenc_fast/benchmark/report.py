@@ -137,6 +137,7 @@ def plot_results(rows: Sequence[dict], copy_GBps: float, path: str, title: str =
         import matplotlib.pyplot as plt
     except ImportError:
         return "matplotlib is not installed (pip install matplotlib): no plot written"
+
     def config(r):
         return r["dtype"], r["mode"], r["d_model"], r["vocab"]
 

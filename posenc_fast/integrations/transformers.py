@@ -534,9 +534,9 @@ def patch_model(model: nn.Module, *, ignore_table_values: bool = False) -> nn.Mo
     The position modules of every ``supported_classes()`` side, under any head, compute the exact PE rows instead
     of reading their tables.  ``TypeError`` for a model with none; ``ValueError`` for a trainable table that is not
     the sinusoid (``ignore_table_values=True`` patches anyway, for tables a load broke).  Outside
-    ``SUPPORTED_TRANSFORMERS``, or where a module's installed code is not what the patch knows, it warns and leaves
-    it unpatched.  Freezes trainable tables (made trainable again, they are read).  Patching twice changes
-    nothing; reloading undoes it.  docs/presets.md, "Hugging Face models: patch_model".
+    ``SUPPORTED_TRANSFORMERS`` it warns and leaves the model unpatched; a module whose installed code is not what
+    the patch knows, likewise that module.  Freezes trainable tables (made trainable again, they are read).
+    Patching twice changes nothing; reloading undoes it.  docs/presets.md, "Hugging Face models: patch_model".
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"patch_model takes a transformers model (an nn.Module), got {type(model).__name__}")
