@@ -87,6 +87,7 @@ class SinusoidalEmbedding(nn.Module):
         self.spec = make_spec(rows, token_width, mode, d_pos, base, layout, embed_scale, pe_scale, padding_idx,
                               frequencies, zero_pe_at_padding, precision)
         self.vocab_range = vocab_range  # (start, end), as given
+        self.base = float(base)  # as given (frequencies, where given, replace its recipe), for the repr
         self.position_rule = position_rule
         self.dropout = check_dropout_p(dropout)
         self.sparse = sparse
@@ -102,9 +103,10 @@ class SinusoidalEmbedding(nn.Module):
         self._prepare_turns()
         self._prepared = None  # in the instance from the start: a compiled module's guards see no change later
 
-    # Class defaults for modules pickled by older versions: the last eager call's launch (_prepared), sparse.
+    # Class defaults for modules pickled by older versions: the last eager call's launch (_prepared), sparse, base.
     _prepared: Optional[PreparedForward] = None
     sparse: bool = False
+    base: float = 10000.0
 
     def _prepare_turns(self) -> None:
         """Copy the frequencies to the weight's device now rather than in the first forward (which may
@@ -273,7 +275,8 @@ class SinusoidalEmbedding(nn.Module):
         return _settings_repr(f"{self.num_embeddings}, {self.d_model}", (
             ("preset", self.preset, None), ("mode", s.mode, _SHOWN),
             ("d_pos", int(s.pe_width) if s.mode == "concat" else None, None), ("layout", s.layout, _SHOWN),
-            ("embed_scale", s.embed_scale, 1.0), ("pe_scale", s.pe_scale, 1.0), ("padding_idx", s.padding_idx, None),
+            ("base", self.base, 10000.0), ("embed_scale", s.embed_scale, 1.0), ("pe_scale", s.pe_scale, 1.0),
+            ("padding_idx", s.padding_idx, None),
             ("zero_pe_at_padding", s.zero_pe_at_padding, False), ("precision", s.precision, "float32"),
             ("vocab_range", self.vocab_range, None),
             ("position_rule", self.position_rule, "offset"), ("dropout", self.dropout, 0.0),
@@ -303,6 +306,7 @@ class SinusoidalPositionalEncoding(nn.Module):
         self.d_model = d_model
         self.backend = backend
         self.preset: Optional[str] = None
+        self.base = float(base)  # (as SinusoidalEmbedding's)
         # No buffer, as in SinusoidalEmbedding.  With no weight, the frequencies go to x's device on first use;
         # ``device`` copies them there now, outside any CUDA graph capture (see _prepare_turns).
         if device is not None and torch.device(device).type != "meta":
@@ -341,7 +345,8 @@ class SinusoidalPositionalEncoding(nn.Module):
                 return out
         return apply_add_spec(x, spec, spec.turns_tensor(x.device), positions, offset, cu_seqlens, backend)
 
-    _prepared: Optional[PreparedAddition] = None  # as SinusoidalEmbedding's
+    _prepared: Optional[PreparedAddition] = None  # as SinusoidalEmbedding's (and base)
+    base: float = 10000.0
     position_rule = "offset"  # a padding-aware preset's (from_preset): its calls must pass positions
 
     def __getstate__(self):
@@ -350,8 +355,8 @@ class SinusoidalPositionalEncoding(nn.Module):
     def extra_repr(self) -> str:
         s = self.spec
         return _settings_repr(f"{self.d_model}", (
-            ("preset", self.preset, None), ("layout", s.layout, _SHOWN), ("x_scale", s.embed_scale, 1.0),
-            ("pe_scale", s.pe_scale, 1.0), ("precision", s.precision, "float32"),
+            ("preset", self.preset, None), ("layout", s.layout, _SHOWN), ("base", self.base, 10000.0),
+            ("x_scale", s.embed_scale, 1.0), ("pe_scale", s.pe_scale, 1.0), ("precision", s.precision, "float32"),
             ("position_rule", self.position_rule, "offset"), ("backend", self.backend, "auto")))
 
 

@@ -4,6 +4,8 @@ the functional op, compile (also with dynamic shapes), state dict, threads shari
 Its constructor's refusals of bad arguments: tests/test_validation.py.
 """
 
+import pickle
+import re
 import threading
 
 import pytest
@@ -49,6 +51,18 @@ def test_factory_kwargs_and_state_dict():
     m.load_state_dict({k: v.to(torch.bfloat16) for k, v in e.state_dict().items()})
     assert torch.equal(m.weight.float(), e.weight.to(torch.bfloat16).float())
     assert "mode='add'" in repr(m) and "10, 6" in repr(m)
+
+
+def test_repr_names_each_setting_that_is_not_its_default():
+    assert repr(pf.SinusoidalEmbedding(10, 8)) == "SinusoidalEmbedding(10, 8, mode='add', layout='interleaved')"
+    assert repr(pf.SinusoidalPositionalEncoding(8)) == "SinusoidalPositionalEncoding(8, layout='interleaved')"
+    layers = [pf.SinusoidalEmbedding(10, 8, base=500), pf.SinusoidalEmbedding.from_preset("whisper", 10, 8, base=500),
+              pf.SinusoidalPositionalEncoding(8, base=500.0)]
+    for layer in layers + [pickle.loads(pickle.dumps(layer)) for layer in layers]:
+        assert re.search(r"base=500[,)]", repr(layer)), repr(layer)
+    older = pf.SinusoidalEmbedding(10, 8)
+    del older.__dict__["base"]  # a module pickled before it kept its base: the default, not shown
+    assert "base" not in repr(older)
 
 
 @pytest.mark.parametrize("backend,device", TARGETS)
