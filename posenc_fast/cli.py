@@ -93,4 +93,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except OSError as error:  # a file a command reads or writes (--out's files blocked, a full disk): named
+        print(f"error: {error.filename}: {error.strerror}" if error.filename else f"error: {error}", file=sys.stderr)
+        return 1

@@ -293,6 +293,20 @@ def test_subspace_command(tmp_path, capsys):
         assert [row["d"] for row in json.load(handle)["angles"]] == [16, 32]
 
 
+@pytest.mark.parametrize("command", ["plot", "subspace"])
+def test_a_blocked_output_file_is_named_not_a_traceback(tmp_path, capsys, command):
+    """An output file that cannot be written (here a folder stands in its place) ends the command with its path
+    and the reason, exit status 1."""
+    name, args = "subspace.json", ["experiment", "subspace", "--dims", "16", "--tokens", "4", "--positions", "8",
+                                   "--recovery-vocab", "16"]
+    if command == "plot":
+        pytest.importorskip("matplotlib")
+        name, args = "pe_heatmap.png", ["plot", "--d-model", "32", "--positions", "20"]
+    (tmp_path / name).mkdir()
+    assert cli_main(args + ["--out", str(tmp_path)]) == 1
+    assert capsys.readouterr().err.strip().endswith(f"error: {tmp_path / name}: Is a directory")
+
+
 def test_plot_command_writes_non_empty_pngs(tmp_path):
     pytest.importorskip("matplotlib")
     assert cli_main(["plot", "--out", str(tmp_path), "--d-model", "32", "--positions", "20"]) == 0
