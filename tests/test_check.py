@@ -49,6 +49,8 @@ def test_unrunnable_device_is_one_line_naming_the_one_that_runs(device, capsys):
                                      ["bench", "--device", "cpu", "--out", "{file}"],
                                      ["bench", "--summarize", "{file}"], ["bench", "--quick", "--full"],
                                      ["bench", "--device", "cpu", "--time-budget", "0"],
+                                     ["bench", "--device", "cpu", "--threads", "0"],
+                                     ["experiment", "add-vs-concat", "--device", "cpu", "--seeds", "0"],
                                      ["plot", "--out", "{file}/figures"], ["plot", "--base", "0"],
                                      ["experiment", "add-vs-concat", "--device", "cpu", "--out", "{file}"],
                                      ["experiment", "add-vs-concat", "--device", "cpu", "--lr", "-1"],

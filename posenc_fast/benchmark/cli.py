@@ -11,7 +11,7 @@ from typing import Callable, List, Optional
 
 import torch
 
-from ..cli import device_from_arg, output_folder, print_usage_error, usage_error
+from ..cli import device_from_arg, output_folder, positive_int, print_usage_error, usage_error
 from .cases import OPS, IMPLS, GPU_DEFAULT_IMPLS, CPU_DEFAULT_IMPLS, CASE_BY_NAME, HEADLINE, select_cases, for_device
 from .results import MergeError, validate_document
 from .report import target_report, format_table, plot_results
@@ -41,7 +41,7 @@ def add_subcommand(subparsers) -> None:
                              f"(default: {','.join(GPU_DEFAULT_IMPLS)} on GPU, {','.join(CPU_DEFAULT_IMPLS)} on CPU)")
     parser.add_argument("--ops", default=",".join(OPS), help="comma-separated ops (default: %(default)s)")
     parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if available)")
-    parser.add_argument("--threads", type=int, default=None,
+    parser.add_argument("--threads", type=positive_int, default=None,
                         help="CPU: torch.set_num_threads for the run (default: torch's, all cores); part of the device name")
     parser.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
                         help="skip the remaining cases once this much time has passed (the JSON stays complete)")
@@ -89,8 +89,6 @@ def run_command(args: argparse.Namespace) -> int:
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
     if args.threads is not None:
-        if args.threads < 1:
-            return print_usage_error(f"--threads {args.threads}: must be >= 1")
         torch.set_num_threads(args.threads)
     try:
         cases = select_cases(_split(args.cases), quick=args.quick, full=args.full, device_type=device.type)

@@ -76,7 +76,7 @@ def _add_experiment(subparsers) -> None:
                     "positions, at equal width and at equal parameter count; print a table over seeds.",
     )
     option = add_vs_concat.add_argument
-    option("--seeds", type=int, default=3, help="number of seeds (default: %(default)s)")
+    option("--seeds", type=positive_int, default=3, help="number of seeds (default: %(default)s)")
     option("--first-seed", type=int, default=0, help="the seeds are first-seed, first-seed+1, ... (default: 0)")
     option("--steps", type=int, default=defaults.steps, help="training steps (default: %(default)s)")
     option("--d-model", type=int, default=defaults.d_model, help="model width (default: %(default)s)")
@@ -133,8 +133,6 @@ def _run_add_vs_concat(args: argparse.Namespace) -> int:
         learning_rate=args.lr, eval_size=args.eval_size, eval_every=args.eval_every,
         device=str(device_from_arg(args.device)),
     )
-    if args.seeds < 1:
-        return print_usage_error("--seeds must be >= 1")
     if not -(2**63) <= args.first_seed <= 2**64 - args.seeds:  # (torch.manual_seed's range)
         return print_usage_error(f"--first-seed {args.first_seed}: the seeds must lie in [-2**63, 2**64)")
     if args.out is not None:  # (an empty --out is refused there, as plot's)
