@@ -59,7 +59,6 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Dict, List, Optional, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -452,8 +451,11 @@ def triton_cubins(variant: Variant, arch: int, workdir: str) -> Tuple[str, str, 
     if variant.kernel == "forward":
         split = variant.layout == "split"
         pe_width = variant.pe_width
-        params = SimpleNamespace(pe_width=pe_width, num_pairs=pe_width // 2, concat=variant.mode == "concat",
-                                 columns=SimpleNamespace(interleaved=not split), float64_math=variant.math == "float64")
+        from posenc_fast._spec import KernelParams, PEColumns
+
+        # The launch's own parameters, so that the tiles are the ones a call of this shape gets.
+        params = KernelParams(variant.mode == "concat", variant.token_width, pe_width,
+                              PEColumns.of(variant.layout, pe_width, False), 1.0, 1.0, -1, variant.math == "float64")
         tiles = backend._forward_tiles(params, TOKENS, variant.elem_bytes)
         sig = {"ids_ptr": "*i64", "weight_ptr": f"*{tl_dtype}", "out_ptr": f"*{tl_dtype}", "turns_ptr": "*i64", "turn_low_ptr": "*i32",
                "turn_high_ptr": "*i32", "positions_ptr": "*i64", "offsets_ptr": "*i64", "seed_ptr": "*i64"}

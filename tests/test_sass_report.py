@@ -125,3 +125,18 @@ def test_headline_forward_stores_are_128_bit_without_spills(backend, request):
         assert entry["spill_instructions"] == 0 and entry["local_bytes"] == 0, entry["name"]
         assert entry["roles"]["pe"]["global"]["stores"], entry["name"]  # the hot path stores
         assert entry["all_stores_128bit"], (entry["name"], {r: v["global"] for r, v in entry["roles"].items()})
+
+
+def test_every_triton_forward_variant_compiles_in_the_report():
+    """The report builds each Triton forward as a call of the headline shape gets it (``_forward_tiles`` on the
+    launch's own parameters), concat included: no variant ends in an error."""
+    problem = _triton_tools()
+    if problem:
+        pytest.skip(problem)
+    command = [sys.executable, REPORT, "--arch", "90", "--backend", "triton", "--kernels", "forward", "--only",
+               "bf16", "--json"]
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    entries = json.loads(result.stdout.strip().splitlines()[-1])
+    assert [e for e in entries if "error" in e] == []
+    assert len(entries) == 8 and {e["mode"] for e in entries} == {"add", "concat"}, result.stderr[-3000:]
